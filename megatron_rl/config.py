@@ -1,0 +1,360 @@
+"""Job configuration: plain dataclasses, YAML files, dotted command-line overrides, validation with clear errors.
+
+    cfg = load_config("configs/tiny.yaml", ["trainer.tp=2", "rollout.staleness=2"])
+    validate(cfg, world_size=6)
+
+Every error is one line naming the field and the rule, e.g.
+`generator.tp=3 does not divide model.num_query_groups=2`, and is raised before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from megatron_rl.models.presets import PRESETS, ModelConfig, get_preset
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the field and the rule."""
+
+
+@dataclass
+class ModelSection:
+    """A preset by name, plus any ModelConfig field as an override (`model.num_layers=2`)."""
+
+    preset: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def resolve(self) -> ModelConfig:
+        return get_preset(self.preset, **self.overrides)
+
+
+@dataclass
+class TrainerSection:
+    tp: int = 2
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 8
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    use_distributed_optimizer: bool = True
+    attention: Literal["auto", "sdpa", "local", "te"] = "auto"
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    max_nonfinite_steps: int = 3
+
+
+@dataclass
+class GeneratorSection:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    colocated: bool = False
+    quantization: Literal["none", "int8", "fp8"] = "none"
+    max_batch_size: int = 64
+    attention: Literal["auto", "sdpa", "local", "te"] = "auto"
+    dtype: Literal["fp32", "bf16"] = "fp32"
+
+
+@dataclass
+class AlgorithmSection:
+    name: Literal["aipo"] = "aipo"
+    rho: float = 4.0
+    advantage: Literal["group_mean", "rloo", "grpo"] = "group_mean"
+    normalization: Literal["token", "sequence"] = "token"
+    ppo_clip: Optional[float] = None
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class RolloutSection:
+    mode: Literal["async", "sync"] = "async"
+    staleness: int = 1
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 4
+    max_prompt_length: int = 64
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass
+class DataSection:
+    dataset: str = "synthetic-arithmetic"
+    path: Optional[str] = None
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    eval_size: int = 64
+
+
+@dataclass
+class RewardSection:
+    kind: Literal["auto", "gsm8k", "math", "function", "reward-model"] = "auto"
+    function: Optional[str] = None
+    timeout_s: float = 5.0
+    num_workers: int = 1
+
+
+@dataclass
+class CheckpointSection:
+    dir: str = "checkpoints"
+    save_interval: int = 50
+    keep_last: int = 2
+    resume: bool = True
+
+
+@dataclass
+class RunSection:
+    name: str = "default"
+    seed: int = 1234
+    steps: int = 100
+    world_size: Optional[int] = None
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    log_interval: int = 1
+    eval_interval: int = 10
+
+
+@dataclass
+class JobConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    generator: GeneratorSection = field(default_factory=GeneratorSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    data: DataSection = field(default_factory=DataSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        model = d.pop("model")
+        d["model"] = {"preset": model["preset"], **model["overrides"]}
+        return d
+
+    @property
+    def world_size_needed(self) -> int:
+        t = self.trainer.tp * self.trainer.pp * self.trainer.dp
+        g = self.generator.tp * self.generator.pp * self.generator.dp
+        return max(t, g) if self.generator.colocated else t + g
+
+
+_MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig) if f.name != "name"}
+
+
+def _suggest(key: str, options, prefix: str = "") -> str:
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(path: str, value: Any, tp) -> Any:
+    """Check (and gently convert) a value against a field type; raise ConfigError naming the field."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(path, value, a)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}={value!r} is not allowed: expected {_type_name(tp)}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is type(None):
+        if value is None:
+            return None
+    else:
+        return value
+    raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
+
+
+def _apply(cfg: JobConfig, path: str, value: Any) -> None:
+    parts = path.split(".")
+    sections = {f.name: f for f in dataclasses.fields(JobConfig)}
+    if parts[0] not in sections:
+        raise ConfigError(f"unknown section {parts[0]!r} in {path!r}{_suggest(parts[0], sections)}")
+    if len(parts) != 2:
+        raise ConfigError(f"{path!r} must be SECTION.KEY (e.g. trainer.tp=2)")
+    section_name, key = parts
+    section = getattr(cfg, section_name)
+    if section_name == "model":
+        if key == "preset":
+            if value not in PRESETS:
+                raise ConfigError(f"model.preset={value!r} is not a preset{_suggest(str(value), PRESETS)}; "
+                                  f"known: {', '.join(PRESETS)}")
+            section.preset = value
+            return
+        if key not in _MODEL_FIELDS:
+            raise ConfigError(f"unknown key 'model.{key}'{_suggest(key, ['preset', *_MODEL_FIELDS], 'model.')}")
+        hints = typing.get_type_hints(ModelConfig)
+        section.overrides[key] = _coerce(path, value, hints[key])
+        return
+    fields_ = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields_:
+        raise ConfigError(f"unknown key {path!r}{_suggest(key, fields_, section_name + '.')}")
+    hints = typing.get_type_hints(type(section))
+    setattr(section, key, _coerce(path, value, hints[key]))
+
+
+def _flatten(data: dict, source: str) -> list[tuple[str, Any]]:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    items = []
+    for section, body in data.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: section {section!r} must be a mapping, got {type(body).__name__}")
+        for key, value in body.items():
+            items.append((f"{section}.{key}", value))
+    return items
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """"trainer.tp=2" -> ("trainer.tp", 2); values are parsed as YAML scalars."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> JobConfig:
+    """Defaults, then the YAML file (if any), then the dotted overrides, in that order."""
+    cfg = JobConfig()
+    items: list[tuple[str, Any]] = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        # The preset first, so that later model overrides apply on top of it.
+        items += sorted(_flatten(data, str(p)), key=lambda kv: kv[0] != "model.preset")
+    items += [parse_override(o) for o in overrides or []]
+    for key, value in items:
+        _apply(cfg, key, value)
+    return cfg
+
+
+def _divides(errors: list[str], a_name: str, a: int, b_name: str, b: int) -> None:
+    if a <= 0:
+        errors.append(f"{a_name}={a} must be >= 1")
+    elif b % a:
+        errors.append(f"{a_name}={a} does not divide {b_name}={b}")
+
+
+def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
+    """Check that the job can run; raise ConfigError with the first problem. Returns the resolved model."""
+    errors: list[str] = []
+    try:
+        model = cfg.model.resolve()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "vocab_size", "max_position_embeddings"):
+        if getattr(model, f) < 1:
+            errors.append(f"model.{f}={getattr(model, f)} must be >= 1")
+    if not errors:
+        _divides(errors, "model.num_attention_heads", model.num_attention_heads, "model.hidden_size",
+                 model.hidden_size)
+        _divides(errors, "model.num_query_groups", model.num_query_groups, "model.num_attention_heads",
+                 model.num_attention_heads)
+    for name, sec in (("trainer", cfg.trainer), ("generator", cfg.generator)):
+        for dim in ("tp", "pp", "dp"):
+            if getattr(sec, dim) < 1:
+                errors.append(f"{name}.{dim}={getattr(sec, dim)} must be >= 1")
+        if errors:
+            continue
+        _divides(errors, f"{name}.tp", sec.tp, "model.num_attention_heads", model.num_attention_heads)
+        _divides(errors, f"{name}.tp", sec.tp, "model.num_query_groups", model.num_query_groups)
+        _divides(errors, f"{name}.tp", sec.tp, "model.ffn_hidden_size", model.ffn_hidden_size)
+        _divides(errors, f"{name}.pp", sec.pp, "model.num_layers", model.num_layers)
+    r, a = cfg.rollout, cfg.algorithm
+    if r.staleness < 0:
+        errors.append(f"rollout.staleness={r.staleness} must be >= 0")
+    if r.temperature <= 0:
+        errors.append(f"rollout.temperature={r.temperature} must be > 0 (use top_k=1 for greedy)")
+    if not 0 < r.top_p <= 1:
+        errors.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.top_k < 0:
+        errors.append(f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)")
+    for f in ("prompts_per_step", "samples_per_prompt", "max_prompt_length", "max_new_tokens"):
+        if getattr(r, f) < 1:
+            errors.append(f"rollout.{f}={getattr(r, f)} must be >= 1")
+    if r.samples_per_prompt < 2 and a.advantage in ("rloo", "grpo", "group_mean"):
+        errors.append(f"rollout.samples_per_prompt={r.samples_per_prompt} must be >= 2 for "
+                      f"algorithm.advantage={a.advantage!r} (it compares responses to the same prompt)")
+    if r.max_prompt_length + r.max_new_tokens > model.max_position_embeddings:
+        errors.append(f"rollout.max_prompt_length + rollout.max_new_tokens = "
+                      f"{r.max_prompt_length + r.max_new_tokens} exceeds model.max_position_embeddings="
+                      f"{model.max_position_embeddings}")
+    if a.rho < 1:
+        errors.append(f"algorithm.rho={a.rho} must be >= 1 (importance weights are truncated at rho)")
+    if a.ppo_clip is not None and a.ppo_clip <= 0:
+        errors.append(f"algorithm.ppo_clip={a.ppo_clip} must be > 0 or null")
+    if cfg.trainer.lr <= 0:
+        errors.append(f"trainer.lr={cfg.trainer.lr} must be > 0")
+    if cfg.reward.kind == "function" and not cfg.reward.function:
+        errors.append("reward.function must be set (module:function) when reward.kind='function'")
+    if cfg.reward.function and ":" not in cfg.reward.function:
+        errors.append(f"reward.function={cfg.reward.function!r} must look like 'module:function'")
+    if cfg.checkpoint.keep_last < 1:
+        errors.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    if cfg.generator.colocated:
+        if cfg.generator.tp * cfg.generator.pp * cfg.generator.dp != cfg.trainer.tp * cfg.trainer.pp * cfg.trainer.dp:
+            errors.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp "
+                          "(both executors span the same ranks)")
+    world = world_size if world_size is not None else cfg.run.world_size
+    if world is not None and not errors and cfg.world_size_needed > world:
+        errors.append(f"the executors need {cfg.world_size_needed} ranks (trainer "
+                      f"{cfg.trainer.tp}x{cfg.trainer.pp}x{cfg.trainer.dp}, generator "
+                      f"{cfg.generator.tp}x{cfg.generator.pp}x{cfg.generator.dp}"
+                      f"{', colocated' if cfg.generator.colocated else ''}) but the world has {world}")
+    if errors:
+        raise ConfigError(errors[0])
+    return model

@@ -1,0 +1,162 @@
+"""Build a Megatron-Core GPTModel for a Llama-family preset, a parallel layout and a process-group collection."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl.models.attention import SDPAttention
+from megatron_rl.models.presets import ModelConfig
+from megatron_rl.parallel.layout import ParallelLayout
+
+AttentionBackend = Literal["auto", "sdpa", "local", "te"]
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_attention_backend(backend: AttentionBackend) -> str:
+    """"auto" is transformer-engine's spec when installed (and on a GPU), else our SDPA core attention."""
+    if backend == "auto":
+        return "te" if have_transformer_engine() and torch.cuda.is_available() else "sdpa"
+    if backend == "te" and not have_transformer_engine():
+        raise ValueError("attention backend 'te' needs transformer-engine, which is not installed")
+    if backend not in ("sdpa", "local", "te"):
+        raise ValueError(f"unknown attention backend {backend!r}; expected auto, sdpa, local or te")
+    return backend
+
+
+def layer_spec(backend: AttentionBackend = "auto") -> ModuleSpec:
+    """Transformer-layer spec: Megatron-Core's local modules with the chosen core attention, or TE's spec."""
+    backend = resolve_attention_backend(backend)
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if backend == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def transformer_config(
+    model: ModelConfig,
+    layout: ParallelLayout,
+    params_dtype: torch.dtype = torch.float32,
+    use_cpu_initialization: Optional[bool] = None,
+    **overrides,
+) -> TransformerConfig:
+    """Megatron-Core TransformerConfig for a Llama-family model in a given layout."""
+    if use_cpu_initialization is None:
+        use_cpu_initialization = not torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        init_method_std=model.init_method_std,
+        layernorm_epsilon=model.norm_epsilon,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=use_cpu_initialization,
+        # The fused kernels are CUDA-only and come from apex/TE; plain torch paths otherwise.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def seed_rng_tracker(seed: int, tp_rank: int) -> None:
+    """Seed Megatron-Core's model-parallel RNG tracker for this rank (needed by GPU weight initialization)."""
+    mcore_random.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
+                                                force_reset_rng=True)
+
+
+def build_gpt_model(
+    model: ModelConfig,
+    layout: ParallelLayout,
+    pgs: ProcessGroupCollection,
+    *,
+    attention: AttentionBackend = "auto",
+    params_dtype: torch.dtype = torch.float32,
+    seed: int = 1234,
+    config_overrides: Optional[dict] = None,
+) -> GPTModel:
+    """One pipeline stage of a Llama-family GPTModel on this rank.
+
+    The stage, tensor shards and vocabulary padding (to `make_vocab_size_divisible_by * tp`) follow from `layout`
+    and the ranks of `pgs`. Initialization is deterministic in `seed`; on the CPU, Megatron-Core initializes each
+    full weight and slices it, so every layout starts from the same logical weights.
+    """
+    if pgs.tp.size() != layout.tp or pgs.pp.size() != layout.pp:
+        raise ValueError(
+            f"process groups (tp={pgs.tp.size()}, pp={pgs.pp.size()}) do not match the layout {layout}"
+        )
+    pp_rank = pgs.pp.rank()
+    config = transformer_config(model, layout, params_dtype=params_dtype, **(config_overrides or {}))
+    # The local spec's DotProductAttention takes scratch space from Megatron-Core's global memory buffer.
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+    torch.manual_seed(seed)
+    seed_rng_tracker(seed, tp_rank=pgs.tp.rank())
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(attention),
+        vocab_size=model.padded_vocab_size(layout.tp),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == layout.pp - 1,
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rotary_base),
+        rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
+        pg_collection=pgs,
+    )
+    zero_vocab_padding(gpt, model.vocab_size, pgs.tp.rank())
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    return gpt
+
+
+@torch.no_grad()
+def zero_vocab_padding(gpt: GPTModel, vocab_size: int, tp_rank: int) -> None:
+    """Zero the rows of the padded vocabulary (they are never real tokens), so every layout agrees on them."""
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        p = gpt.get_parameter(name) if any(n == name for n, _ in gpt.named_parameters()) else None
+        if p is None:
+            continue
+        start = tp_rank * p.shape[0]
+        first_pad = max(vocab_size - start, 0)
+        if first_pad < p.shape[0]:
+            p[first_pad:].zero_()

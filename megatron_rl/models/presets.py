@@ -1,0 +1,94 @@
+"""Llama-family model presets with their published shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder. Field names follow Megatron-Core's TransformerConfig where one exists."""
+
+    name: str = "tiny"
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int = 176
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    vocab_size: int = 300
+    max_position_embeddings: int = 512
+    rotary_base: float = 10000.0
+    # Llama 3.1 RoPE scaling (factor 8, low/high frequency factors 1/4, original context 8192).
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    init_method_std: float = 0.02
+    # Vocabulary is padded to a multiple of this times the tensor-parallel size (Megatron's convention).
+    make_vocab_size_divisible_by: int = 128
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def num_parameters(self, tp: int = 1) -> int:
+        """Parameters of the unsharded model (padded vocabulary at the given TP)."""
+        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        kv = self.num_query_groups * self.kv_channels
+        attn = h * (h + 2 * kv) + h * h
+        mlp = 3 * h * f
+        norms = 2 * h
+        v = self.padded_vocab_size(tp)
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return L * (attn + mlp + norms) + emb + h
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # For tests and the default job: small enough for a 2-core CPU, with GQA and a vocabulary whose padding
+    # differs with TP (300 -> 384 at TP=1, 512 at TP=2).
+    "tiny": ModelConfig(),
+    # A ~1.1B Llama shape, used by the benchmarks (as in ARCHITECTURE.md: the 1B-like model).
+    "llama-1b": ModelConfig(
+        name="llama-1b", num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
+        num_query_groups=8, vocab_size=128256, max_position_embeddings=131072, rotary_base=500000.0,
+        rope_scaling=True, tie_word_embeddings=True,
+    ),
+    # HuggingFaceTB/SmolLM2-135M-Instruct
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m", num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
+        num_query_groups=3, vocab_size=49152, max_position_embeddings=8192, rotary_base=100000.0,
+        tie_word_embeddings=True, init_method_std=0.041666666666666664,
+    ),
+    # Llama 3.1 8B / 70B / 405B
+    "llama3-8b": ModelConfig(
+        name="llama3-8b", num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+        num_query_groups=8, vocab_size=128256, max_position_embeddings=131072, rotary_base=500000.0,
+        rope_scaling=True,
+    ),
+    "llama3-70b": ModelConfig(
+        name="llama3-70b", num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+        num_query_groups=8, vocab_size=128256, max_position_embeddings=131072, rotary_base=500000.0,
+        rope_scaling=True,
+    ),
+    "llama3-405b": ModelConfig(
+        name="llama3-405b", num_layers=126, hidden_size=16384, ffn_hidden_size=53248, num_attention_heads=128,
+        num_query_groups=8, vocab_size=128256, max_position_embeddings=131072, rotary_base=500000.0,
+        rope_scaling=True,
+    ),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """A copy of the named preset, with field overrides."""
+    if name not in PRESETS:
+        import difflib
+
+        close = difflib.get_close_matches(name, PRESETS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown model preset {name!r}{hint}; known: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

@@ -1,0 +1,142 @@
+"""Where each parameter of a parallel GPTModel sits in the logical (TP=1, PP=1) model.
+
+Megatron-Core marks tensor-parallel parameters with `tensor_model_parallel`, `partition_dim` and
+`partition_stride` (the SwiGLU `linear_fc1` has stride 2: each TP rank holds `[gate_shard; up_shard]`), and every
+transformer layer knows its global `layer_number`. From those we derive, for each local parameter, its canonical
+name in the unsharded model and the slice of the full tensor it holds. Vocabulary rows are special: the logical
+tensor has `vocab_size` rows, the local one a slice of the TP-dependent padded vocabulary (padding rows are 0).
+
+Used to load and gather full state dicts (tests, conversion) and as the descriptor source for DDMA.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.presets import ModelConfig
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """One local parameter and the part of the logical tensor it holds."""
+
+    local_name: str
+    global_name: str  # name in the TP=1, PP=1 model (global layer index)
+    full_shape: tuple[int, ...]  # logical shape; vocabulary rows unpadded
+    partition_dim: Optional[int]  # None: replicated over TP
+    partition_stride: int
+    tp_rank: int
+    tp_size: int
+    is_vocab: bool
+    tied_copy: bool  # the last stage's copy of tied embeddings (same logical tensor as the embedding)
+
+    def slice_of(self, full: torch.Tensor, padded_rows: Optional[int] = None) -> torch.Tensor:
+        """This rank's shard of `full` (the logical tensor), padded with zero rows for the vocabulary."""
+        if self.is_vocab:
+            if padded_rows is None:
+                raise ValueError(f"{self.global_name}: padded_rows is needed for vocabulary tensors")
+            pad = padded_rows - full.shape[0]
+            if pad < 0:
+                raise ValueError(f"{self.global_name}: {full.shape[0]} rows do not fit in {padded_rows}")
+            full = torch.cat([full, full.new_zeros(pad, *full.shape[1:])], dim=0)
+        if self.partition_dim is None:
+            return full
+        return _strided_chunk(full, self.partition_dim, self.partition_stride, self.tp_size, self.tp_rank)
+
+
+def _strided_chunk(t: torch.Tensor, dim: int, stride: int, parts: int, index: int) -> torch.Tensor:
+    """Megatron's strided partition: the dim is [stride, parts, chunk]; part `index` takes [:, index, :]."""
+    size = t.shape[dim]
+    if size % (stride * parts):
+        raise ValueError(f"dimension of size {size} does not split into stride {stride} x {parts} parts")
+    chunk = size // (stride * parts)
+    pieces = [t.narrow(dim, (s * parts + index) * chunk, chunk) for s in range(stride)]
+    return torch.cat(pieces, dim=dim) if stride > 1 else pieces[0]
+
+
+def _unstrided_cat(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Inverse of `_strided_chunk` over all parts."""
+    if stride == 1:
+        return torch.cat(shards, dim=dim)
+    per = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([per[p][s] for s in range(stride) for p in range(len(shards))], dim=dim)
+
+
+def describe_params(model: torch.nn.Module, cfg: ModelConfig, tp_rank: int, tp_size: int) -> list[ParamShard]:
+    """Descriptors of every parameter of one model chunk (a GPTModel stage)."""
+    layer_numbers = {}
+    decoder = getattr(model, "decoder", None)
+    if decoder is not None:
+        for i, layer in enumerate(decoder.layers):
+            layer_numbers[i] = layer.layer_number - 1
+    out = []
+    for name, p in model.named_parameters():
+        global_name = name
+        m = _LAYER.match(name)
+        if m:
+            global_name = f"decoder.layers.{layer_numbers[int(m.group(1))]}." + name[m.end():]
+        is_vocab = name in VOCAB_PARAMS
+        tied_copy = name == "output_layer.weight" and cfg.tie_word_embeddings
+        if tied_copy:
+            global_name = "embedding.word_embeddings.weight"
+        sharded = bool(getattr(p, "tensor_model_parallel", False))
+        dim = getattr(p, "partition_dim", None) if sharded else None
+        stride = getattr(p, "partition_stride", 1) if sharded else 1
+        shape = list(p.shape)
+        if dim is not None:
+            shape[dim] *= tp_size
+        if is_vocab:
+            shape[0] = cfg.vocab_size
+        out.append(ParamShard(name, global_name, tuple(shape), dim, stride, tp_rank, tp_size, is_vocab, tied_copy))
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], cfg: ModelConfig, pgs) -> None:
+    """Copy this rank's slices of a logical state dict into a parallel model (padding rows set to 0)."""
+    tp_rank, tp_size = pgs.tp.rank(), pgs.tp.size()
+    params = dict(model.named_parameters())
+    for d in describe_params(model, cfg, tp_rank, tp_size):
+        if d.global_name not in full:
+            raise KeyError(f"state dict has no {d.global_name!r} (for local parameter {d.local_name!r})")
+        p = params[d.local_name]
+        src = full[d.global_name]
+        if tuple(src.shape) != d.full_shape:
+            raise ValueError(f"{d.global_name}: expected shape {d.full_shape}, got {tuple(src.shape)}")
+        padded = p.shape[0] * tp_size if d.is_vocab else None
+        p.copy_(d.slice_of(src.to(p.dtype), padded))
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: torch.nn.Module, cfg: ModelConfig, pgs) -> dict[str, torch.Tensor]:
+    """The logical state dict, assembled on every rank of the executor (for tests and small models only)."""
+    tp_rank, tp_size = pgs.tp.rank(), pgs.tp.size()
+    params = dict(model.named_parameters())
+    mine: dict[str, torch.Tensor] = {}
+    for d in describe_params(model, cfg, tp_rank, tp_size):
+        if d.tied_copy:
+            continue
+        p = params[d.local_name].detach().contiguous()
+        if d.partition_dim is not None and tp_size > 1:
+            shards = [torch.empty_like(p) for _ in range(tp_size)]
+            dist.all_gather(shards, p, group=pgs.tp)
+            p = _unstrided_cat(shards, d.partition_dim, d.partition_stride)
+        p = p.cpu()
+        if d.is_vocab:
+            p = p[: cfg.vocab_size]
+        mine[d.global_name] = p.clone()
+    # Stages hold different layers: exchange over the pipeline group.
+    stages: list = [None] * pgs.pp.size()
+    dist.all_gather_object(stages, mine, group=pgs.pp)
+    full: dict[str, torch.Tensor] = {}
+    for s in stages:
+        full.update(s)
+    return full

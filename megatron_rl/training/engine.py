@@ -1,0 +1,186 @@
+"""Megatron-Core training machinery for one executor: DDP, the (distributed) optimizer and the pipeline schedule,
+all on the executor's own process groups.
+
+`TrainEngine.step` runs one optimizer step over a list of micro-batches with any per-token loss: the loss
+function returns (sum of per-token losses, number of tokens, metrics), Megatron-Core sums both over micro-batches
+and DP ranks (`calculate_per_token_loss`) and scales the gradients by the global token count, so a step is
+independent of how the batch is split over DP ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+# loss_fn(logits_shard [b, s, v/tp], micro_batch) -> (loss_sum, num_tokens, metrics)
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    lr_decay_style: str = "constant"
+    use_distributed_optimizer: bool = True
+    optimizer: str = "adam"  # or "sgd"
+
+
+def _causal_mask(seq_len: int) -> torch.Tensor:
+    # Megatron's convention: True = masked out. Needed by the local attention spec; SDPA ignores None.
+    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), diagonal=1)
+
+
+def model_forward(model: torch.nn.Module, tokens: torch.Tensor, needs_mask: bool) -> torch.Tensor:
+    """GPTModel forward on [b, s] tokens with positions 0..s-1 (causal)."""
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    mask = _causal_mask(s).to(tokens.device) if needs_mask else None
+    return model(tokens, position_ids, mask)
+
+
+def _uses_local_attention(model: torch.nn.Module) -> bool:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return any(isinstance(m, DotProductAttention) for m in model.modules())
+
+
+@dataclass
+class TrainEngine:
+    """DDP-wrapped model chunk, optimizer and LR schedule of one trainer executor rank."""
+
+    model: DistributedDataParallel
+    optimizer: Any
+    scheduler: OptimizerParamScheduler
+    pgs: ProcessGroupCollection
+    settings: OptimSettings
+    needs_mask: bool = False
+    steps_done: int = 0
+    metrics: dict = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, model: torch.nn.Module, pgs: ProcessGroupCollection, settings: OptimSettings,
+               bucket_size: Optional[int] = None) -> "TrainEngine":
+        config = model.config
+        config.calculate_per_token_loss = True
+        config.finalize_model_grads_func = finalize_model_grads
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+            bucket_size=bucket_size,
+        )
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgs)
+        opt_config = OptimizerConfig(
+            optimizer=settings.optimizer,
+            lr=settings.lr,
+            min_lr=settings.min_lr,
+            weight_decay=settings.weight_decay,
+            adam_beta1=settings.adam_beta1,
+            adam_beta2=settings.adam_beta2,
+            adam_eps=settings.adam_eps,
+            clip_grad=settings.clip_grad,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+            bf16=config.bf16,
+            fp16=config.fp16,
+            params_dtype=config.params_dtype,
+        )
+        optimizer = get_megatron_optimizer(opt_config, [ddp], pg_collection=pgs, use_gloo_process_groups=False)
+        scheduler = OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0 if settings.warmup_steps else settings.lr,
+            max_lr=settings.lr,
+            min_lr=settings.min_lr,
+            lr_warmup_steps=settings.warmup_steps,
+            lr_decay_steps=max(settings.total_steps, settings.warmup_steps + 1),
+            lr_decay_style=settings.lr_decay_style,
+            start_wd=settings.weight_decay,
+            end_wd=settings.weight_decay,
+            wd_incr_steps=max(settings.total_steps, 1),
+            wd_incr_style="constant",
+        )
+        return cls(ddp, optimizer, scheduler, pgs, settings, needs_mask=_uses_local_attention(model))
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pgs.pp.rank() == self.pgs.pp.size() - 1
+
+    def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn, forward_only: bool = False) -> list:
+        """Run the pipeline schedule; returns the loss functions' outputs (last stage only, else [])."""
+        model = self.model
+        needs_mask = self.needs_mask
+
+        def forward_step(data_iterator, chunk):
+            batch = next(data_iterator)
+            output = model_forward(chunk, batch["tokens"], needs_mask)
+
+            def loss_func(logits):
+                loss_sum, num_tokens, metrics = loss_fn(logits, batch)
+                return loss_sum, num_tokens, metrics
+
+            return output, loss_func
+
+        b, s = micro_batches[0]["tokens"].shape
+        pp = self.pgs.pp.size()
+        kwargs = {}
+        if pp > 1:
+            kwargs = dict(p2p_communicator=P2PCommunicator(pp_group=self.pgs.pp, config=model.config),
+                          pg_collection=self.pgs)
+        else:
+            kwargs = dict(pg_collection=self.pgs)
+        fb = get_forward_backward_func(pp_size=pp, vp_size=None)
+        return fb(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=forward_only,
+            **kwargs,
+        )
+
+    def step(self, micro_batches: list[dict], loss_fn: LossFn) -> dict:
+        """One optimizer step over this rank's micro-batches. Returns metrics (loss, grad norm, lr, skipped)."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self.forward_backward(micro_batches, loss_fn)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=1)
+            self.steps_done += 1
+        metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                   "lr": self.optimizer.param_groups[0]["lr"], "skipped": not update_successful}
+        metrics["loss"] = self._reduce_loss(outputs)
+        return metrics
+
+    def _reduce_loss(self, outputs: Iterable) -> float:
+        """Token-mean loss over the whole step (all micro-batches and DP ranks), known on every rank."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        if self.is_last_stage:
+            for out in outputs:
+                loss = out.get("loss") if isinstance(out, dict) else None
+                if loss is not None:
+                    total += loss.detach().double().to(total.device)
+        dist.all_reduce(total, group=self.pgs.dp_cp)
+        # The last stage knows the loss; share it with the executor's other stages.
+        dist.all_reduce(total, group=self.pgs.pp)
+        total = total.cpu()
+        return float(total[0] / total[1]) if total[1] > 0 else math.nan

@@ -1,0 +1,111 @@
+"""Worker functions run on every rank by the multi-process tests (importable by the fork server)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models import build_gpt_model, get_preset
+from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
+from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+from megatron_rl.training.engine import OptimSettings, TrainEngine
+from megatron_rl.training.lm_loss import make_lm_loss
+
+
+def make_batch(vocab: int, batch: int = 8, seq: int = 16, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    loss_mask = torch.ones(batch, seq)
+    loss_mask[:, : seq // 4] = 0  # a "prompt" that is not trained on
+    loss_mask[1, -3:] = 0  # a shorter sequence
+    return {"tokens": tokens, "loss_mask": loss_mask}
+
+
+def split_for_rank(batch: dict, dp: int, dp_rank: int, micro: int) -> list[dict]:
+    """This DP rank's share of the global batch, as micro-batches of `micro` sequences."""
+    n = batch["tokens"].shape[0] // dp
+    mine = {k: v[dp_rank * n:(dp_rank + 1) * n] for k, v in batch.items()}
+    return [{k: v[i:i + micro] for k, v in mine.items()} for i in range(0, n, micro)]
+
+
+def lm_step_worker(rank, world_size, layout_kw, preset_kw, state_path, attention, micro, optim, out_path=None):
+    """Load the logical weights, compute logits for the batch, take one Adam step; return logits, loss, params."""
+    layout = ParallelLayout(**layout_kw)
+    cfg = get_preset("tiny", **preset_kw)
+    g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
+    model = build_gpt_model(cfg, layout, g.pgs, attention=attention, seed=7)
+    if state_path is None:
+        full = gather_full_state_dict(model, cfg, g.pgs)
+        load_full_state_dict(model, full, cfg, g.pgs)  # zero the padding rows as in every layout
+        if rank == 0:
+            torch.save(full, out_path)
+    else:
+        load_full_state_dict(model, torch.load(state_path), cfg, g.pgs)
+    engine = TrainEngine.create(model, g.pgs, OptimSettings(clip_grad=1.0, **optim))
+    batch = make_batch(cfg.vocab_size)
+    micro_batches = split_for_rank(batch, layout.dp, g.dp_rank, micro)
+    loss_fn = make_lm_loss(g.pgs.tp, cfg.vocab_size)
+
+    captured = []
+
+    def logits_fn(logits, mb):
+        shards = [torch.empty_like(logits) for _ in range(layout.tp)]
+        dist.all_gather(shards, logits.detach().contiguous(), group=g.pgs.tp)
+        captured.append(torch.cat(shards, dim=-1)[..., : cfg.vocab_size])
+        return loss_fn(logits, mb)
+
+    with torch.no_grad():
+        engine.forward_backward(micro_batches, logits_fn, forward_only=True)
+    metrics = engine.step(micro_batches, loss_fn)
+    params = gather_full_state_dict(model, cfg, g.pgs)
+    logits = torch.cat(captured) if captured else None
+    return {"dp_rank": g.dp_rank, "last": g.is_last_stage, "tp_rank": g.tp_rank, "logits": logits,
+            "metrics": metrics, "params": params}
+
+
+def two_executors_worker(rank, world_size, placements_kw):
+    """Build several executors in one world; run collectives inside each executor's own groups."""
+    placements = [ExecutorPlacement(name, ParallelLayout(**lay), first) for name, lay, first in placements_kw]
+    topo = build_topology(placements)
+    out = {}
+    for name, g in topo.items():
+        if not g.is_member:
+            out[name] = None
+            continue
+        info = {"coords": g.coords}
+        for dim in ("tp", "pp", "dp", "mp", "embd"):
+            group = getattr(g.pgs, dim)
+            t = torch.tensor([float(rank)])
+            dist.all_reduce(t, group=group)
+            info[dim] = (dist.get_process_group_ranks(group), t.item())
+        out[name] = info
+    # Interleave the executors' collectives (as a running job does) to show they do not wait on each other.
+    for _ in range(3):
+        for name, g in topo.items():
+            if g.is_member:
+                t = torch.ones(1)
+                dist.all_reduce(t, group=g.pgs.intra_dist_opt)
+                assert t.item() == g.layout.size
+    return out
+
+
+def model_in_two_executors_worker(rank, world_size):
+    """Colocated: a trainer TP=2 and a generator TP=1 x DP=2 on the same two ranks, each with its own model."""
+    cfg = get_preset("tiny")
+    topo = build_topology([ExecutorPlacement("trainer", ParallelLayout(tp=2)),
+                           ExecutorPlacement("generator", ParallelLayout(tp=1, dp=2))])
+    t, g = topo["trainer"], topo["generator"]
+    trainer = build_gpt_model(cfg, t.layout, t.pgs, attention="sdpa")
+    generator = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa")
+    full = gather_full_state_dict(trainer, cfg, t.pgs)
+    load_full_state_dict(generator, full, cfg, g.pgs)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    from megatron_rl.training.engine import model_forward
+
+    with torch.no_grad():
+        lt = model_forward(trainer, tokens, False)
+        shards = [torch.empty_like(lt) for _ in range(2)]
+        dist.all_gather(shards, lt.contiguous(), group=t.pgs.tp)
+        lt = torch.cat(shards, -1)[..., : cfg.vocab_size]
+        lg = model_forward(generator, tokens, False)[..., : cfg.vocab_size]
+    return (lt - lg).abs().max().item()

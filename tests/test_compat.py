@@ -1,0 +1,77 @@
+"""The CPU layer by itself: what it redirects, and that it does nothing when CUDA is available."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU redirections")
+def test_redirects_cuda_placements_to_cpu():
+    out = _run("""
+        import threading, torch
+        from megatron_rl.compat import activate, is_active
+        assert activate() and is_active() and activate()  # idempotent
+        x = torch.empty(3, device=torch.cuda.current_device())
+        assert x.device.type == "cpu"
+        assert torch.ones(2, device="cuda").device.type == "cpu"
+        assert torch.zeros(2, device=torch.device("cuda", 0), pin_memory=True).device.type == "cpu"
+        assert x.cuda() is x and x.to("cuda").device.type == "cpu" and x.pin_memory() is x
+        assert x.type() == "torch.cuda.FloatTensor" and x.type(torch.float64).dtype == torch.float64
+        torch.cuda.synchronize(); torch.cuda.empty_cache()
+        s = torch.cuda.Stream(); e = torch.cuda.Event(); e.record(); s.wait_event(e)
+        with torch.cuda.stream(s):
+            pass
+        box = []
+        t = threading.Thread(target=lambda: box.append(torch.zeros(1, device="cuda").device.type))
+        t.start(); t.join()
+        assert box == ["cpu"], box
+        # The CUDA RNG is the CPU generator: Megatron's tracker forks it and restores it.
+        torch.cuda.manual_seed(5); a = torch.rand(3)
+        torch.manual_seed(5); b = torch.rand(3)
+        assert torch.equal(a, b)
+        from megatron.core.tensor_parallel import random as r
+        r.model_parallel_cuda_manual_seed(11, tp_rank=0, ep_rank=0, etp_rank=0)
+        before = torch.get_rng_state()
+        with r.get_cuda_rng_tracker().fork():
+            inside = torch.rand(4)
+        assert torch.equal(torch.get_rng_state(), before)
+        with r.get_cuda_rng_tracker().fork():
+            again = torch.rand(4)
+        assert not torch.equal(inside, again)  # the tracked state advanced
+        from megatron_rl.compat.cpu import deactivate
+        deactivate()
+        assert not is_active()
+        try:
+            torch.cuda.current_device()
+            raise SystemExit("current_device should fail again after deactivate")
+        except (AssertionError, RuntimeError):
+            pass
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
+def test_inactive_when_cuda_is_available():
+    out = _run("""
+        import torch
+        original = {n: getattr(torch.cuda, n) for n in ("current_device", "synchronize", "get_rng_state", "Stream")}
+        torch.cuda.is_available = lambda: True
+        from megatron_rl.compat import activate, is_active
+        assert activate() is False and not is_active()
+        assert all(getattr(torch.cuda, n) is f for n, f in original.items())
+        from torch.overrides import _get_current_function_mode_stack
+        assert _get_current_function_mode_stack() == []
+        assert torch.empty(1).type() == "torch.FloatTensor"
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")

