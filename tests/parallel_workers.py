@@ -109,3 +109,23 @@ def model_in_two_executors_worker(rank, world_size):
         lt = torch.cat(shards, -1)[..., : cfg.vocab_size]
         lg = model_forward(generator, tokens, False)[..., : cfg.vocab_size]
     return (lt - lg).abs().max().item()
+
+
+def dist_checkpoint_worker(rank, world_size, layout_kw, ckpt_dir, mode):
+    """Save the model with Megatron-Core's dist_checkpointing in one layout, or load it in another."""
+    from megatron.core import dist_checkpointing
+
+    layout = ParallelLayout(**layout_kw)
+    cfg = get_preset("tiny")
+    g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
+    model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", seed=11 if mode == "save" else 99)
+    metadata = {"dp_cp_group": g.pgs.dp_cp}
+    if mode == "save":
+        import os
+
+        os.makedirs(ckpt_dir, exist_ok=True)
+        dist_checkpointing.save(model.sharded_state_dict(metadata=metadata), ckpt_dir)
+    else:
+        state = dist_checkpointing.load(model.sharded_state_dict(metadata=metadata), ckpt_dir)
+        model.load_state_dict(state)
+    return gather_full_state_dict(model, cfg, g.pgs)

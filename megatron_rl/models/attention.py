@@ -41,6 +41,8 @@ class SDPAttention(MegatronModule):
             from megatron.core.process_groups_config import ProcessGroupCollection
 
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp  # read by MegatronModule.sharded_state_dict
         tp = pg_collection.tp.size()
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type

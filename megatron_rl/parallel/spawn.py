@@ -59,7 +59,9 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     ctx.set_forkserver_preload(_PRELOAD)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue), daemon=True)
+    # Not daemonic: ranks may start processes of their own (dist_checkpointing's writer does). The finally
+    # clause below kills any rank left behind.
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
