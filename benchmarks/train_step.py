@@ -31,19 +31,65 @@ def _bench(rank, world_size, args):
     cfg = get_preset(args.preset)
     g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = build_gpt_model(cfg, layout, g.pgs, attention=args.attention, params_dtype=dtype)
-    engine = TrainEngine.create(model, g.pgs, OptimSettings(lr=1e-5))
-    loss_fn = make_lm_loss(g.pgs.tp, cfg.vocab_size)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(g.dp_rank)
-    micro = [{"tokens": torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq), generator=gen).to(device),
-              "loss_mask": torch.ones(args.micro_batch, args.seq, device=device)}
-             for _ in range(args.num_micro)]
+    overrides = {"bias_activation_fusion": args.fuse_swiglu}
+    model = build_gpt_model(cfg, layout, g.pgs, attention=args.attention, params_dtype=dtype,
+                            config_overrides=overrides)
+    if args.loss == "rl":
+        step_fn = _rl_step_fn(model, cfg, g, args)
+    else:
+        engine = TrainEngine.create(model, g.pgs, OptimSettings(lr=1e-5))
+        loss_fn = make_lm_loss(g.pgs.tp, cfg.vocab_size)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        gen = torch.Generator().manual_seed(g.dp_rank)
+        micro = [{"tokens": torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq), generator=gen).to(device),
+                  "loss_mask": torch.ones(args.micro_batch, args.seq, device=device)}
+                 for _ in range(args.num_micro)]
+
+        def step_fn():
+            engine.step(micro, loss_fn)
+
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    times = timed(lambda: engine.step(micro, loss_fn), args.steps, args.warmup)
+    times = timed(step_fn, args.steps, args.warmup)
+    if args.profile and rank == 0:
+        _profile(step_fn)
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     return {"times": times, "peak_mem_gib": peak_mem}
+
+
+def _rl_step_fn(model, cfg, g, args):
+    """The trainer executor's AIPO step on a synthetic rollout batch (prompt = first quarter of each sequence)."""
+    from megatron_rl.algorithms import compute_advantages
+    from megatron_rl.rollout import RolloutBatch
+    from megatron_rl.training.engine import OptimSettings
+    from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
+
+    n = args.micro_batch * args.num_micro * args.dp
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (n, args.seq), generator=gen)
+    prompt = torch.full((n,), args.seq // 4)
+    response = torch.full((n,), args.seq - args.seq // 4)
+    mask = torch.arange(args.seq)[None] >= prompt[:, None]
+    logp_mu = torch.where(mask, -torch.rand(n, args.seq, generator=gen) * 8, torch.zeros(n, args.seq))
+    rewards = torch.randint(0, 2, (n,), generator=gen).float()
+    groups = torch.arange(n) // 4
+    batch = RolloutBatch(tokens, prompt, response, logp_mu, rewards, groups, torch.zeros(n, dtype=torch.long))
+    batch.advantages = compute_advantages(rewards, groups, "group_mean")
+    trainer = RLTrainer(model, cfg, g, RLTrainerSettings(micro_batch_size=args.micro_batch,
+                                                         optim=OptimSettings(lr=1e-6)))
+    return lambda: trainer.step(batch)
+
+
+def _profile(step_fn) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step_fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
 
 
 def main(argv=None) -> int:
@@ -60,6 +106,11 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024 if gpu else 128)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--loss", default="lm", choices=["lm", "rl"],
+                   help="lm: next-token cross entropy; rl: the trainer's AIPO step on a synthetic rollout batch")
+    p.add_argument("--profile", action="store_true", help="print the top kernels of one profiled step")
+    p.add_argument("--fuse-swiglu", action=argparse.BooleanOptionalAction, default=gpu,
+                   help="Megatron-Core's torch.compile'd SwiGLU (bias_activation_fusion); default: on GPUs")
     args = p.parse_args(argv)
 
     from megatron_rl.models import get_preset
@@ -67,8 +118,8 @@ def main(argv=None) -> int:
 
     world = args.tp * args.pp * args.dp
     args.attention = resolve_attention_backend(args.attention)
-    result = {"benchmark": "train_step", "preset": args.preset, "tp": args.tp, "pp": args.pp, "dp": args.dp,
-              "attention": args.attention, "dtype": args.dtype, "micro_batch": args.micro_batch,
+    result = {"benchmark": "train_step", "loss": args.loss, "preset": args.preset, "tp": args.tp, "pp": args.pp, "dp": args.dp,
+              "attention": args.attention, "dtype": args.dtype, "fuse_swiglu": args.fuse_swiglu, "micro_batch": args.micro_batch,
               "num_micro": args.num_micro, "seq": args.seq,
               "device": torch.cuda.get_device_name() if gpu else "cpu"}
     try:

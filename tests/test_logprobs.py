@@ -12,7 +12,10 @@ def _reference(full_logits, target, vocab, temperature):
     return lp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
 
 
-def test_single_rank_matches_log_softmax_and_leaves_logits_alone():
+def test_single_rank_matches_log_softmax_and_leaves_logits_alone(monkeypatch):
+    from megatron_rl.training import logprobs as lp_mod
+
+    monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 4 * 40 * 4)  # 4 tokens per chunk: exercise the chunking
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 40, requires_grad=True)
     target = torch.randint(0, 33, (3, 5))
@@ -50,3 +53,21 @@ def test_tensor_parallel_matches_gathered_log_softmax():
     for r in results:
         torch.testing.assert_close(r[3].double(), ref.detach(), atol=1e-6, rtol=0)
     torch.testing.assert_close(grads.double(), ref_logits.grad.double(), atol=1e-6, rtol=0)
+
+
+def test_chunked_entropy_matches_reference_values_and_gradients(monkeypatch):
+    from megatron_rl.training import logprobs as lp_mod
+    from megatron_rl.training.logprobs import vocab_parallel_entropy
+
+    monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 4 * 40 * 3)  # 3 tokens per chunk: exercise the chunking
+    torch.manual_seed(1)
+    logits = torch.randn(2, 7, 40, dtype=torch.float64, requires_grad=True)
+    ent = vocab_parallel_entropy(logits, None, vocab_size=35, temperature=1.7)
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    p = torch.softmax(ref_logits[..., :35] / 1.7, -1)
+    ref = -(p * torch.log(p)).sum(-1)
+    torch.testing.assert_close(ent.double(), ref.detach(), atol=1e-6, rtol=0)
+    w = torch.randn(2, 7, dtype=torch.float64)
+    (ent * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(logits.grad, ref_logits.grad, atol=1e-6, rtol=0)

@@ -10,7 +10,7 @@ independent of how the batch is split over DP ranks and micro-batches.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -40,6 +40,15 @@ class OptimSettings:
     lr_decay_style: str = "constant"
     use_distributed_optimizer: bool = True
     optimizer: str = "adam"  # or "sgd"
+    max_nonfinite_steps: int = 3
+
+
+class NonFiniteError(RuntimeError):
+    """Too many training steps in a row had a non-finite loss or gradient."""
+
+
+def _device() -> Optional[torch.device]:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def _causal_mask(seq_len: int) -> torch.Tensor:
@@ -61,6 +70,33 @@ def _uses_local_attention(model: torch.nn.Module) -> bool:
     return any(isinstance(m, DotProductAttention) for m in model.modules())
 
 
+def run_schedule(model: torch.nn.Module, pgs: ProcessGroupCollection, micro_batches: list[dict], loss_fn: LossFn,
+                 forward_only: bool = False, needs_mask: bool = False) -> list:
+    """Megatron-Core's forward/backward schedule (1F1B when PP > 1) over micro-batches of equal shape.
+
+    Each micro-batch is a dict with `tokens` [b, s]; `loss_fn(logits_shard, micro_batch)` runs on the last stage.
+    """
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        output = model_forward(chunk, batch["tokens"], needs_mask)
+        return output, lambda logits: loss_fn(logits, batch)
+
+    b, s = micro_batches[0]["tokens"].shape
+    for mb in micro_batches:
+        if tuple(mb["tokens"].shape) != (b, s):
+            raise ValueError(f"micro-batches must share one shape; got {tuple(mb['tokens'].shape)} and {(b, s)}")
+    pp = pgs.pp.size()
+    kwargs: dict = {"pg_collection": pgs}
+    if pp > 1:
+        config = model.config if hasattr(model, "config") else model.module.config
+        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pgs.pp, config=config)
+    fb = get_forward_backward_func(pp_size=pp, vp_size=None)
+    return fb(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+              num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b, forward_only=forward_only,
+              **kwargs)
+
+
 @dataclass
 class TrainEngine:
     """DDP-wrapped model chunk, optimizer and LR schedule of one trainer executor rank."""
@@ -72,7 +108,8 @@ class TrainEngine:
     settings: OptimSettings
     needs_mask: bool = False
     steps_done: int = 0
-    metrics: dict = field(default_factory=dict)
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
 
     @classmethod
     def create(cls, model: torch.nn.Module, pgs: ProcessGroupCollection, settings: OptimSettings,
@@ -123,57 +160,51 @@ class TrainEngine:
 
     def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn, forward_only: bool = False) -> list:
         """Run the pipeline schedule; returns the loss functions' outputs (last stage only, else [])."""
-        model = self.model
-        needs_mask = self.needs_mask
-
-        def forward_step(data_iterator, chunk):
-            batch = next(data_iterator)
-            output = model_forward(chunk, batch["tokens"], needs_mask)
-
-            def loss_func(logits):
-                loss_sum, num_tokens, metrics = loss_fn(logits, batch)
-                return loss_sum, num_tokens, metrics
-
-            return output, loss_func
-
-        b, s = micro_batches[0]["tokens"].shape
-        pp = self.pgs.pp.size()
-        kwargs = {}
-        if pp > 1:
-            kwargs = dict(p2p_communicator=P2PCommunicator(pp_group=self.pgs.pp, config=model.config),
-                          pg_collection=self.pgs)
-        else:
-            kwargs = dict(pg_collection=self.pgs)
-        fb = get_forward_backward_func(pp_size=pp, vp_size=None)
-        return fb(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[model],
-            num_microbatches=len(micro_batches),
-            seq_length=s,
-            micro_batch_size=b,
-            forward_only=forward_only,
-            **kwargs,
-        )
+        return run_schedule(self.model, self.pgs, micro_batches, loss_fn, forward_only, self.needs_mask)
 
     def step(self, micro_batches: list[dict], loss_fn: LossFn) -> dict:
-        """One optimizer step over this rank's micro-batches. Returns metrics (loss, grad norm, lr, skipped)."""
+        """One optimizer step over this rank's micro-batches. Returns metrics (loss, grad norm, lr, skipped).
+
+        A non-finite loss or gradient anywhere in the executor skips the update (weights and optimizer state
+        untouched) and is counted; `settings.max_nonfinite_steps` skips in a row stop the run.
+        """
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self.forward_backward(micro_batches, loss_fn)
+        loss = self._reduce_loss(outputs)
+        if not (math.isfinite(loss) and self._grads_finite()):
+            self.nonfinite_in_a_row += 1
+            self.nonfinite_total += 1
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            if self.nonfinite_in_a_row >= self.settings.max_nonfinite_steps:
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_a_row} training steps in a row had a non-finite loss or gradient "
+                    f"(limit trainer.max_nonfinite_steps={self.settings.max_nonfinite_steps}); stopping. Last loss: "
+                    f"{loss}. Check the rewards and behaviour log-probs of recent rollouts, or lower the LR.")
+            return {"loss": loss, "grad_norm": math.nan, "lr": self.optimizer.param_groups[0]["lr"],
+                    "skipped": True, "nonfinite_total": self.nonfinite_total}
+        self.nonfinite_in_a_row = 0
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=1)
             self.steps_done += 1
-        metrics = {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                   "lr": self.optimizer.param_groups[0]["lr"], "skipped": not update_successful}
-        metrics["loss"] = self._reduce_loss(outputs)
-        return metrics
+        return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                "lr": self.optimizer.param_groups[0]["lr"], "skipped": not update_successful,
+                "nonfinite_total": self.nonfinite_total}
+
+    def _grads_finite(self) -> bool:
+        """True when every gradient of every rank of the executor is finite."""
+        bad = torch.zeros(1, device=_device())
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            if not torch.isfinite(buffer.grad_data).all():
+                bad.fill_(1.0)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.pgs.intra_dist_opt)
+        return bad.item() == 0
 
     def _reduce_loss(self, outputs: Iterable) -> float:
         """Token-mean loss over the whole step (all micro-batches and DP ranks), known on every rank."""
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        total = torch.zeros(2, dtype=torch.float64, device=device)
+        total = torch.zeros(2, dtype=torch.float64, device=_device())
         if self.is_last_stage:
             for out in outputs:
                 loss = out.get("loss") if isinstance(out, dict) else None

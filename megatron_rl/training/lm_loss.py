@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.training.logprobs import vocab_parallel_logprobs
+from megatron_rl.training.logprobs import target_logprobs
 
 
 def make_lm_loss(tp_group, vocab_size: int):
@@ -15,10 +15,9 @@ def make_lm_loss(tp_group, vocab_size: int):
     """
 
     def loss_fn(logits: torch.Tensor, batch: dict):
-        tokens = batch["tokens"]
-        target = tokens[:, 1:]
-        logp = vocab_parallel_logprobs(logits[:, :-1], target, tp_group, vocab_size)
-        mask = batch["loss_mask"][:, 1:].to(logp.dtype)
+        logp = target_logprobs(logits, batch["tokens"], tp_group, vocab_size)
+        mask = batch["loss_mask"].to(logp.dtype)
+        mask[:, 0] = 0  # position 0 is never a target
         loss_sum = -(logp * mask).sum()
         num_tokens = mask.sum().to(torch.int64)
         return loss_sum, num_tokens, {"loss": torch.stack([loss_sum.detach(), num_tokens.to(loss_sum.dtype)])}

@@ -1,0 +1,109 @@
+"""AIPO and advantages against hand computations."""
+
+import pytest
+import torch
+
+from megatron_rl.algorithms import AIPOSettings, aipo_token_loss, compute_advantages, normalize
+
+
+def _policy(theta, tokens):
+    # A "policy" over 5 tokens whose log-probs are log_softmax(theta) (one context for every position).
+    return torch.log_softmax(theta, -1)[tokens]
+
+
+def _grad_logp(theta, y):
+    g = -torch.softmax(theta, -1).detach().clone()
+    g[y] += 1.0
+    return g
+
+
+def test_gradient_equals_closed_form_with_truncation():
+    theta = torch.tensor([0.3, -1.0, 0.5, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 3, 2, 3])
+    adv = torch.tensor([1.5, -0.5, 2.0, 1.0], dtype=torch.float64)
+    logp_pi = _policy(theta, y)
+    # Behaviour log-probs chosen so the weights are 0.5, 1, 8 (> rho = 4, truncated) and 2.
+    w_true = torch.tensor([0.5, 1.0, 8.0, 2.0], dtype=torch.float64)
+    logp_mu = logp_pi.detach() - torch.log(w_true)
+    settings = AIPOSettings(rho=4.0)
+    loss, stats = aipo_token_loss(logp_pi, logp_mu, adv, settings)
+    loss.mean().backward()
+    w = torch.clamp(w_true, max=4.0)
+    expected = -sum(w[i] * adv[i] * _grad_logp(theta, y[i]) for i in range(4)) / 4
+    torch.testing.assert_close(theta.grad, expected, rtol=1e-12, atol=1e-12)
+    assert stats["truncated"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    torch.testing.assert_close(stats["ratio"], w_true)
+
+
+def test_on_policy_reduces_to_reinforce_with_baseline():
+    theta = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([1, 4, 4, 0, 2, 3])
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    adv = compute_advantages(rewards, groups, "group_mean").double()
+    logp = _policy(theta, y)
+    loss, _ = aipo_token_loss(logp, logp.detach(), adv, AIPOSettings(rho=2.0))
+    loss.mean().backward()
+    reinforce = theta.detach().clone().requires_grad_(True)
+    (-(adv * _policy(reinforce, y)).mean()).backward()
+    torch.testing.assert_close(theta.grad, reinforce.grad)
+
+
+def test_ppo_clip_kl_and_entropy_terms():
+    theta = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 1])
+    logp = _policy(theta, y)
+    logp_mu = logp.detach() - torch.log(torch.tensor([1.5, 0.9], dtype=torch.float64))  # ratios 1.5, 0.9
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, _ = aipo_token_loss(logp, logp_mu, adv, AIPOSettings(ppo_clip=0.2))
+    # ratio 1.5 with A > 0 is clipped to 1.2 (no gradient); ratio 0.9 with A < 0: min(-0.9, -0.9) unclipped.
+    torch.testing.assert_close(loss.detach(), torch.tensor([-1.2, 0.9], dtype=torch.float64))
+    loss.sum().backward()
+    torch.testing.assert_close(theta.grad, 0.9 * _grad_logp(theta, 1))
+    ref = logp.detach() + 0.1
+    ent = torch.tensor([0.7, 0.2], dtype=torch.float64)
+    loss2, stats = aipo_token_loss(logp.detach(), logp.detach(), torch.zeros(2, dtype=torch.float64),
+                                   AIPOSettings(kl_coef=0.5, entropy_coef=0.1), logp_ref=ref, entropy=ent)
+    k3 = torch.exp(torch.tensor(0.1)) - 0.1 - 1
+    torch.testing.assert_close(loss2, (0.5 * k3 - 0.1 * ent).to(loss2.dtype))
+
+
+def test_advantage_estimators_match_hand_computation():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0])
+    g = torch.tensor([7, 7, 7, 7, 2, 2])
+    # group 7: mean 0.5, population std 0.5; group 2: mean 2, std 1
+    torch.testing.assert_close(compute_advantages(r, g, "group_mean"), torch.tensor([0.5, -0.5, -0.5, 0.5, 1, -1]))
+    # RLOO: r_i - mean of the others
+    rloo = torch.tensor([1 - 1 / 3, 0 - 2 / 3, 0 - 2 / 3, 1 - 1 / 3, 3 - 1, 1 - 3])
+    torch.testing.assert_close(compute_advantages(r, g, "rloo"), rloo)
+    torch.testing.assert_close(compute_advantages(r, g, "grpo"), torch.tensor([1.0, -1, -1, 1, 1, -1]),
+                               atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="rloo needs at least 2"):
+        compute_advantages(torch.ones(3), torch.tensor([0, 0, 1]), "rloo")
+
+
+def test_token_and_sequence_normalisation():
+    v = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0], [9.0, 9.0, 9.0, 9.0]])
+    m = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    s, c = normalize(v, m, "token")
+    assert (s.item(), c.item()) == (10.0, 4.0)
+    s, c = normalize(v, m, "sequence")
+    assert (s.item(), c.item()) == (2.0 + 4.0, 2.0)  # means 2 and 4; the empty row does not count
+
+
+def test_prompt_and_padding_positions_get_no_gradient():
+    from megatron_rl.training.rl_trainer import RLTrainerSettings, aipo_microbatch_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 16, requires_grad=True)
+    tokens = torch.randint(0, 12, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    mb = {"tokens": tokens, "loss_mask": mask, "logp_mu": torch.where(mask, torch.full((2, 6), -2.0),
+                                                                        torch.full((2, 6), float("nan"))),
+          "adv": torch.tensor([1.0, -2.0])}
+    loss, count, _ = aipo_microbatch_loss(logits, mb, None, 12, RLTrainerSettings())
+    assert count.item() == 4 and torch.isfinite(loss)
+    loss.backward()
+    # logits at position t score token t + 1: only positions whose next token is a response token get gradient.
+    has_grad = logits.grad.abs().sum(-1) > 0
+    assert has_grad.tolist() == [[False, True, True, True, False, False], [False, False, True, False, False, False]]

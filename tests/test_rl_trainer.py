@@ -1,0 +1,62 @@
+"""The trainer executor's AIPO step under TP/PP/DP equals a single-process step; non-finite steps are skipped."""
+
+import pytest
+import torch
+
+from megatron_rl.parallel.spawn import run_local
+from rl_workers import rl_step_worker
+
+
+@pytest.fixture(scope="module")
+def state_path(tmp_path_factory):
+    from megatron_rl.models import get_preset
+    from megatron_rl.models.presets import ModelConfig  # noqa: F401
+
+    cfg = get_preset("tiny")
+    g = torch.Generator().manual_seed(0)
+    h, f, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
+    full = {"embedding.word_embeddings.weight": torch.randn(cfg.vocab_size, h, generator=g) * 0.5,
+            "output_layer.weight": torch.randn(cfg.vocab_size, h, generator=g) * 0.1,
+            "decoder.final_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
+    for i in range(L):
+        p = f"decoder.layers.{i}."
+        full[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        full[p + "pre_mlp_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        full[p + "self_attention.linear_qkv.weight"] = torch.randn(qkv, h, generator=g) * 0.1
+        full[p + "self_attention.linear_proj.weight"] = torch.randn(h, h, generator=g) * 0.1
+        full[p + "mlp.linear_fc1.weight"] = torch.randn(2 * f, h, generator=g) * 0.1
+        full[p + "mlp.linear_fc2.weight"] = torch.randn(h, f, generator=g) * 0.1
+    path = tmp_path_factory.mktemp("rl") / "full.pt"
+    torch.save(full, path)
+    return str(path)
+
+
+CASES = [
+    ("aipo-token", dict(tp=2, pp=2, dp=2), dict(rho=2.0)),
+    ("sequence-kl-entropy", dict(tp=2, pp=2, dp=2), dict(rho=2.0, normalization="sequence", kl_coef=0.1,
+                                                          entropy_coef=0.01)),
+]
+
+
+@pytest.mark.parametrize("name,layout,aipo", CASES, ids=[c[0] for c in CASES])
+def test_parallel_rl_step_matches_single_process(state_path, name, layout, aipo):
+    ref = run_local(rl_step_worker, 1, dict(tp=1), state_path, aipo, 4)[0]
+    out = run_local(rl_step_worker, 8, layout, state_path, aipo, 2)
+    full0 = torch.load(state_path)
+    assert max((ref["params"][k] - full0[k]).abs().max().item() for k in full0) > 1e-4
+    m = ref["metrics"]
+    assert 0 < m["is_truncated_frac"] < 1 and m["is_weight_max"] > 2.0  # the batch exercises truncation
+    for r in out:
+        for key in ("loss", "grad_norm", "is_weight_mean", "is_truncated_frac", "kl_mu_pi", "entropy", "kl_ref"):
+            assert r["metrics"][key] == pytest.approx(m[key], rel=1e-5, abs=1e-7), key
+        for k, v in ref["params"].items():
+            torch.testing.assert_close(r["params"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")
+
+
+def test_nan_in_batch_skips_the_step(state_path):
+    out = run_local(rl_step_worker, 4, dict(tp=2, pp=2), state_path, dict(rho=2.0), 2, True)
+    for r in out:
+        assert r["nan_metrics"]["skipped"] and r["nan_metrics"]["nonfinite_total"] == 1
+        assert r["unchanged"]
+        assert not r["metrics"]["skipped"]  # the next, finite step trains normally
