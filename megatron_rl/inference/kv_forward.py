@@ -1,0 +1,113 @@
+"""A lean incremental forward pass over a Megatron-Core GPTModel's own modules, with a slot-based KV cache.
+
+Megatron-Core's inference engines are CUDA-only and its static inference context gives every sequence of a
+batch the same length offset, which rules out continuous batching. This module reuses the model's modules
+(parallel embedding, layer norms, tensor-parallel QKV / projection / MLP linears, the output layer, its RoPE
+frequencies and `_apply_rotary_pos_emb_bshd`) and only replaces the attention bookkeeping: each cache slot
+holds one sequence with its own length, every token carries its own position, and attention masks each slot
+to its own prefix. The arithmetic is the training forward's (tested against it and against transformers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+
+@dataclass
+class KVCache:
+    """keys/values [layers, slots, groups_per_rank, max_len, head_dim] for one pipeline stage on one TP rank."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_layers: int, slots: int, groups: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device) -> "KVCache":
+        shape = (num_layers, slots, groups, max_len, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[1]
+
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+
+class IncrementalForward:
+    """Runs chunks of tokens for chosen cache slots through the model and returns vocab-parallel logits."""
+
+    def __init__(self, model: torch.nn.Module, tp_group):
+        if not (model.pre_process and model.post_process):
+            raise ValueError("the generator runs the whole model on each rank: generator.pp must be 1")
+        self.model = model
+        self.tp_group = tp_group
+        cfg = model.config
+        tp = tp_group.size()
+        self.heads = cfg.num_attention_heads // tp
+        self.groups = cfg.num_query_groups // tp
+        self.head_dim = cfg.kv_channels
+        self.scale = 1.0 / self.head_dim ** 0.5
+        self.layers = list(model.decoder.layers)
+        self._rope = None
+
+    def allocate_cache(self, slots: int, max_len: int) -> KVCache:
+        p = next(self.model.parameters())
+        return KVCache.allocate(len(self.layers), slots, self.groups, max_len, self.head_dim, p.dtype, p.device)
+
+    def _rope_angles(self, max_len: int) -> torch.Tensor:
+        if self._rope is None or self._rope.shape[0] < max_len:
+            self._rope = self.model.rotary_pos_emb(max_len)  # [max_len, 1, 1, head_dim] angles
+        return self._rope
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 cache: KVCache) -> torch.Tensor:
+        """tokens, positions [b, s] (right-padded chunks are fine: padding positions write cache entries that are
+        overwritten before they are attended to); slots [b]. Returns logits [b, s, vocab / tp]."""
+        b, s = tokens.shape
+        angles = self._rope_angles(cache.max_len)[positions.T.reshape(-1)].view(s, b, 1, -1)
+        # Keys a query may attend to: the cache prefix of its own slot up to its own position.
+        kv_len = int(positions.max()) + 1
+        cols = torch.arange(kv_len, device=tokens.device)
+        attend = cols[None, None, :] <= positions[:, :, None]  # [b, s, kv_len]
+        attend = attend[:, None]  # [b, 1, s, kv_len]
+        hidden = self.model.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
+        g, per, d = self.groups, self.heads // self.groups, self.head_dim
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attention
+            x = layer.input_layernorm(hidden)
+            qkv, _ = attn.linear_qkv(x)
+            qkv = qkv.view(s, b, g, (per + 2) * d)
+            q, k, v = torch.split(qkv, [per * d, d, d], dim=3)
+            q = q.reshape(s, b, g * per, d)
+            q = _apply_rotary_pos_emb_bshd(q, angles)
+            k = _apply_rotary_pos_emb_bshd(k, angles)
+            # Write this chunk's keys/values into each sequence's slot at its positions.
+            kc, vc = cache.keys[i], cache.values[i]
+            slot_idx = slots[:, None].expand(b, s)
+            kc[slot_idx, :, positions] = k.permute(1, 0, 2, 3).to(kc.dtype)
+            vc[slot_idx, :, positions] = v.permute(1, 0, 2, 3).to(vc.dtype)
+            keys = kc[slots, :, :kv_len]
+            values = vc[slots, :, :kv_len]
+            out = F.scaled_dot_product_attention(
+                q.permute(1, 2, 0, 3), keys, values, attn_mask=attend, scale=self.scale,
+                enable_gqa=g != g * per)
+            context = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+            proj, _ = attn.linear_proj(context)
+            hidden = hidden + proj
+            mlp_out, _ = layer.mlp(layer.pre_mlp_layernorm(hidden))
+            hidden = hidden + mlp_out
+        hidden = self.model.decoder.final_layernorm(hidden)
+        weight = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights \
+            else None
+        logits, _ = self.model.output_layer(hidden, weight=weight)
+        return logits.transpose(0, 1)  # [b, s, vocab / tp]
