@@ -1,0 +1,83 @@
+"""GSM8K and MATH-500 loaders, and `load_prompt_dataset` that maps a `data.dataset` config name to a loader.
+
+The files are not part of the package: tests and benchmarks read the shared copies at `<repo>/../shared/data/`,
+users pass their own path. Records carry the *final answer* as the reference (GSM8K: the number after `#### `,
+commas removed; MATH: the `answer` field), which is what the verifiers in `megatron_rl.rewards` compare against;
+the full solution stays in the metadata.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+from megatron_rl.data.jsonl import JsonlPromptDataset
+from megatron_rl.data.records import DataError
+
+PathLike = Union[str, Path]
+
+
+def default_data_dir() -> Path:
+    """`<repo>/../shared/data`, found from this file's location (megatron_rl/data/ inside the repo)."""
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def _resolve(path: Optional[PathLike], default_relative: str, what: str) -> Path:
+    if path is not None:
+        return Path(path)
+    p = default_data_dir() / default_relative
+    if not p.is_file():
+        raise DataError(f"{what} not found at the default location {p}; pass path= to the loader")
+    return p
+
+
+def gsm8k_final_answer(solution: str) -> str:
+    """The reference from a GSM8K solution: the text after the last `#### `, commas removed (`1,600` -> `1600`)."""
+    if not isinstance(solution, str) or "####" not in solution:
+        raise ValueError("a GSM8K answer must end with '#### <number>'")
+    answer = solution.rsplit("####", 1)[1].strip().replace(",", "")
+    if not answer:
+        raise ValueError("nothing after '####' in the GSM8K answer")
+    return answer
+
+
+def load_gsm8k(split: str = "test", path: Optional[PathLike] = None, limit: Optional[int] = None) -> JsonlPromptDataset:
+    """GSM8K as PromptRecords: prompt = question, reference = final number, metadata["solution"] = full answer."""
+    if path is None and split not in ("train", "test"):
+        raise ValueError(f"GSM8K split {split!r} does not exist; expected 'train' or 'test'")
+    file = _resolve(path, f"gsm8k/{split}.jsonl", f"GSM8K {split} split")
+    return JsonlPromptDataset(file, prompt_field="question", answer_field="answer",
+                              answer_transform=gsm8k_final_answer, raw_answer_key="solution",
+                              name=f"gsm8k-{split}", limit=limit)
+
+
+def load_math500(path: Optional[PathLike] = None, limit: Optional[int] = None) -> JsonlPromptDataset:
+    """MATH-500 as PromptRecords: prompt = problem, reference = answer (LaTeX), id = unique_id; the solution,
+    subject and level are in the metadata."""
+    file = _resolve(path, "math500/test.jsonl", "MATH-500")
+    return JsonlPromptDataset(file, prompt_field="problem", answer_field="answer", id_field="unique_id",
+                              name="math500", limit=limit)
+
+
+_FILE_DATASETS = ("gsm8k", "math500", "jsonl")
+_ALIASES = {"math-500": "math500", "math": "math500", "gsm8k-test": "gsm8k"}
+
+
+def load_prompt_dataset(name: str, path: Optional[PathLike] = None, prompt_field: str = "question",
+                        answer_field: Optional[str] = "answer", split: str = "test",
+                        limit: Optional[int] = None) -> JsonlPromptDataset:
+    """The dataset a config names: "gsm8k", "math500" (shared files unless `path` is given), or "jsonl" (any
+    file at `path`, read with `prompt_field`/`answer_field`). Synthetic tasks are not files: see `synthetic.py`."""
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key == "gsm8k":
+        return load_gsm8k(split=split, path=path, limit=limit)
+    if key == "math500":
+        return load_math500(path=path, limit=limit)
+    if key == "jsonl":
+        if path is None:
+            raise ValueError("dataset 'jsonl' needs a path")
+        return JsonlPromptDataset(path, prompt_field=prompt_field, answer_field=answer_field, limit=limit)
+    if key.startswith("synthetic"):
+        raise ValueError(f"dataset {name!r} is a synthetic task, not a file; use megatron_rl.data.ArithmeticTask")
+    raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(map(repr, _FILE_DATASETS))} "
+                     f"or 'synthetic-arithmetic'")

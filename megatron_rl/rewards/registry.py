@@ -1,0 +1,68 @@
+"""Pick a reward function by kind (the `reward.kind` config value), or by dataset name with kind "auto"."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Optional
+
+from megatron_rl.rewards.base import RewardFunction
+from megatron_rl.rewards.function import FunctionReward
+from megatron_rl.rewards.gsm8k import GSM8KReward
+from megatron_rl.rewards.math_answer import MathReward
+from megatron_rl.rewards.synthetic import SyntheticReward
+
+REWARD_KINDS = ("auto", "gsm8k", "math", "function", "synthetic", "reward-model")
+
+# Dataset names (the `data.dataset` config value) and the verifier each one needs.
+_DATASET_KINDS = {
+    "gsm8k": "gsm8k",
+    "math": "math",
+    "math500": "math",
+    "math-500": "math",
+    "synthetic-arithmetic": "synthetic",
+    "synthetic": "synthetic",
+    "arithmetic": "synthetic",
+}
+
+
+def kind_for_dataset(dataset: Optional[str]) -> str:
+    """The verifier kind that "auto" means for a dataset name; a clear error when the name does not say."""
+    if dataset is None:
+        raise ValueError("reward.kind='auto' needs a dataset name to choose a verifier")
+    key = dataset.strip().lower()
+    if key in _DATASET_KINDS:
+        return _DATASET_KINDS[key]
+    for prefix, kind in (("gsm8k", "gsm8k"), ("math", "math"), ("synthetic", "synthetic")):
+        if key.startswith(prefix):
+            return kind
+    raise ValueError(f"reward.kind='auto' cannot choose a verifier for dataset {dataset!r}; "
+                     f"set reward.kind to one of 'gsm8k', 'math', 'function', 'synthetic'")
+
+
+def get_reward_fn(kind: str, function: Optional[str] = None, timeout_s: float = 5.0, num_workers: int = 1,
+                  dataset: Optional[str] = None, start_method: Optional[str] = None) -> RewardFunction:
+    """A ready reward function. Call `close()` on it (or use `with`) to stop its worker processes, if any.
+
+    kind: "gsm8k", "math", "synthetic", "function" (needs `function="module:function"`), "auto" (by `dataset`);
+    "reward-model" is reserved for the reward-model executor, which is not built yet.
+    """
+    if kind not in REWARD_KINDS:
+        close = difflib.get_close_matches(str(kind), REWARD_KINDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown reward kind {kind!r}{hint}; expected one of {', '.join(map(repr, REWARD_KINDS))}")
+    if kind == "auto":
+        kind = kind_for_dataset(dataset)
+    if function is not None and kind != "function":
+        raise ValueError(f"reward function {function!r} is given but reward kind is {kind!r}; use kind 'function'")
+    if kind == "gsm8k":
+        return GSM8KReward()
+    if kind == "synthetic":
+        return SyntheticReward()
+    if kind == "math":
+        return MathReward(timeout_s=timeout_s, num_workers=num_workers, start_method=start_method)
+    if kind == "function":
+        if not function:
+            raise ValueError("reward kind 'function' needs function='module:function'")
+        return FunctionReward(function, timeout_s=timeout_s, num_workers=num_workers, start_method=start_method)
+    raise NotImplementedError("reward kind 'reward-model' (a reward-model executor) is not implemented yet; "
+                              "use 'gsm8k', 'math', 'synthetic' or 'function'")

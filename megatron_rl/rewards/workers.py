@@ -1,0 +1,351 @@
+"""Run a `module:function` in worker processes, each call under a time limit.
+
+Reward code is the least trusted code in a run: user functions can hang, crash the interpreter or raise, and even
+our own sympy-based checks can spin for minutes on an adversarial expression. None of that may stop training. So
+such code runs in separate processes that the controller can kill: every call has a deadline, a worker that misses
+it is killed and replaced, and a worker that dies is replaced too. The caller always gets one `Outcome` per call.
+
+Workers are started with the `forkserver` (or `spawn`) method, never plain `fork`: the controller process holds
+torch threads and process groups, and forking a threaded process is unsafe. Because nothing is inherited, the
+function travels as its import spec and each worker imports it itself; an import that fails is reported back at
+start-up, so a bad spec fails fast in the parent with one clear line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any, Callable, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class RewardFunctionError(ValueError):
+    """A reward function spec that cannot be used (bad syntax, missing module or attribute, not callable)."""
+
+
+def resolve_function(spec: str) -> Callable:
+    """Import `module:function` (or `path/to/file.py:function`); the attribute may be dotted (`Class.method`).
+
+    Raises RewardFunctionError with a one-line message naming the spec and what is wrong.
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        raise RewardFunctionError(f"reward function {spec!r} must look like 'module:function'")
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise RewardFunctionError(f"reward function {spec!r} must look like 'module:function'")
+    if module_name.endswith(".py") or "/" in module_name:
+        path = os.path.abspath(module_name)
+        if not os.path.isfile(path):
+            raise RewardFunctionError(f"reward function {spec!r}: file {path} not found")
+        # A private, path-derived module name: two files with the same basename must not collide.
+        name = "_megatron_rl_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+        module = sys.modules.get(name)
+        if module is None:
+            file_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(file_spec)
+            sys.modules[name] = module
+            try:
+                file_spec.loader.exec_module(module)
+            except Exception as e:
+                del sys.modules[name]
+                raise RewardFunctionError(
+                    f"reward function {spec!r}: loading {path} raised {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+                raise RewardFunctionError(f"reward function {spec!r}: no module named {module_name!r}") from None
+            raise RewardFunctionError(
+                f"reward function {spec!r}: importing {module_name!r} failed: {e}") from None
+        except Exception as e:
+            raise RewardFunctionError(
+                f"reward function {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardFunctionError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardFunctionError(f"reward function {spec!r}: {attr!r} is not callable")
+    return obj
+
+
+def _worker_main(spec: str, conn) -> None:
+    """Worker loop: import once, then answer (call_id, args) messages until None or the pipe closes."""
+    # Ctrl-C goes to the whole process group; the parent decides what happens to its workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        fn = resolve_function(spec)
+    except BaseException as e:  # noqa: BLE001 - everything must be reported, nothing may escape
+        conn.send(("error", str(e) if isinstance(e, RewardFunctionError) else f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        call_id, args = msg
+        try:
+            value = fn(*args)
+            conn.send((call_id, "ok", value))
+        except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from user code included
+            try:
+                conn.send((call_id, "error", f"{type(e).__name__}: {e}"))
+            except (OSError, EOFError):
+                return
+
+
+@dataclass
+class Outcome:
+    """What happened to one call: `ok` with `value`, or not ok with `error` (raised, timed out, worker died)."""
+
+    ok: bool
+    value: Any = None
+    error: Optional[str] = None
+    seconds: float = 0.0
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Any
+    state: str  # "starting" | "idle" | "busy"
+    deadline: float = 0.0
+    call: Optional[int] = None
+    started: float = 0.0
+
+
+def default_start_method() -> str:
+    """forkserver where the platform has it (cheap restarts, no inherited threads), else spawn."""
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+class WorkerPool:
+    """N worker processes running one function; `map` scores a batch with a per-call timeout.
+
+    Not thread-safe: one controller thread drives it. A pool is cheap to keep and costly to start (each worker
+    imports the function's module), so keep one per run and `close()` it at the end (or use `with`).
+    """
+
+    def __init__(self, spec: str, num_workers: int = 1, timeout_s: float = 5.0, start_method: Optional[str] = None,
+                 startup_timeout_s: float = 120.0):
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        self.spec = spec
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.start_method = start_method or default_start_method()
+        self._ctx = mp.get_context(self.start_method)
+        self.stats = {"calls": 0, "errors": 0, "timeouts": 0, "crashes": 0, "restarts": 0}
+        self._workers: list[Optional[_Worker]] = [None] * num_workers
+        self._closed = False
+        # Start all workers at once and wait for their handshakes: a bad spec fails here, in the caller.
+        for i in range(num_workers):
+            self._workers[i] = self._spawn()
+        try:
+            self._await_startup(fail_fast=True)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- process management ------------------------------------------------------------------------------------
+
+    def _spawn(self) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(target=_worker_main, args=(self.spec, child), daemon=True,
+                                 name=f"reward-worker[{self.spec}]")
+        proc.start()
+        child.close()  # keep only the worker's copy, so its death shows up as EOF on ours
+        now = time.monotonic()
+        return _Worker(proc, parent, "starting", deadline=now + self.startup_timeout_s, started=now)
+
+    @staticmethod
+    def _kill(w: _Worker) -> None:
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+        if w.process.is_alive():
+            w.process.kill()
+        w.process.join(timeout=5)
+
+    def _handle_startup_message(self, i: int, w: _Worker, fail_fast: bool) -> None:
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            w.process.join(timeout=5)
+            msg = ("error", f"worker exited with code {w.process.exitcode} during start-up")
+        if msg[0] == "ready":
+            w.state = "idle"
+            return
+        self._kill(w)
+        self._workers[i] = None
+        if fail_fast:
+            raise RewardFunctionError(msg[1])
+        log.error("reward worker for %s could not restart: %s", self.spec, msg[1])
+
+    def _await_startup(self, fail_fast: bool) -> None:
+        while True:
+            starting = {w.conn: (i, w) for i, w in enumerate(self._workers) if w is not None and w.state == "starting"}
+            if not starting:
+                return
+            remaining = min(w.deadline for _, w in starting.values()) - time.monotonic()
+            for conn in wait(list(starting), timeout=max(0.0, remaining)):
+                i, w = starting[conn]
+                self._handle_startup_message(i, w, fail_fast)
+            now = time.monotonic()
+            for i, w in starting.values():
+                if w.state == "starting" and self._workers[i] is w and now >= w.deadline:
+                    self._kill(w)
+                    self._workers[i] = None
+                    message = (f"reward function {self.spec!r}: worker did not start within "
+                               f"{self.startup_timeout_s:g} s")
+                    if fail_fast:
+                        raise RewardFunctionError(message)
+                    log.error("%s", message)
+
+    def _replace(self, i: int) -> None:
+        old = self._workers[i]
+        if old is not None:
+            self._kill(old)
+        self.stats["restarts"] += 1
+        self._workers[i] = self._spawn()
+
+    # ---- calls -------------------------------------------------------------------------------------------------
+
+    def map(self, calls: Sequence[tuple]) -> list[Outcome]:
+        """Run fn(*args) for each args tuple, spread over the workers; one Outcome per call, in order.
+
+        Never raises for anything the function does. A call that exceeds `timeout_s` (measured from when a worker
+        receives it) gets ok=False and its worker is killed and replaced; the other calls carry on.
+        """
+        if self._closed:
+            raise RuntimeError("WorkerPool is closed")
+        results: list[Optional[Outcome]] = [None] * len(calls)
+        pending = deque(range(len(calls)))
+        # Workers that could not be restarted earlier get another chance now.
+        for i, w in enumerate(self._workers):
+            if w is None:
+                self._workers[i] = self._spawn()
+        while pending or any(w is not None and w.state == "busy" for w in self._workers):
+            if all(w is None for w in self._workers):
+                while pending:  # nothing can run: fail what is left, do not hang or raise
+                    results[pending.popleft()] = Outcome(False, error="no reward worker could be started")
+                break
+            for i, w in enumerate(self._workers):
+                if w is not None and w.state == "idle" and pending:
+                    k = pending.popleft()
+                    try:
+                        w.conn.send((k, tuple(calls[k])))
+                    except (OSError, EOFError, ValueError) as e:
+                        results[k] = Outcome(False, error=f"could not send the call to the worker: {e}")
+                        self.stats["crashes"] += 1
+                        self._replace(i)
+                        continue
+                    now = time.monotonic()
+                    w.state, w.call, w.started, w.deadline = "busy", k, now, now + self.timeout_s
+            live = {w.conn: i for i, w in enumerate(self._workers) if w is not None and w.state in ("busy", "starting")}
+            if not live:
+                continue
+            deadline = min(self._workers[i].deadline for i in live.values())
+            for conn in wait(list(live), timeout=max(0.0, deadline - time.monotonic())):
+                i = live[conn]
+                w = self._workers[i]
+                if w.state == "starting":
+                    self._handle_startup_message(i, w, fail_fast=False)
+                    continue
+                self._collect(i, w, results)
+            now = time.monotonic()
+            for i, w in enumerate(self._workers):
+                if w is None or now < w.deadline:
+                    continue
+                if w.state == "busy":
+                    if w.conn.poll():  # finished while we were busy elsewhere: take the answer
+                        self._collect(i, w, results)
+                        continue
+                    results[w.call] = Outcome(False, error=f"timed out after {self.timeout_s:g} s",
+                                              seconds=now - w.started)
+                    self.stats["timeouts"] += 1
+                    self._replace(i)
+                elif w.state == "starting":
+                    self._kill(w)
+                    self._workers[i] = None
+                    log.error("reward worker for %s did not restart within %g s", self.spec, self.startup_timeout_s)
+        self.stats["calls"] += len(calls)
+        self.stats["errors"] += sum(1 for r in results if r is not None and not r.ok)
+        return results  # type: ignore[return-value]
+
+    def _collect(self, i: int, w: _Worker, results: list) -> None:
+        elapsed = time.monotonic() - w.started
+        try:
+            call_id, status, value = w.conn.recv()
+        except (EOFError, OSError):
+            w.process.join(timeout=5)
+            results[w.call] = Outcome(False, error=f"worker died (exit code {w.process.exitcode})", seconds=elapsed)
+            self.stats["crashes"] += 1
+            self._replace(i)
+            return
+        except Exception as e:  # an answer that cannot be unpickled here
+            results[w.call] = Outcome(False, error=f"unreadable result: {type(e).__name__}: {e}", seconds=elapsed)
+            self._replace(i)
+            return
+        if call_id != w.call:  # cannot happen with one call in flight per worker; do not trust the worker
+            results[w.call] = Outcome(False, error="worker answered the wrong call", seconds=elapsed)
+            self._replace(i)
+            return
+        results[w.call] = (Outcome(True, value=value, seconds=elapsed) if status == "ok"
+                           else Outcome(False, error=value, seconds=elapsed))
+        w.state, w.call = "idle", None
+
+    # ---- lifetime ----------------------------------------------------------------------------------------------
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers if w is not None]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            if w is None:
+                continue
+            try:
+                w.conn.send(None)
+            except (OSError, EOFError, ValueError):
+                pass
+        for w in self._workers:
+            if w is None:
+                continue
+            w.process.join(timeout=1)
+            self._kill(w)
+        self._workers = [None] * self.num_workers
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
