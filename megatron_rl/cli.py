@@ -27,9 +27,12 @@ def cmd_train(args) -> int:
     print(f"megatron-rl train: model {cfg.model.preset} ({model.num_parameters() / 1e6:.1f}M parameters), "
           f"trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator tp={cfg.generator.tp} "
           f"dp={cfg.generator.dp}{' (colocated)' if cfg.generator.colocated else ''}, "
-          f"{cfg.rollout.mode} rollouts, {cfg.world_size_needed} ranks")
-    print("not yet available: the controller that runs the RL job has not landed yet "
-          "(configuration checked and valid)")
+          f"{cfg.rollout.mode} rollouts (staleness {cfg.rollout.staleness}), {cfg.world_size_needed} processes",
+          flush=True)
+    from megatron_rl.controller.run import train
+
+    summary = train(cfg)
+    print(json.dumps(summary))
     return 0
 
 
@@ -51,6 +54,40 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def _model_override(text: str) -> tuple[str, object]:
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"bad override {text!r}: expected KEY=VALUE, e.g. num_query_groups=4")
+    return key.strip(), yaml.safe_load(value)
+
+
+def cmd_reshard_check(args) -> int:
+    import dataclasses
+
+    from megatron_rl.ddma.verify import reshard_check
+    from megatron_rl.models.presets import ModelConfig, get_preset
+    from megatron_rl.parallel.layout import ParallelLayout
+
+    try:
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        overrides = dict(args.set or [])
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"unknown model field(s) {unknown}; known: {', '.join(sorted(fields))}")
+        cfg = get_preset(args.model, **overrides)
+        src, dst = ParallelLayout.parse(args.src), ParallelLayout.parse(args.dst)
+        summary = reshard_check(cfg, src, dst, colocated=args.colocated,
+                                bucket_bytes=int(args.bucket_mb * (1 << 20)), seed=args.seed, dtype=args.dtype,
+                                wire_dtype=args.wire_dtype, quantize=args.quantize)
+    except ValueError as e:
+        print(f"megatron-rl reshard-check: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("presets", help="list the model presets")
     p.set_defaults(func=cmd_presets)
+    p = sub.add_parser("reshard-check", help="run DDMA between two layouts on local processes and check every bit")
+    p.add_argument("--model", default="tiny", help="model preset (default: tiny)")
+    p.add_argument("--src", required=True, help="trainer layout, e.g. tp=2,pp=2,dp=1")
+    p.add_argument("--dst", required=True, help="generator layout, e.g. tp=1,dp=2")
+    p.add_argument("--colocated", action="store_true", help="generator on the trainer's ranks (from rank 0)")
+    p.add_argument("--set", action="append", type=_model_override, metavar="FIELD=VALUE",
+                   help="override a model field, e.g. --set num_query_groups=4 (repeatable)")
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="staging bound per rank and round (MiB)")
+    p.add_argument("--dtype", default="float32", help="parameter dtype of both models (float32, bfloat16)")
+    p.add_argument("--wire-dtype", default=None,
+                   help="cast every slice to this dtype on the wire (default: each parameter's own dtype)")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="generator holds 2-D weights as int8 with per-row scales, quantized on receive")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_reshard_check)
     return parser
 
 

@@ -1,0 +1,237 @@
+"""Where every parameter of a GPTModel lives in a parallel layout, computed from the config alone.
+
+DDMA has to plan transfers between two executors before (and independently of) either model existing on a given
+rank: a trainer rank does not build the generator's model, yet it must know which slices each generator rank
+wants. So the layout of every parameter is derived here as a pure function of the model shape and the
+`ParallelLayout`, following Megatron-Core's conventions for the local layer spec that `build_gpt_model` uses:
+
+- the logical (TP=1, PP=1) model has canonical names with global layer indices (`decoder.layers.{i}.*`);
+- tensor-parallel weights are split along `partition_dim` with `partition_stride` blocks per rank (SwiGLU's
+  `linear_fc1` is stride 2: each rank holds `[gate_shard; up_shard]`); QKV rows are grouped per query group, so a
+  contiguous split hands each rank whole groups (hence TP must divide the group count);
+- vocabulary tensors are padded to a multiple of `make_vocab_size_divisible_by * tp` rows; the padding is never a
+  real token and depends on TP, so the logical tensor keeps `vocab_size` rows;
+- pipeline stages take an even, contiguous share of the layers; the first stage holds the embedding, the last the
+  final norm and the output layer. With tied embeddings and PP>1 the last stage holds its own copy of the embedding
+  (Megatron's `output_layer.weight`, kept equal by the embedding group), which a sync must fill too.
+
+`tests/test_ddma_descriptors.py` checks all of this against `describe_params` on real models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+from megatron_rl.models.presets import ModelConfig
+from megatron_rl.parallel.layout import ParallelLayout
+
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The fields of a ModelConfig that decide parameter names and shapes (hashable, so plans can be cached)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    make_vocab_size_divisible_by: int
+
+    @classmethod
+    def of(cls, cfg: "ModelConfig | ModelShape") -> "ModelShape":
+        if isinstance(cfg, ModelShape):
+            return cfg
+        return cls(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads,
+                   cfg.num_query_groups, cfg.vocab_size, cfg.tie_word_embeddings, cfg.make_vocab_size_divisible_by)
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def architecture(self) -> tuple:
+        """Everything but the vocabulary padding rule, which may differ between executors."""
+        return dataclasses.astuple(dataclasses.replace(self, make_vocab_size_divisible_by=1))
+
+
+@dataclass(frozen=True)
+class LogicalParam:
+    """A parameter of the logical (TP=1, PP=1) model."""
+
+    name: str
+    shape: tuple[int, ...]  # vocabulary rows unpadded
+    partition_dim: Optional[int]  # None: replicated over TP
+    partition_stride: int = 1
+    is_vocab: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    """A parameter as one rank of an executor holds it."""
+
+    local_name: str  # name in this rank's GPTModel stage (local layer index)
+    param: LogicalParam
+    tp_rank: int
+    tp_size: int
+    padded_rows: Optional[int]  # padded vocabulary rows over all TP ranks (vocabulary tensors only)
+    tied_copy: bool = False  # the last stage's copy of tied embeddings
+
+    @property
+    def global_name(self) -> str:
+        return self.param.name
+
+    @property
+    def partitioned_extent(self) -> int:
+        """Extent of the partition dim in the (padded) full tensor."""
+        p = self.param
+        return self.padded_rows if p.is_vocab else p.shape[p.partition_dim]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        p = self.param
+        shape = list(p.shape)
+        if p.partition_dim is not None:
+            shape[p.partition_dim] = self.partitioned_extent // self.tp_size
+        return tuple(shape)
+
+    def blocks(self) -> tuple[tuple[int, int, int], ...]:
+        """Along the partition dim: (full_start, full_stop, local_start) of each contiguous block this rank holds.
+
+        Megatron's strided split views the dim as [stride, tp, chunk]: rank t holds blocks (s, t) for every s,
+        stored one after the other. Coordinates are in the padded full tensor (vocabulary rows >= vocab_size are
+        padding); a replicated parameter is one block along dim 0 covering everything.
+        """
+        p = self.param
+        if p.partition_dim is None:
+            return ((0, p.shape[0], 0),)
+        stride = p.partition_stride
+        chunk = self.partitioned_extent // (stride * self.tp_size)
+        return tuple(((s * self.tp_size + self.tp_rank) * chunk, (s * self.tp_size + self.tp_rank + 1) * chunk,
+                      s * chunk) for s in range(stride))
+
+
+def check_layout(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, role: str = "executor") -> None:
+    """Raise ValueError (one line) if `layout` cannot hold this model, before any process group or transfer."""
+    m = ModelShape.of(cfg)
+    problems = []
+    if m.hidden_size % m.num_attention_heads:
+        problems.append(f"hidden size {m.hidden_size} is not divisible by {m.num_attention_heads} heads")
+    if m.num_attention_heads % m.num_query_groups:
+        problems.append(f"{m.num_attention_heads} heads are not divisible by {m.num_query_groups} query groups")
+    for what, n in (("attention heads", m.num_attention_heads), ("query groups", m.num_query_groups),
+                    ("FFN hidden size", m.ffn_hidden_size)):
+        if n % layout.tp:
+            problems.append(f"tp={layout.tp} does not divide the {what} ({n})")
+    if m.num_layers % layout.pp:
+        problems.append(f"pp={layout.pp} does not divide the {m.num_layers} layers")
+    if problems:
+        raise ValueError(f"{role} layout {layout} cannot hold the model: " + "; ".join(problems))
+
+
+def check_same_architecture(src: "ModelConfig | ModelShape", dst: "ModelConfig | ModelShape") -> None:
+    """Trainer and generator must be the same network; only the vocabulary padding rule may differ."""
+    a, b = ModelShape.of(src), ModelShape.of(dst)
+    if a.architecture() != b.architecture():
+        diffs = [f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}" for f in dataclasses.fields(a)
+                 if f.name != "make_vocab_size_divisible_by" and getattr(a, f.name) != getattr(b, f.name)]
+        raise ValueError("trainer and generator models differ: " + ", ".join(diffs))
+
+
+@lru_cache(maxsize=64)
+def _layer_params(m: ModelShape) -> tuple[tuple[str, tuple[int, ...], Optional[int], int], ...]:
+    """(suffix, shape, partition_dim, stride) of one transformer layer, in Megatron's registration order."""
+    h, kv = m.hidden_size, m.kv_channels
+    qkv_rows = (m.num_attention_heads + 2 * m.num_query_groups) * kv
+    return (
+        ("input_layernorm.weight", (h,), None, 1),
+        ("self_attention.linear_proj.weight", (h, m.num_attention_heads * kv), 1, 1),
+        ("self_attention.linear_qkv.weight", (qkv_rows, h), 0, 1),
+        ("pre_mlp_layernorm.weight", (h,), None, 1),
+        ("mlp.linear_fc1.weight", (2 * m.ffn_hidden_size, h), 0, 2),
+        ("mlp.linear_fc2.weight", (h, m.ffn_hidden_size), 1, 1),
+    )
+
+
+def layer_range(cfg: "ModelConfig | ModelShape", pp: int, pp_rank: int) -> range:
+    """Global indices of the layers pipeline stage `pp_rank` of `pp` holds (Megatron's even split)."""
+    m = ModelShape.of(cfg)
+    if m.num_layers % pp:
+        raise ValueError(f"pp={pp} does not divide the {m.num_layers} layers")
+    per = m.num_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def logical_params(cfg: "ModelConfig | ModelShape") -> tuple[LogicalParam, ...]:
+    """Every parameter of the logical model (tied embeddings appear once), in a fixed canonical order."""
+    return _logical_params(ModelShape.of(cfg))
+
+
+@lru_cache(maxsize=64)
+def _logical_params(m: ModelShape) -> tuple[LogicalParam, ...]:
+    out = [LogicalParam(EMBEDDING, (m.vocab_size, m.hidden_size), 0, 1, True)]
+    for i in range(m.num_layers):
+        for suffix, shape, dim, stride in _layer_params(m):
+            out.append(LogicalParam(f"decoder.layers.{i}.{suffix}", shape, dim, stride))
+    out.append(LogicalParam(FINAL_NORM, (m.hidden_size,), None))
+    if not m.tie_word_embeddings:
+        out.append(LogicalParam(OUTPUT, (m.vocab_size, m.hidden_size), 0, 1, True))
+    return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def _stage_params(m: ModelShape, layout: ParallelLayout, pp_rank: int, tp_rank: int) -> tuple[LocalParam, ...]:
+    check_layout(m, layout)
+    by_name = {p.name: p for p in logical_params(m)}
+    padded = m.padded_vocab_size(layout.tp)
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+
+    def local(local_name: str, global_name: str, tied_copy: bool = False) -> LocalParam:
+        p = by_name[global_name]
+        return LocalParam(local_name, p, tp_rank, layout.tp, padded if p.is_vocab else None, tied_copy)
+
+    out = []
+    if first:
+        out.append(local(EMBEDDING, EMBEDDING))
+    for j, i in enumerate(layer_range(m, layout.pp, pp_rank)):
+        for suffix, *_ in _layer_params(m):
+            out.append(local(f"decoder.layers.{j}.{suffix}", f"decoder.layers.{i}.{suffix}"))
+    if last:
+        out.append(local(FINAL_NORM, FINAL_NORM))
+        if not m.tie_word_embeddings:
+            out.append(local(OUTPUT, OUTPUT))
+        elif not first:
+            out.append(local(OUTPUT, EMBEDDING, tied_copy=True))
+    return tuple(out)
+
+
+def stage_params(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, pp_rank: int,
+                 tp_rank: int) -> tuple[LocalParam, ...]:
+    """The parameters of the GPTModel stage at (pp_rank, tp_rank) of `layout`, in registration order."""
+    if not (0 <= pp_rank < layout.pp and 0 <= tp_rank < layout.tp):
+        raise ValueError(f"(pp_rank={pp_rank}, tp_rank={tp_rank}) is outside layout {layout}")
+    return _stage_params(ModelShape.of(cfg), layout, pp_rank, tp_rank)
+
+
+def rank_params(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, local_rank: int) -> tuple[LocalParam, ...]:
+    """The parameters held by one rank of an executor (DP replicas hold the same ones)."""
+    tp_rank, pp_rank, _ = layout.coords(local_rank)
+    return stage_params(cfg, layout, pp_rank, tp_rank)

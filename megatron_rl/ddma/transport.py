@@ -1,0 +1,499 @@
+"""DDMA transport: execute a reshard plan with point-to-point messages, in place, with bounded staging.
+
+Every participating rank runs `execute_plan` with the same plan and settings:
+
+1. Handshake: one small message each way between every pair of ranks that exchange weights, carrying readiness
+   (a rank whose parameters do not fit the plan says so, and its peers raise instead of waiting for slices that
+   will never come), the trainer step (generator ranks learn it here), and the dtypes of the parameters at both
+   ends of every slice.
+2. Direct phase: a slice that is contiguous in both local tensors and has the same dtype at both ends (most of
+   them: TP splits of row-major weights along dim 0, whole norms) goes straight from the source parameter's storage
+   into the destination parameter's storage, one message per slice, all in one `batch_isend_irecv`: no staging,
+   no copies. The local (colocated) copies and the zeroing of vocabulary padding run while these messages fly.
+3. Staged rounds: the other slices (columns of row-parallel weights, dtype casts, int8 quantize-on-receive) go
+   through a staging arena. They are grouped into rounds (first fit, in plan order; slices larger than a bucket
+   are first cut into row slices) such that on every rank the bytes it sends plus receives in a round fit in
+   `bucket_bytes`. Per round and peer, the slices that need packing travel as one flat message.
+
+The round schedule is a deterministic function of (plan, bucket size, wire dtype), computed identically on every
+rank, and it counts every network slice (direct ones too), so which slices a pair moves directly (a fact both ends
+of that pair know after the handshake) never changes anyone's rounds. A rank therefore holds at most one bucket of
+staging (or one row of a weight, if a single row is larger) besides its parameters: it never materializes a full
+tensor, let alone the full model. Messages between a pair are told apart by tag (NCCL orders them per pair anyway).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.ddma.descriptors import logical_params
+from megatron_rl.ddma.planner import Box, Copy, ReshardPlan, RankPlan, box_numel
+from megatron_rl.ddma.quant import Int8Weight, is_quantized
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+# dtype codes exchanged in the handshake (index in this tuple); the order is part of the wire format.
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
+               torch.int32, torch.int64)
+_ALIGN = 16  # bytes: every slice in a message starts on this boundary, so it can be viewed as any dtype
+_SCHEDULE_ITEMSIZE = 4  # native mode plans buckets as if every element had this size (fp32; bf16 uses half)
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """How a plan is executed.
+
+    bucket_bytes: bound on the staging memory of one rank per round (sends plus receives), for elements of at most
+        4 bytes (float64 parameters in native mode may use up to twice as much).
+    wire_dtype: None (default) sends every slice in its source parameter's own dtype, so mixed models (bf16
+        matrices with fp32 norms, as Megatron-Core builds them) arrive bit for bit; the receiving ranks learn the
+        dtypes in the handshake. A dtype casts every slice to it (e.g. bf16 to halve the bytes of an fp32 trainer).
+        Received values are cast to the destination parameter's dtype when written. Local (colocated) copies go
+        through the same cast, so the result does not depend on where a slice came from.
+    quantize: None, or "int8": the destination holds 2-D weights as `quant.Int8Weight` (int8 + per-row scales),
+        quantized on receive (see `megatron_rl/ddma/quant.py`); `quantize_vocab` includes the vocabulary tensors.
+    """
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    wire_dtype: Optional[torch.dtype] = None
+    quantize: Optional[str] = None
+    quantize_vocab: bool = False
+
+    def bucket_elements(self) -> int:
+        item = _SCHEDULE_ITEMSIZE if self.wire_dtype is None else _itemsize(self.wire_dtype)
+        n = self.bucket_bytes // item
+        if n < 1:
+            raise ValueError(f"bucket_bytes={self.bucket_bytes} is smaller than one element")
+        return n
+
+
+@dataclass
+class TransferStats:
+    """What one rank did in one sync."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0  # colocated copies (no message)
+    elements_zeroed: int = 0
+    messages_sent: int = 0
+    rounds: int = 0  # rounds this rank took part in
+    peak_staging_bytes: int = 0
+    seconds: float = 0.0
+    step: Optional[int] = None  # the trainer step agreed in the handshake
+    bytes_scales: int = 0  # row maxima sent ahead of int8 quantize-on-receive
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _view(t: torch.Tensor, box: Box) -> torch.Tensor:
+    return t[tuple(slice(a, b) for a, b in box)]
+
+
+def _write(target, box: Box, values: torch.Tensor) -> None:
+    """Write a slice into a destination parameter (cast to its dtype) or quantize it into an Int8Weight."""
+    if isinstance(target, Int8Weight):
+        target.write(box, values)
+    else:
+        _view(target, box).copy_(values)
+
+
+def _zero(target, box: Box) -> None:
+    if isinstance(target, Int8Weight):
+        target.zero(box)
+    else:
+        _view(target, box).zero_()
+
+
+def _split_to_fit(c: Copy, limit: int) -> list[Copy]:
+    """Cut a copy into dim-0 slices of at most `limit` elements (one row at least)."""
+    n = c.numel
+    if n <= limit:
+        return [c]
+    (d0, d1), (s0, _) = c.dst_box[0], c.src_box[0]
+    rows = d1 - d0
+    row = n // rows
+    step = max(1, limit // row)
+    out = []
+    for lo in range(0, rows, step):
+        hi = min(lo + step, rows)
+        out.append(Copy(c.name, c.src_rank, c.dst_rank, c.src_param, c.dst_param,
+                        ((s0 + lo, s0 + hi),) + c.src_box[1:], ((d0 + lo, d0 + hi),) + c.dst_box[1:]))
+    return out
+
+
+def schedule(plan: ReshardPlan, bucket_elements: int) -> tuple[tuple[tuple[Copy, Copy], ...], ...]:
+    """Network copies grouped into rounds as (plan copy, slice of it) pairs; per rank and round, sent + received
+    elements <= bucket (first fit). A slice that alone exceeds the bucket (a single row larger than it) gets a round
+    of its own on its two ranks. Cached on the plan."""
+    key = ("schedule", bucket_elements)
+    cached = plan._per_rank.get(key)
+    if cached is not None:
+        return cached
+    rounds: list[list[tuple[Copy, Copy]]] = []
+    used: list[dict[int, int]] = []
+    first_open: dict[int, int] = {}  # per rank: rounds before this one are full for it (first-fit shortcut)
+    for big in plan.copies:
+        if big.is_local:
+            continue
+        for c in _split_to_fit(big, bucket_elements):
+            n = c.numel
+            i = max(first_open.get(c.src_rank, 0), first_open.get(c.dst_rank, 0))
+            while i < len(rounds):
+                u = used[i]
+                us, ud = u.get(c.src_rank, 0), u.get(c.dst_rank, 0)
+                if (us == 0 or us + n <= bucket_elements) and (ud == 0 or ud + n <= bucket_elements):
+                    break
+                i += 1
+            if i == len(rounds):
+                rounds.append([])
+                used.append({})
+            rounds[i].append((big, c))
+            for r in (c.src_rank, c.dst_rank):
+                used[i][r] = used[i].get(r, 0) + n
+                if used[i][r] >= bucket_elements and first_open.get(r, 0) == i:
+                    first_open[r] = i + 1
+    result = tuple(tuple(r) for r in rounds)
+    plan._per_rank[key] = result
+    return result
+
+
+def _quantized_names(plan: ReshardPlan, settings: TransportSettings) -> frozenset[str]:
+    """Logical names of the parameters the destination holds as int8 under these settings."""
+    return frozenset(p.name for p in logical_params(plan.dst.model)
+                     if is_quantized(p, settings.quantize, settings.quantize_vocab))
+
+
+def _check_params(rp: RankPlan, src_params: Optional[Mapping[str, torch.Tensor]],
+                  dst_params: Optional[Mapping[str, torch.Tensor]], quantized: frozenset[str] = frozenset()) -> None:
+    """Every parameter the plan touches on this rank must exist and be large enough (before any message)."""
+
+    def need(params, role, name, box):
+        if params is None:
+            raise ValueError(f"rank {rp.rank}: the plan uses this rank as {role} but no {role} parameters "
+                             f"were given")
+        if name not in params:
+            raise ValueError(f"rank {rp.rank}: {role} model has no parameter {name!r} (a different model "
+                             f"or layout than the plan's?)")
+        shape = tuple(params[name].shape)
+        if len(shape) != len(box) or any(b > s for (_, b), s in zip(box, shape)):
+            raise ValueError(f"rank {rp.rank}: {role} parameter {name!r} has shape {shape}, too small for "
+                             f"slice {box} (a different model or layout than the plan's?)")
+
+    for c in rp.sends + rp.local:
+        need(src_params, "source", c.src_param, c.src_box)
+        if src_params[c.src_param].dtype not in WIRE_DTYPES:
+            raise ValueError(f"rank {rp.rank}: source parameter {c.src_param!r} has dtype "
+                             f"{src_params[c.src_param].dtype}, which DDMA cannot send")
+    for c in rp.recvs + rp.local:
+        need(dst_params, "destination", c.dst_param, c.dst_box)
+        if (c.name in quantized) != isinstance(dst_params[c.dst_param], Int8Weight):
+            want = "an Int8Weight (quantize='int8')" if c.name in quantized else "a tensor"
+            raise ValueError(f"rank {rp.rank}: destination parameter {c.dst_param!r} must be {want}")
+    for z in rp.zero_fills:
+        need(dst_params, "destination", z.param, z.box)
+
+
+class PeerCheckFailed(RuntimeError):
+    """A peer rank reported that its parameters do not match the plan; nothing was transferred."""
+
+
+_NOT_A_TENSOR = -2  # dtype code of a destination that is not a plain tensor (an Int8Weight)
+
+
+def _handshake(rp: RankPlan, ok: bool, step: Optional[int], src_params, dst_params, device) -> dict[int, list[int]]:
+    """Exchange [ok, step, source dtype codes..., destination dtype codes...] with every peer of this rank.
+
+    The message to peer p lists the dtype of each distinct source parameter this rank sends to p and of each
+    distinct destination parameter it receives from p (plan order), so both ends know both dtypes of every slice.
+    """
+    ops, theirs = [], {}
+    for p in rp.peers:
+        src_codes = [_dtype_code(src_params[n]) if ok else -1 for n in _params_to(rp, p)]
+        dst_codes = [_dtype_code(dst_params[n]) if ok else -1 for n in _params_from(rp, p, "dst_param")]
+        mine = torch.tensor([int(ok), -1 if step is None else int(step)] + src_codes + dst_codes,
+                            dtype=torch.int64, device=device)
+        theirs[p] = torch.empty(2 + len(_params_from(rp, p, "src_param")) + len(_params_to(rp, p, "dst_param")),
+                                dtype=torch.int64, device=device)
+        ops += [dist.P2POp(dist.isend, mine, p), dist.P2POp(dist.irecv, theirs[p], p)]
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return {p: t.tolist() for p, t in theirs.items()}
+
+
+def _dtype_code(target) -> int:
+    if not isinstance(target, torch.Tensor) or target.dtype not in WIRE_DTYPES:
+        return _NOT_A_TENSOR
+    return WIRE_DTYPES.index(target.dtype)
+
+
+def _params_to(rp: RankPlan, peer: int, attr: str = "src_param") -> list[str]:
+    """Distinct parameters (source names, or destination names) of the copies this rank sends to `peer`."""
+    return list(dict.fromkeys(getattr(c, attr) for c in rp.sends if c.dst_rank == peer))
+
+
+def _params_from(rp: RankPlan, peer: int, attr: str) -> list[str]:
+    """Distinct parameters of the copies this rank receives from `peer` (the peer's `_params_to`, same order)."""
+    return list(dict.fromkeys(getattr(c, attr) for c in rp.recvs if c.src_rank == peer))
+
+
+@torch.no_grad()
+def execute_plan(
+    plan: ReshardPlan,
+    rank: int,
+    src_params: Optional[Mapping[str, torch.Tensor]],
+    dst_params: Optional[Mapping[str, torch.Tensor]],
+    settings: TransportSettings = TransportSettings(),
+    step: Optional[int] = None,
+    workspace: Optional[dict] = None,
+) -> TransferStats:
+    """Run this rank's part of `plan`: send from `src_params`, write into `dst_params` in place.
+
+    `src_params` / `dst_params` map local parameter names to tensors (e.g. `dict(model.named_parameters())`; with
+    `quantize="int8"`, `quant.Int8Weight`s for the quantized ones) and are None on ranks outside the source /
+    destination executor; peers are global ranks of the default group. `step` (trainer ranks) travels in the
+    handshake; the agreed value comes back in `stats.step`. A rank whose parameters do not fit the plan raises
+    ValueError, and its peers raise PeerCheckFailed, before any weight moves. Pass the same `workspace` dict to
+    every sync to keep the staging buffer allocated between syncs (allocating and first touching it costs as much
+    as the copies on a CPU).
+    """
+    rp = plan.for_rank(rank)
+    stats = TransferStats(step=step)
+    t0 = time.perf_counter()
+    quantized = _quantized_names(plan, settings)
+    error: Optional[ValueError] = None
+    try:
+        _check_params(rp, src_params, dst_params, quantized)
+    except ValueError as e:
+        error = e
+    any_params = dst_params or src_params
+    device = next(iter(any_params.values())).device if any_params else torch.device("cpu")
+    header = _handshake(rp, error is None, step, src_params, dst_params, device)
+    if error is not None:
+        raise error
+    failed = [p for p, h in header.items() if h[0] != 1]
+    if failed:
+        raise PeerCheckFailed(f"rank {rank}: peer ranks {failed} failed their pre-transfer check; no weights "
+                              f"were moved")
+    steps = {h[1] for p, h in header.items() if p in plan.src.ranks} | ({step} if step is not None else set())
+    if len(steps) > 1:
+        raise RuntimeError(f"rank {rank}: trainer ranks disagree on the step being synced: {sorted(steps)}")
+    stats.step = steps.pop() if steps else None
+    if not (rp.sends or rp.recvs or rp.local or rp.zero_fills):
+        return stats
+    wire = settings.wire_dtype
+    if quantized:
+        stats.bytes_scales = _exchange_int8_scales(rp, src_params, dst_params, quantized, wire, device)
+
+    # Both dtypes of every slice this rank sends or receives, from the handshake.
+    src_dtype: dict[tuple[int, str], Optional[torch.dtype]] = {}  # (src rank, src param)
+    dst_dtype: dict[tuple[int, str], Optional[torch.dtype]] = {}  # (dst rank, dst param)
+    for p, h in header.items():
+        from_p = _params_from(rp, p, "src_param")
+        for name, code in zip(from_p, h[2:2 + len(from_p)]):
+            src_dtype[p, name] = WIRE_DTYPES[code]
+        for name, code in zip(_params_to(rp, p, "dst_param"), h[2 + len(from_p):]):
+            dst_dtype[p, name] = None if code == _NOT_A_TENSOR else WIRE_DTYPES[code]
+    for name, t in (src_params or {}).items():
+        src_dtype[rank, name] = t.dtype
+    for name, t in (dst_params or {}).items():
+        dst_dtype[rank, name] = t.dtype if _dtype_code(t) != _NOT_A_TENSOR else None
+
+    def wire_of(c: Copy) -> torch.dtype:
+        return wire or src_dtype[c.src_rank, c.src_param]
+
+    def direct(c: Copy) -> bool:
+        """Moves storage to storage (decided on the plan copy, identically at both ends)."""
+        return (wire is None and c.name not in quantized and _is_contiguous(c, plan)
+                and dst_dtype[c.dst_rank, c.dst_param] == src_dtype[c.src_rank, c.src_param])
+
+    def nbytes(c: Copy) -> int:
+        return _aligned(c.numel * _itemsize(wire_of(c)))
+
+    def local_work() -> None:
+        for c in rp.local:
+            values = _view(src_params[c.src_param], c.src_box)
+            _write(dst_params[c.dst_param], c.dst_box, values if wire is None else values.to(wire))
+            stats.bytes_local += c.numel * src_params[c.src_param].element_size()
+        for z in rp.zero_fills:
+            _zero(dst_params[z.param], z.box)
+            stats.elements_zeroed += z.numel
+
+    # Direct phase (tags 1, 2, ... per pair, in plan order), overlapped with the local work.
+    ops = []
+    for peer, copies in _by_peer([c for c in rp.sends if direct(c)], "dst_rank"):
+        for tag, c in enumerate(copies, start=1):
+            ops.append(dist.P2POp(dist.isend, _view(src_params[c.src_param], c.src_box), peer, tag=tag))
+            stats.bytes_sent += c.numel * _itemsize(wire_of(c))
+    for peer, copies in _by_peer([c for c in rp.recvs if direct(c)], "src_rank"):
+        for tag, c in enumerate(copies, start=1):
+            ops.append(dist.P2POp(dist.irecv, _view(dst_params[c.dst_param], c.dst_box), peer, tag=tag))
+            stats.bytes_received += c.numel * _itemsize(wire_of(c))
+    stats.messages_sent += sum(1 for op in ops if op.op is dist.isend)
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    local_work()
+    for req in reqs:
+        req.wait()
+    if ops:
+        stats.rounds += 1
+
+    # Staged rounds (tag 0: one packed message per peer and round).
+    mine = []
+    for pairs in schedule(plan, settings.bucket_elements()):
+        sends = [c for parent, c in pairs if c.src_rank == rank and not direct(parent)]
+        recvs = [c for parent, c in pairs if c.dst_rank == rank and not direct(parent)]
+        if sends or recvs:
+            mine.append((sends, recvs))
+    arena_bytes = max((sum(nbytes(c) for c in s + r) for s, r in mine), default=0)
+    arena = _staging(workspace, arena_bytes, device)
+    stats.peak_staging_bytes = arena_bytes
+
+    def slot(pos: int, c: Copy) -> torch.Tensor:
+        dt = wire_of(c)
+        return arena[pos:pos + c.numel * _itemsize(dt)].view(dt).view(c.shape)
+
+    for sends, recvs in mine:
+        ops, unpack, offset = [], [], 0
+        for peer, copies in _by_peer(sends, "dst_rank"):
+            start = offset
+            for c in copies:
+                slot(offset, c).copy_(_view(src_params[c.src_param], c.src_box))
+                offset += nbytes(c)
+            ops.append(dist.P2POp(dist.isend, arena[start:offset], peer, tag=0))
+            stats.bytes_sent += offset - start
+            stats.messages_sent += 1
+        for peer, copies in _by_peer(recvs, "src_rank"):
+            start = offset
+            for c in copies:
+                unpack.append((offset, c))
+                offset += nbytes(c)
+            ops.append(dist.P2POp(dist.irecv, arena[start:offset], peer, tag=0))
+            stats.bytes_received += offset - start
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        for pos, c in unpack:
+            _write(dst_params[c.dst_param], c.dst_box, slot(pos, c))
+        stats.rounds += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _exchange_int8_scales(rp: RankPlan, src_params, dst_params, quantized: frozenset[str],
+                          wire: Optional[torch.dtype], device) -> int:
+    """Set the scales of this rank's Int8Weights from the row maxima of every slice they will receive.
+
+    Senders reduce each slice to its per-row absolute maximum (after the wire cast, so that the scale matches the
+    values that arrive) and send those, one message per peer, before any weight moves. Returns bytes sent.
+    """
+
+    def rowmax(c: Copy) -> torch.Tensor:
+        values = _view(src_params[c.src_param], c.src_box)
+        if wire is not None:
+            values = values.to(wire)
+        return values.to(torch.float32).abs().amax(dim=1)
+
+    acc: dict[str, torch.Tensor] = {}
+
+    def fold(c: Copy, m: torch.Tensor) -> None:
+        t = acc.setdefault(c.dst_param, torch.zeros(dst_params[c.dst_param].shape[0], device=device))
+        r0, r1 = c.dst_box[0]
+        torch.maximum(t[r0:r1], m, out=t[r0:r1])
+
+    for c in rp.local:
+        if c.name in quantized:
+            fold(c, rowmax(c))
+    ops, incoming, sent = [], [], 0
+    for peer, copies in _by_peer([c for c in rp.sends if c.name in quantized], "dst_rank"):
+        buf = torch.cat([rowmax(c) for c in copies])
+        ops.append(dist.P2POp(dist.isend, buf, peer))
+        sent += buf.numel() * buf.element_size()
+    for peer, copies in _by_peer([c for c in rp.recvs if c.name in quantized], "src_rank"):
+        buf = torch.empty(sum(c.dst_box[0][1] - c.dst_box[0][0] for c in copies), device=device)
+        ops.append(dist.P2POp(dist.irecv, buf, peer))
+        incoming.append((buf, copies))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    for buf, copies in incoming:
+        pos = 0
+        for c in copies:
+            rows = c.dst_box[0][1] - c.dst_box[0][0]
+            fold(c, buf[pos:pos + rows])
+            pos += rows
+    for name, m in acc.items():
+        dst_params[name].set_scale_from_rowmax(m)
+    return sent
+
+
+def _staging(workspace: Optional[dict], nbytes: int, device: torch.device) -> torch.Tensor:
+    """A byte buffer of at least `nbytes`, reused from `workspace` when it is large enough."""
+    if workspace is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buf = workspace.get("staging")
+    if buf is None or buf.numel() < nbytes or buf.device != device:
+        buf = workspace["staging"] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf
+
+
+def _is_contiguous(c: Copy, plan: ReshardPlan) -> bool:
+    """Whether both boxes of a copy are contiguous in their row-major local tensors (a pure function of the plan:
+    both ends of a message get the same answer)."""
+    key = ("contiguous", c)
+    hit = plan._per_rank.get(key)
+    if hit is None:
+        src_shape = _local_shape(plan.src, c.src_rank, c.src_param)
+        dst_shape = _local_shape(plan.dst, c.dst_rank, c.dst_param)
+        hit = plan._per_rank[key] = _box_contiguous(c.src_box, src_shape) and _box_contiguous(c.dst_box, dst_shape)
+    return hit
+
+
+def _local_shape(endpoint, rank: int, name: str) -> tuple[int, ...]:
+    for lp in endpoint.params(rank):
+        if lp.local_name == name:
+            return lp.local_shape
+    raise KeyError(f"rank {rank} holds no parameter {name!r}")
+
+
+def _box_contiguous(box: Box, shape: tuple[int, ...]) -> bool:
+    """A box is contiguous when, after its first dim with more than one element, every dim is whole."""
+    started = False
+    for (a, b), n in zip(box, shape):
+        if started and (a, b) != (0, n):
+            return False
+        if b - a > 1:
+            started = True
+    return True
+
+
+def _by_peer(copies: list[Copy], attr: str) -> list[tuple[int, list[Copy]]]:
+    """Copies grouped by peer rank, peers ascending, plan order kept inside each group (both ends agree)."""
+    groups: dict[int, list[Copy]] = {}
+    for c in copies:
+        groups.setdefault(getattr(c, attr), []).append(c)
+    return sorted(groups.items())
+
+
+def staging_bound(plan: ReshardPlan, rank: int, settings: TransportSettings) -> int:
+    """Bytes of staging memory `execute_plan` will use on `rank` with these settings."""
+    item = torch.empty((), dtype=settings.wire_dtype).element_size()
+    best = 0
+    for copies in schedule(plan, settings.bucket_elements()):
+        best = max(best, sum(c.numel for c in copies if rank in (c.src_rank, c.dst_rank)))
+    return best * item
+
+
+__all__ = ["TransportSettings", "TransferStats", "execute_plan", "schedule", "staging_bound", "box_numel"]
