@@ -42,8 +42,11 @@ class TrainerSection:
     tp: int = 2
     pp: int = 1
     dp: int = 1
-    micro_batch_size: int = 8
-    lr: float = 1e-5
+    micro_batch_size: int = 64
+    lr: float = 1e-4
+    # Supervised warm start inside the job (0 to skip): steps and peak learning rate.
+    warmup_steps_sft: int = 300
+    warmup_lr: float = 3e-3
     min_lr: float = 0.0
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -85,7 +88,7 @@ class RolloutSection:
     staleness: int = 1
     prompts_per_step: int = 16
     samples_per_prompt: int = 4
-    max_prompt_length: int = 64
+    max_prompt_length: int = 48
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -103,7 +106,7 @@ class DataSection:
 
 @dataclass
 class RewardSection:
-    kind: Literal["auto", "gsm8k", "math", "function", "reward-model"] = "auto"
+    kind: Literal["auto", "gsm8k", "math", "synthetic", "function", "reward-model"] = "auto"
     function: Optional[str] = None
     timeout_s: float = 5.0
     num_workers: int = 1
@@ -121,7 +124,7 @@ class CheckpointSection:
 class RunSection:
     name: str = "default"
     seed: int = 1234
-    steps: int = 100
+    steps: int = 150
     world_size: Optional[int] = None
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     log_interval: int = 1
@@ -198,6 +201,11 @@ def _coerce(path: str, value: Any, tp) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -26,6 +26,7 @@ def test_yaml_then_overrides(tmp_path):
     model = validate(cfg)
     assert model.name == "smollm2-135m" and model.num_layers == 2  # override applies on top of the preset
     assert parse_override("data.path=/x/y.jsonl") == ("data.path", "/x/y.jsonl")
+    assert load_config(None, ["trainer.lr=3e-4"]).trainer.lr == 3e-4  # YAML 1.1 reads 3e-4 as a string
 
 
 BAD = [

@@ -9,6 +9,7 @@ independent of how the batch is split over DP ranks and micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -68,6 +69,29 @@ def _uses_local_attention(model: torch.nn.Module) -> bool:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     return any(isinstance(m, DotProductAttention) for m in model.modules())
+
+
+@contextlib.contextmanager
+def _world_is(group):
+    """Make the default group mean `group` for the duration of a call.
+
+    Megatron-Core 0.16's `get_megatron_optimizer` aligns parameter groups with an `all_gather_object` over the
+    whole world (`get_world_size()` and no group). In a job the world also holds the generator, which never joins
+    that collective, so the trainer would hang. Inside this context both calls refer to the executor's group.
+    """
+    real_size, real_gather = dist.get_world_size, dist.all_gather_object
+
+    def world_size(group_=None):
+        return real_size(group if group_ is None else group_)
+
+    def all_gather_object(object_list, obj, group_=None):
+        return real_gather(object_list, obj, group=group if group_ is None else group_)
+
+    dist.get_world_size, dist.all_gather_object = world_size, all_gather_object
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.all_gather_object = real_size, real_gather
 
 
 def run_schedule(model: torch.nn.Module, pgs: ProcessGroupCollection, micro_batches: list[dict], loss_fn: LossFn,
@@ -138,7 +162,8 @@ class TrainEngine:
             fp16=config.fp16,
             params_dtype=config.params_dtype,
         )
-        optimizer = get_megatron_optimizer(opt_config, [ddp], pg_collection=pgs, use_gloo_process_groups=False)
+        with _world_is(pgs.intra_dist_opt):
+            optimizer = get_megatron_optimizer(opt_config, [ddp], pg_collection=pgs, use_gloo_process_groups=False)
         scheduler = OptimizerParamScheduler(
             optimizer,
             init_lr=0.0 if settings.warmup_steps else settings.lr,
@@ -153,6 +178,14 @@ class TrainEngine:
             wd_incr_style="constant",
         )
         return cls(ddp, optimizer, scheduler, pgs, settings, needs_mask=_uses_local_attention(model))
+
+    def set_constant_lr(self, lr: float) -> None:
+        """Switch to a constant learning rate from now on (e.g. from warm-start to RL)."""
+        s = self.scheduler
+        s.init_lr, s.max_lr, s.min_lr, s.lr_decay_style, s.lr_warmup_steps = lr, lr, lr, "constant", 0
+        for group in self.optimizer.param_groups:
+            # Megatron-Core's scheduler reads per-group max_lr / min_lr before its own.
+            group["lr"] = group["max_lr"] = group["min_lr"] = lr
 
     @property
     def is_last_stage(self) -> bool:

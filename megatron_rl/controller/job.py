@@ -1,0 +1,327 @@
+"""The RL job on every rank: executors, warm start, the (a)synchronous loop, metrics.
+
+One torch.distributed world: trainer ranks [0, T), generator ranks [T, T + G) (or the same ranks when colocated).
+Rank 0 is also the controller: it receives rollouts, computes advantages, hands batches to the trainer ranks and
+writes the metrics. Control messages are small pickled objects over gloo groups; weights move with DDMA.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algorithms import AIPOSettings, compute_advantages
+from megatron_rl.config import JobConfig, validate
+from megatron_rl.controller.channels import Outbox, recv_object
+from megatron_rl.controller.schedule import generation_version, pull_before_batch, push_after_step
+from megatron_rl.controller.tasks import AdditionTask, Problem
+from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+from megatron_rl.rollout import RolloutBatch
+
+
+@dataclass
+class Rollouts:
+    """What a generator replica sends the controller for one batch."""
+
+    batch: int
+    version: int
+    prompt_ids: list[list[int]]
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    rewards: list[float]
+    group_ids: list[int]
+    texts: list[str]
+    gen_s: float
+    reward_s: float
+    wait_s: float
+    eval_reward: Optional[float] = None
+
+
+def _placements(cfg: JobConfig) -> list[ExecutorPlacement]:
+    t = ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp)
+    g = ParallelLayout(cfg.generator.tp, cfg.generator.pp, cfg.generator.dp)
+    first = 0 if cfg.generator.colocated else t.size
+    return [ExecutorPlacement("trainer", t, 0), ExecutorPlacement("generator", g, first)]
+
+
+def _pack(rollouts: list[Rollouts], pad_id: int) -> RolloutBatch:
+    prompts = [p for r in rollouts for p in r.prompt_ids]
+    tokens = [t for r in rollouts for t in r.token_ids]
+    lps = [lp for r in rollouts for lp in r.logprobs]
+    n = len(prompts)
+    s = max(len(p) + len(t) for p, t in zip(prompts, tokens))
+    toks = torch.full((n, s), pad_id, dtype=torch.long)
+    logp = torch.zeros(n, s)
+    for i, (p, t, lp) in enumerate(zip(prompts, tokens, lps)):
+        toks[i, : len(p) + len(t)] = torch.tensor(p + t)
+        logp[i, len(p): len(p) + len(t)] = torch.tensor(lp)
+    rewards = torch.tensor([x for r in rollouts for x in r.rewards])
+    groups = torch.tensor([x for r in rollouts for x in r.group_ids])
+    versions = torch.tensor([r.version for r in rollouts for _ in r.rewards])
+    return RolloutBatch(toks, torch.tensor([len(p) for p in prompts]), torch.tensor([len(t) for t in tokens]),
+                        logp, rewards, groups, versions)
+
+
+class Job:
+    def __init__(self, cfg: JobConfig, run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.rank = dist.get_rank()
+        self.model_cfg = validate(cfg, dist.get_world_size())
+        self.topo = build_topology(_placements(cfg))
+        self.t, self.g = self.topo["trainer"], self.topo["generator"]
+        trainer_ranks = list(self.t.placement.ranks)
+        # Generator replica leaders (tp_rank 0) talk to the controller (rank 0).
+        gl = self.g.layout
+        self.leaders = [self.g.placement.first_rank + gl.local_rank(0, 0, d) for d in range(gl.dp)]
+        self.trainer_ctl = dist.new_group(trainer_ranks, backend="gloo")
+        self.ctl = dist.new_group(sorted({0, *self.leaders}), backend="gloo")
+        from megatron_rl.tokenizers import ByteTokenizer
+
+        self.tok = ByteTokenizer()
+        if self.model_cfg.vocab_size < self.tok.vocab_size:
+            raise ValueError(f"model vocab {self.model_cfg.vocab_size} is smaller than the byte tokenizer's 259")
+        self.task = AdditionTask(max_operand=20, eval_size=cfg.data.eval_size, seed=cfg.run.seed)
+        self._build_models()
+
+    # ---- executors ---------------------------------------------------------------------------------------------
+    def _build_models(self) -> None:
+        from megatron_rl.ddma.sync import WeightSync
+        from megatron_rl.inference import Generator
+        from megatron_rl.models import build_gpt_model
+        from megatron_rl.training.engine import OptimSettings
+        from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
+
+        cfg, m = self.cfg, self.model_cfg
+        self.trainer = self.generator = None
+        if self.t.is_member:
+            model = build_gpt_model(m, self.t.layout, self.t.pgs, attention=cfg.trainer.attention, seed=cfg.run.seed)
+            a = cfg.algorithm
+            settings = RLTrainerSettings(
+                micro_batch_size=cfg.trainer.micro_batch_size, temperature=cfg.rollout.temperature,
+                aipo=AIPOSettings(rho=a.rho, normalization=a.normalization, ppo_clip=a.ppo_clip,
+                                  kl_coef=a.kl_coef, entropy_coef=a.entropy_coef),
+                optim=OptimSettings(lr=cfg.trainer.warmup_lr, min_lr=cfg.trainer.warmup_lr / 10,
+                                    warmup_steps=10, total_steps=max(cfg.trainer.warmup_steps_sft, 11),
+                                    lr_decay_style="cosine", clip_grad=cfg.trainer.clip_grad,
+                                    use_distributed_optimizer=cfg.trainer.use_distributed_optimizer,
+                                    max_nonfinite_steps=cfg.trainer.max_nonfinite_steps))
+            self.trainer = RLTrainer(model, m, self.t, settings)
+        if self.g.is_member:
+            gmodel = build_gpt_model(m, self.g.layout, self.g.pgs, attention=cfg.generator.attention,
+                                     seed=cfg.run.seed + 1)
+            self.gen_model = gmodel
+            self.generator = Generator(gmodel, m.vocab_size, self.g.pgs.tp,
+                                       max_batch_size=cfg.generator.max_batch_size,
+                                       max_len=cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens,
+                                       tokenizer=self.tok)
+        self.sync = WeightSync(m, self.t, self.g)
+
+    def _push_weights(self, version: int) -> float:
+        t0 = time.perf_counter()
+        trainer_model = self.trainer.model if self.trainer is not None else None
+        gen_model = self.gen_model if self.generator is not None else None
+        self.sync.sync(trainer_model=trainer_model, generator_model=gen_model,
+                       step=version if self.trainer is not None else None)
+        if self.generator is not None:
+            self.generator.weight_version = version
+        return time.perf_counter() - t0
+
+    # ---- warm start ----------------------------------------------------------------------------------------------
+    def _warm_start(self, log) -> None:
+        """Supervised next-token training on the task's answers (trainer ranks), so RL starts from a policy that
+        solves some problems: a random tiny model never sees a reward."""
+        from megatron_rl.training.lm_loss import make_lm_loss
+
+        steps = self.cfg.trainer.warmup_steps_sft
+        if not steps or self.trainer is None:
+            return
+        engine = self.trainer.engine
+        loss_fn = make_lm_loss(self.t.pgs.tp, self.model_cfg.vocab_size)
+        bs = 32
+        for step in range(steps):
+            probs = self.task.train_batch(10_000_000 + step, bs * self.t.layout.dp)
+            mine = probs[self.t.dp_rank * bs:(self.t.dp_rank + 1) * bs]
+            enc = [(self.tok.encode(p.prompt, add_bos=True), self.tok.encode(p.answer) + [self.tok.eos_id])
+                   for p in mine]
+            width = max(len(a) + len(b) for a, b in enc)
+            toks = torch.full((bs, width), self.tok.pad_id, dtype=torch.long)
+            mask = torch.zeros(bs, width)
+            for i, (a, b) in enumerate(enc):
+                toks[i, : len(a) + len(b)] = torch.tensor(a + b)
+                mask[i, len(a): len(a) + len(b)] = 1
+            metrics = engine.step([{"tokens": toks, "loss_mask": mask}], loss_fn)
+            log(step, steps, f"warm-start loss {metrics['loss']:.3f}")
+        engine.set_constant_lr(self.cfg.trainer.lr)
+
+    # ---- generator side ------------------------------------------------------------------------------------------
+    def _generate(self, batch: int, version: int, wait_s: float, evaluate: bool) -> Optional[Rollouts]:
+        from megatron_rl.inference import GenerationRequest, SamplingParams
+
+        r = self.cfg.rollout
+        per = r.prompts_per_step
+        problems = self.task.train_batch(batch, per)
+        dp, d = self.g.layout.dp, self.g.dp_rank
+        mine = list(range(per))[d::dp]
+        params = lambda seed, n: SamplingParams(  # noqa: E731
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+            stop_token_ids=(self.tok.eos_id,), n=n, seed=seed)
+        t0 = time.perf_counter()
+        reqs = [GenerationRequest(self.tok.encode(problems[i].prompt, add_bos=True),
+                                  params(self.cfg.run.seed * 7919 + batch * 1000 + i, r.samples_per_prompt))
+                for i in mine]
+        outs = self.generator.generate(reqs)
+        gen_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rewards, groups = [], []
+        for j, o in enumerate(outs):
+            p = problems[mine[j // r.samples_per_prompt]]
+            rewards.append(self.task.score(p, self.tok.decode(o.token_ids)))
+            groups.append(mine[j // r.samples_per_prompt])
+        reward_s = time.perf_counter() - t0
+        eval_reward = self._evaluate() if evaluate else None
+        if self.g.tp_rank != 0:
+            return None
+        return Rollouts(batch, version, [o.prompt_ids for o in outs], [o.token_ids for o in outs],
+                        [o.logprobs for o in outs], rewards, groups, [self.tok.decode(o.token_ids) for o in outs[:4]],
+                        gen_s, reward_s, wait_s, eval_reward)
+
+    def _evaluate(self) -> float:
+        """Mean reward on the held-out problems, sampled as in training (this replica's share, all replicas
+        see the same set; replicas hold the same weights)."""
+        from megatron_rl.inference import GenerationRequest, SamplingParams
+
+        r = self.cfg.rollout
+        problems = self.task.eval_problems()
+        reqs = [GenerationRequest(self.tok.encode(p.prompt, add_bos=True),
+                                  SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                                 max_new_tokens=r.max_new_tokens, stop_token_ids=(self.tok.eos_id,),
+                                                 n=4, seed=424242 + i))
+                for i, p in enumerate(problems)]
+        outs = self.generator.generate(reqs)
+        scores = [self.task.score(problems[j // 4], self.tok.decode(o.token_ids)) for j, o in enumerate(outs)]
+        return sum(scores) / len(scores)
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def run(self, progress=None) -> list[dict]:
+        cfg = self.cfg
+        n, s = cfg.run.steps, (cfg.rollout.staleness if cfg.rollout.mode == "async" else 0)
+        log = progress or (lambda *a: None)
+        t_start = time.perf_counter()
+        self._warm_start(log)
+        warm_s = time.perf_counter() - t_start
+        self._push_weights(0)
+        self._pending: dict[int, Rollouts] = {}
+        self._outbox = None
+        rows: list[dict] = []
+        colocated = self.trainer is not None and self.generator is not None
+        if colocated:
+            # Same ranks: no overlap is possible, but the versions follow the same schedule. Before trainer step
+            # k the generator holds version k and produces batch k + s (batches 0..s-1 come from version 0).
+            for k in range(min(s, n)):
+                self._produce(k, 0.0)
+            for k in range(n):
+                if k > 0:
+                    self._push_weights(k)
+                if k + s < n:
+                    self._produce(k + s, 0.0)
+                self._consume(k, n, rows, log)
+        elif self.generator is not None:
+            for k in range(n):
+                wait = 0.0
+                if pull_before_batch(k, s):
+                    t0 = time.perf_counter()
+                    self._push_weights(generation_version(k, s))
+                    wait = time.perf_counter() - t0
+                self._produce(k, wait)
+        else:
+            for k in range(n):
+                self._consume(k, n, rows, log)
+                if push_after_step(k, n, s):
+                    self._push_weights(k + 1)
+        if self._outbox is not None:
+            self._outbox.flush()
+        for r in rows:
+            r["warm_start_s"] = warm_s
+        return rows
+
+    def _produce(self, k: int, wait: float) -> None:
+        n, s = self.cfg.run.steps, (self.cfg.rollout.staleness if self.cfg.rollout.mode == "async" else 0)
+        evaluate = k % max(self.cfg.run.eval_interval, 1) == 0 or k == n - 1
+        out = self._generate(k, generation_version(k, s), wait, evaluate)
+        if out is None:
+            return
+        if self.rank == 0:
+            self._pending[k] = out
+        else:
+            if self._outbox is None:
+                self._outbox = Outbox(0, self.ctl)
+            self._outbox.send(out)
+
+    def _consume(self, k: int, n: int, rows: list, log) -> None:
+        row = self._train_step(k, n, 0)
+        if row is not None:
+            rows.append(row)
+            ev = row.get("eval/reward")
+            log(k + 1, n, f"reward {row['reward']:.2f}" + (f" eval {ev:.2f}" if ev is not None else ""))
+
+    def _train_step(self, k: int, n: int, s: int) -> Optional[dict]:
+        t0 = time.perf_counter()
+        msg = None
+        if self.rank == 0:
+            parts = []
+            for leader in self.leaders:
+                if leader == 0:
+                    parts.append(self._pending.pop(k))
+                else:
+                    parts.append(recv_object(leader, self.ctl))
+            batch = _pack(parts, self.tok.pad_id)
+            batch.advantages = compute_advantages(batch.rewards, batch.group_ids, self.cfg.algorithm.advantage)
+            msg = [batch, parts]
+        else:
+            msg = [None, None]
+        recv_s = time.perf_counter() - t0
+        dist.broadcast_object_list(msg, src=0, group=self.trainer_ctl)
+        batch, parts = msg
+        t1 = time.perf_counter()
+        metrics = self.trainer.step(batch)
+        train_s = time.perf_counter() - t1
+        if self.rank != 0:
+            return None
+        row = {"step": k, "version_trained": k, "generated_with_version": parts[0].version,
+               "staleness": k - parts[0].version, "reward": float(batch.rewards.mean()),
+               "time/generation_s": max(p.gen_s for p in parts), "time/reward_s": max(p.reward_s for p in parts),
+               "time/train_s": train_s, "time/trainer_wait_s": recv_s,
+               "time/generator_wait_s": max(p.wait_s for p in parts), "samples": texts_of(parts)}
+        evals = [p.eval_reward for p in parts if p.eval_reward is not None]
+        if evals:
+            row["eval/reward"] = sum(evals) / len(evals)
+            row["eval/version"] = parts[0].version
+        for key in ("loss", "grad_norm", "lr", "is_weight_mean", "is_weight_max", "is_truncated_frac", "kl_mu_pi",
+                    "entropy", "response_length", "tokens_per_s", "skipped"):
+            v = metrics.get(key)
+            row[key] = float(v) if isinstance(v, (int, float, bool)) and not isinstance(v, str) else v
+        row["time/total_s"] = time.perf_counter() - t0
+        return row
+
+
+def texts_of(parts) -> list[str]:
+    return [t for p in parts for t in p.texts][:4]
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")

@@ -1,0 +1,77 @@
+"""`megatron-rl train`: start the ranks of one machine, run the job, write metrics, a plot and a summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from megatron_rl.config import JobConfig, validate
+
+
+def _job_worker(rank: int, world_size: int, cfg: JobConfig, run_dir: str) -> dict:
+    from megatron_rl.controller.job import Job
+    from megatron_rl.controller.metrics import MetricsWriter
+
+    job = Job(cfg, Path(run_dir))
+    writer = MetricsWriter(Path(run_dir)) if rank == 0 else None
+    t0 = time.perf_counter()
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.trainer.warmup_steps_sft + cfg.run.steps, desc="megatron-rl", unit="step",
+                   file=sys.stderr, dynamic_ncols=True)
+
+    def progress(step, total, text):
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(text, refresh=False)
+
+    rows = job.run(progress)
+    if rank == 0:
+        bar.close()
+        for r in rows:
+            writer.write(r)
+        writer.close()
+    return {"rows": rows, "time_s": time.perf_counter() - t0}
+
+
+def train(cfg: JobConfig) -> dict:
+    """Run the job on this machine with as many processes as its executors need; returns the summary."""
+    from megatron_rl.controller.metrics import plot_run
+    from megatron_rl.parallel.spawn import run_local
+
+    world = cfg.world_size_needed
+    validate(cfg, world)
+    run_dir = Path(cfg.checkpoint.dir) / cfg.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    t0 = time.perf_counter()
+    results = run_local(_job_worker, world, cfg, str(run_dir), timeout=3600)
+    wall = time.perf_counter() - t0
+    rows = results[0]["rows"]
+    evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
+    summary = {
+        "run_dir": str(run_dir), "steps": len(rows), "wall_time_s": round(wall, 1),
+        "warm_start_s": round(rows[0]["warm_start_s"], 1) if rows else None,
+        "eval_reward_start": evals[0] if evals else None, "eval_reward_end": evals[-1] if evals else None,
+        "eval_reward_gain": (evals[-1] - evals[0]) if len(evals) > 1 else None,
+        "mean_step_s": sum(r["time/total_s"] for r in rows) / max(len(rows), 1),
+        "mode": cfg.rollout.mode, "staleness": cfg.rollout.staleness if cfg.rollout.mode == "async" else 0,
+    }
+    plot = plot_run(rows, run_dir / "metrics.png",
+                    title=f"{cfg.model.preset}: {cfg.rollout.mode} AIPO, trainer tp={cfg.trainer.tp}, "
+                          f"generator tp={cfg.generator.tp} dp={cfg.generator.dp}")
+    summary["plot"] = str(plot) if plot else None
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def config_dict(cfg: JobConfig) -> dict:
+    return dataclasses.asdict(cfg)
