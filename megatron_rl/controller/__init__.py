@@ -1,0 +1,1 @@
+"""The single controller: executors in one world, the (a)synchronous schedule, the default job."""
