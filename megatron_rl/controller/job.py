@@ -7,8 +7,6 @@ writes the metrics. Control messages are small pickled objects over gloo groups;
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +19,7 @@ from megatron_rl.algorithms import AIPOSettings, compute_advantages
 from megatron_rl.config import JobConfig, validate
 from megatron_rl.controller.channels import Outbox, recv_object
 from megatron_rl.controller.schedule import generation_version, pull_before_batch, push_after_step
-from megatron_rl.controller.tasks import AdditionTask, Problem
+from megatron_rl.controller.tasks import AdditionTask
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 from megatron_rl.rollout import RolloutBatch
 
@@ -266,13 +264,13 @@ class Job:
             self._outbox.send(out)
 
     def _consume(self, k: int, n: int, rows: list, log) -> None:
-        row = self._train_step(k, n, 0)
+        row = self._train_step(k)
         if row is not None:
             rows.append(row)
             ev = row.get("eval/reward")
             log(k + 1, n, f"reward {row['reward']:.2f}" + (f" eval {ev:.2f}" if ev is not None else ""))
 
-    def _train_step(self, k: int, n: int, s: int) -> Optional[dict]:
+    def _train_step(self, k: int) -> Optional[dict]:
         t0 = time.perf_counter()
         msg = None
         if self.rank == 0:
@@ -315,13 +313,3 @@ class Job:
 def texts_of(parts) -> list[str]:
     return [t for p in parts for t in p.texts][:4]
 
-
-def finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
