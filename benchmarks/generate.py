@@ -101,11 +101,14 @@ def run_ours(cfg, full, batch, prompt_len, new, dtype, device):
 def run_hf(hf, prompts, new):
     device = next(hf.parameters()).device
     x = prompts.to(device)
-    hf.generate(x[:2], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-    sync()
-    t = time.perf_counter()
-    out = hf.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-                      attention_mask=torch.ones_like(x))
+    from megatron_rl.compat import suspended
+
+    with suspended():  # transformers runs as it would without our CPU layer
+        hf.generate(x[:2], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        sync()
+        t = time.perf_counter()
+        out = hf.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                          attention_mask=torch.ones_like(x))
     sync()
     elapsed = time.perf_counter() - t
     return (out.shape[0] * (out.shape[1] - x.shape[1])) / elapsed, out[0, x.shape[1]:].tolist()

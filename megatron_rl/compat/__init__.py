@@ -7,6 +7,6 @@ the pipeline schedules, vocab-parallel cross entropy, dist_checkpointing) runs u
 `activate()` is a no-op when `torch.cuda.is_available()` is true: on a GPU machine nothing is patched.
 """
 
-from megatron_rl.compat.cpu import activate, is_active
+from megatron_rl.compat.cpu import activate, is_active, suspended
 
-__all__ = ["activate", "is_active"]
+__all__ = ["activate", "is_active", "suspended"]

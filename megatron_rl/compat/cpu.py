@@ -151,6 +151,19 @@ def _enter_mode_in_new_threads() -> None:
     _patch(threading.Thread, "_bootstrap_inner", bootstrap_inner)
 
 
+@contextlib.contextmanager
+def suspended():
+    """Run a hot loop without the device redirect: every torch call under the mode pays a Python round trip.
+
+    Only for code that places tensors on the devices of existing tensors (the generator's decode loop), never
+    for Megatron-Core code that names CUDA devices."""
+    if not _state["active"]:
+        yield
+        return
+    with torch._C.DisableTorchFunction():
+        yield
+
+
 def is_active() -> bool:
     """True when the CPU redirections are installed in this process."""
     return _state["active"]

@@ -185,11 +185,15 @@ class Generator:
                 seed = (int(base) * 1_000_003 + k) & 0x7FFFFFFF
                 pending.append(_Seq(len(outputs) - 1, k, list(r.prompt_ids), r.params, seed, r.request_id))
         if pending:
+            from megatron_rl.compat import suspended
+
             longest = max(len(s.prompt) + s.params.max_new_tokens for s in pending)
             # Round the cache length up so that consecutive batches reuse the cache and its captured graphs.
             max_len = min(-(-longest // 128) * 128, self.max_len)
             cache = self._cache_for(min(self.max_batch_size, len(pending)), max_len)
-            self._run(pending, cache, device)
+            self.forward.prepare(cache.max_len)  # Megatron-Core's RoPE table names the CUDA device: build it here
+            with suspended():  # the decode loop allocates only on the model's device
+                self._run(pending, cache, device)
         for s in pending:
             text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
             outputs[s.req] = GenerationOutput(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish,

@@ -64,6 +64,10 @@ class IncrementalForward:
         p = next(self.model.parameters())
         return KVCache.allocate(len(self.layers), slots, self.groups, max_len, self.head_dim, p.dtype, p.device)
 
+    def prepare(self, max_len: int) -> None:
+        """Build what the loop needs outside it (the RoPE table for `max_len` positions)."""
+        self._rope_angles(max_len)
+
     def _rope_angles(self, max_len: int) -> torch.Tensor:
         if self._rope is None or self._rope.shape[0] < max_len:
             self._rope = self.model.rotary_pos_emb(max_len)  # [max_len, 1, 1, head_dim] angles
