@@ -88,6 +88,20 @@ def cmd_reshard_check(args) -> int:
     return 0 if summary["ok"] else 1
 
 
+def cmd_convert(args) -> int:
+    from pathlib import Path
+
+    from megatron_rl.checkpointing.convert import ConversionError, convert
+
+    try:
+        summary = convert(Path(args.src), Path(args.dst), args.to, dtype=args.dtype, overwrite=args.overwrite)
+    except ConversionError as e:
+        print(f"megatron-rl: convert: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved, validated configuration as YAML")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
+    p = sub.add_parser("convert", help="convert HF Llama (directory or GGUF) <-> Megatron distributed checkpoint")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", required=True, choices=["megatron", "hf"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_convert)
     p = sub.add_parser("presets", help="list the model presets")
     p.set_defaults(func=cmd_presets)
     p = sub.add_parser("reshard-check", help="run DDMA between two layouts on local processes and check every bit")

@@ -1,0 +1,1 @@
+"""Checkpoints: conversion between Hugging Face Llama and Megatron-Core distributed checkpoints."""
