@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from megatron_rl.models.presets import ModelConfig
+from megatron_rl.models.presets import ModelConfig, pad_vocab
 from megatron_rl.parallel.layout import ParallelLayout
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -58,8 +58,7 @@ class ModelShape:
         return self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tp: int) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
+        return pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
     def architecture(self) -> tuple:
         """Everything but the vocabulary padding rule, which may differ between executors."""

@@ -6,6 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 
 
+def pad_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocabulary: a multiple of `divisible_by * tp` (so it depends on TP)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
 @dataclass
 class ModelConfig:
     """Shape of a Llama-family decoder. Field names follow Megatron-Core's TransformerConfig where one exists."""
@@ -33,8 +39,7 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tp: int) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
+        return pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
     def num_parameters(self, tp: int = 1) -> int:
         """Parameters of the unsharded model (padded vocabulary at the given TP)."""
