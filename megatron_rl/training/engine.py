@@ -71,6 +71,21 @@ def _uses_local_attention(model: torch.nn.Module) -> bool:
     return any(isinstance(m, DotProductAttention) for m in model.modules())
 
 
+def _use_fused_adam(optimizer) -> None:
+    """Without transformer-engine or apex, Megatron-Core steps torch's AdamW with its multi-tensor (foreach) path;
+    torch's single-kernel fused path is faster on GPUs and computes the same update. Switch groups whose
+    parameters are all CUDA floating-point tensors (the fp32 main-weight shards of the distributed optimizer)."""
+    if not torch.cuda.is_available():
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if group["params"] and all(p.is_cuda and p.is_floating_point() for p in group["params"]):
+                group["fused"], group["foreach"] = True, False
+
+
 @contextlib.contextmanager
 def _world_is(group):
     """Make the default group mean `group` for the duration of a call.
@@ -164,6 +179,7 @@ class TrainEngine:
         )
         with _world_is(pgs.intra_dist_opt):
             optimizer = get_megatron_optimizer(opt_config, [ddp], pg_collection=pgs, use_gloo_process_groups=False)
+        _use_fused_adam(optimizer)
         scheduler = OptimizerParamScheduler(
             optimizer,
             init_lr=0.0 if settings.warmup_steps else settings.lr,
