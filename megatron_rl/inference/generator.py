@@ -200,7 +200,8 @@ class Generator:
                                               self.weight_version, text=text)
         n_tokens = sum(len(s.tokens) for s in pending)
         elapsed = time.perf_counter() - t0
-        self.stats = {"generated_tokens": n_tokens, "time_s": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9)}
+        self.stats = {"generated_tokens": n_tokens, "time_s": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9),
+                      "cuda_graph": any(step.graph is not None for step in self._steps.values())}
         return outputs  # type: ignore[return-value]
 
     def _prefill(self, admitted: list[_Seq], cache, device) -> None:
