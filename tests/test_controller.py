@@ -42,3 +42,11 @@ def test_short_job_end_to_end(tmp_path, mode):
     assert [r["step"] for r in rows if "eval/reward" in r] == [0, 2, 3]
     assert summary["steps"] == 4 and (tmp_path / "t" / "metrics.png").exists()
     assert (tmp_path / "t" / "config.yaml").exists()
+
+
+def test_jobs_that_cannot_run_yet_fail_before_starting_processes():
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "-c", "configs/smollm2-gsm8k.yaml"],
+                         capture_output=True, text=True, timeout=120,
+                         cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
+    assert out.returncode == 2
+    assert "data.dataset='gsm8k' is not yet available" in out.stderr

@@ -48,6 +48,12 @@ def train(cfg: JobConfig) -> dict:
 
     world = cfg.world_size_needed
     validate(cfg, world)
+    if cfg.data.dataset != "synthetic-arithmetic":
+        from megatron_rl.config import ConfigError
+
+        raise ConfigError(f"data.dataset={cfg.data.dataset!r} is not yet available to the job: it runs the built-in "
+                          f"'synthetic-arithmetic' task with the byte tokenizer (GSM8K/MATH jobs need checkpoint "
+                          f"loading and the tokenizer of the model, not wired yet)")
     run_dir = Path(cfg.checkpoint.dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
