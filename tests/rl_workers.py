@@ -13,6 +13,26 @@ from megatron_rl.training.engine import OptimSettings
 from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
 
 
+def random_full_state(seed: int = 0) -> dict:
+    """Full (TP=1) weights of the tiny preset, random but well scaled, so a step visibly moves them."""
+    cfg = get_preset("tiny")
+    g = torch.Generator().manual_seed(seed)
+    h, f, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
+    full = {"embedding.word_embeddings.weight": torch.randn(cfg.vocab_size, h, generator=g) * 0.5,
+            "output_layer.weight": torch.randn(cfg.vocab_size, h, generator=g) * 0.1,
+            "decoder.final_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
+    for i in range(L):
+        p = f"decoder.layers.{i}."
+        full[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        full[p + "pre_mlp_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        full[p + "self_attention.linear_qkv.weight"] = torch.randn(qkv, h, generator=g) * 0.1
+        full[p + "self_attention.linear_proj.weight"] = torch.randn(h, h, generator=g) * 0.1
+        full[p + "mlp.linear_fc1.weight"] = torch.randn(2 * f, h, generator=g) * 0.1
+        full[p + "mlp.linear_fc2.weight"] = torch.randn(h, f, generator=g) * 0.1
+    return full
+
+
 def make_rollouts(vocab: int, n: int = 8, s: int = 20, seed: int = 0, nan_at=None) -> RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (n, s), generator=g)

@@ -4,31 +4,13 @@ import pytest
 import torch
 
 from megatron_rl.parallel.spawn import run_local
-from rl_workers import rl_step_worker
+from rl_workers import random_full_state, rl_step_worker
 
 
 @pytest.fixture(scope="module")
 def state_path(tmp_path_factory):
-    from megatron_rl.models import get_preset
-    from megatron_rl.models.presets import ModelConfig  # noqa: F401
-
-    cfg = get_preset("tiny")
-    g = torch.Generator().manual_seed(0)
-    h, f, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
-    full = {"embedding.word_embeddings.weight": torch.randn(cfg.vocab_size, h, generator=g) * 0.5,
-            "output_layer.weight": torch.randn(cfg.vocab_size, h, generator=g) * 0.1,
-            "decoder.final_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
-    for i in range(L):
-        p = f"decoder.layers.{i}."
-        full[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
-        full[p + "pre_mlp_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
-        full[p + "self_attention.linear_qkv.weight"] = torch.randn(qkv, h, generator=g) * 0.1
-        full[p + "self_attention.linear_proj.weight"] = torch.randn(h, h, generator=g) * 0.1
-        full[p + "mlp.linear_fc1.weight"] = torch.randn(2 * f, h, generator=g) * 0.1
-        full[p + "mlp.linear_fc2.weight"] = torch.randn(h, f, generator=g) * 0.1
     path = tmp_path_factory.mktemp("rl") / "full.pt"
-    torch.save(full, path)
+    torch.save(random_full_state(), path)
     return str(path)
 
 

@@ -1,0 +1,372 @@
+"""Training checkpoints: one sharded, reshardable checkpoint per saved step, written atomically.
+
+Layout of a run's checkpoint root (see checkpoints/README.md):
+
+    ROOT/step_00000042/           one complete checkpoint (the name is the number of trainer steps done)
+        megatron_rl.json          format, step, weight version, the layout it was written with, model shape,
+                                  tokenizer, and a manifest (every file with its size) written last
+        model/                    Megatron-Core dist_checkpointing (torch_dist) of the GPTModel: the same as a
+                                  converted checkpoint, so `convert --to hf`, `eval` and `inspect` read it
+        optimizer/                dist_checkpointing of the optimizer in its fully reshardable form (the
+                                  distributed optimizer's state per parameter, not per DP bucket), the LR
+                                  scheduler and the trainer's counters
+        rng/rank_00000.pt         per-rank RNG states (restored when the layout is unchanged)
+        rl_state.pt               the controller's state: next step, weight version, rollouts of batches that
+                                  were generated with weights older than this checkpoint (they cannot be
+                                  regenerated after a restart), counters
+    ROOT/step_00000050.tmp/       a write in progress (or killed midway): never read, removed by the next save
+    ROOT/latest                   the name of the newest complete checkpoint, replaced atomically after the
+                                  rename, so it never points at a partial write
+
+Every rank of the torch.distributed world calls `save` / `load` (dist_checkpointing coordinates over the default
+group); ranks that hold no trainer state (generator executors) pass `engine=None` and write nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "megatron-rl/train"
+META = "megatron_rl.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+# The distributed optimizer's state is saved per parameter (canonical form), so it loads at any TP/PP/DP.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the path and what is wrong, in one line."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _failpoint(name: str, tag: str = "") -> None:
+    """Fault injection for the crash tests: `MEGATRON_RL_FAILPOINT=<name>` or `<name>:<tag>` kills this whole
+    process group here, as a node failure would (no cleanup, no exception handlers)."""
+    if os.environ.get("MEGATRON_RL_FAILPOINT") in (name, f"{name}:{tag}"):
+        import signal
+
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _manifest(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _rng_state() -> dict:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state["tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _model_sharded_state_dict(engine) -> dict:
+    return engine.model.module.sharded_state_dict(metadata={"dp_cp_group": engine.pgs.dp_cp})
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """A fresh DistributedOptimizer has no Adam state yet, and without apex/TE its `state_dict()` needs the
+    per-parameter `step` that only a real step creates. Megatron-Core's own remedy: one step on zero gradients,
+    whose values the load then overwrites in place."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+@contextlib.contextmanager
+def _torch_adam_step_tolerated():
+    """Megatron-Core 0.16 restores torch Adam's per-parameter `step` from the param groups, then copies every
+    state key of the live optimizer from the checkpoint's per-parameter tensors, which do not carry `step`
+    (KeyError 'step' without apex/TE). During our load, the step already set is passed through unchanged."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"].clone()}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Megatron-Core's load gives every parameter's torch Adam state the *same* `step` tensor object; torch
+    increments each parameter's step in place, so a shared tensor advances once per parameter per update and
+    the bias correction goes wrong from the first step after a resume. Give each parameter its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _optimizer_sharded_state_dict(engine, model_sd: dict, is_loading: bool) -> dict:
+    metadata = dict(_OPTIM_METADATA, dp_cp_group=engine.pgs.dp_cp)
+    return {
+        "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata),
+        "scheduler": engine.scheduler.state_dict(),
+        "engine": {"steps_done": engine.steps_done, "nonfinite_total": engine.nonfinite_total,
+                   "nonfinite_in_a_row": engine.nonfinite_in_a_row},
+    }
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete-looking checkpoint directories under `root`, oldest first (`*.tmp*` writes excluded)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def read_latest(root: Path) -> Optional[Path]:
+    """The checkpoint `ROOT/latest` names, or None when there is no pointer."""
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    if not _STEP_DIR.match(name):
+        raise CheckpointError(f"{pointer}: does not name a checkpoint directory (content {name!r})")
+    return root / name
+
+
+def verify(path: Path) -> dict:
+    """Check a checkpoint is complete and unmodified (every file of the manifest present with its size);
+    returns its metadata, else raises CheckpointError naming what is wrong."""
+    path = Path(path)
+    meta_path = path / META
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    if ".tmp" in path.name:
+        raise CheckpointError(f"{path}: incomplete checkpoint (a write that never finished)")
+    if not meta_path.exists():
+        raise CheckpointError(f"{path}: incomplete checkpoint ({META} missing)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{meta_path}: corrupt ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a training checkpoint (format {meta.get('format')!r})")
+    for rel, size in meta.get("files", {}).items():
+        f = path / rel
+        if not f.exists():
+            raise CheckpointError(f"{path}: corrupt checkpoint ({rel} missing)")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{path}: corrupt checkpoint ({rel} has {f.stat().st_size} bytes, "
+                                  f"{size} were written)")
+    return meta
+
+
+@dataclasses.dataclass
+class TrainCheckpointer:
+    """Saves and finds the training checkpoints of one run under `root`."""
+
+    root: Path
+    keep_last: int = 2
+
+    def __post_init__(self):
+        self.root = Path(self.root)
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+
+    # ---- save ------------------------------------------------------------------------------------------------
+    def save(self, step: int, engine=None, *, layout=None, model_cfg=None, rl_state: Optional[dict] = None,
+             tokenizer: Optional[dict] = None, extra: Optional[dict] = None) -> Path:
+        """Collective over the world. Trainer ranks pass their TrainEngine (and the layout / model shape);
+        the controller (rank 0) passes `rl_state`. Returns the final checkpoint path."""
+        from megatron.core import dist_checkpointing
+
+        rank = dist.get_rank()
+        name = step_dir_name(step)
+        final, tmp = self.root / name, self.root / f"{name}.tmp"
+        t0 = time.perf_counter()
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            for sub in ("model", "optimizer", "rng"):
+                (tmp / sub).mkdir(parents=True)
+        dist.barrier()
+        if engine is not None:
+            model_sd = _model_sharded_state_dict(engine)
+            dist_checkpointing.save(model_sd, str(tmp / "model"))
+        else:
+            dist_checkpointing.save({}, str(tmp / "model"))
+        _failpoint("checkpoint_between_model_and_optimizer", name)
+        if engine is not None:
+            optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=False)
+            dist_checkpointing.save(optim_sd, str(tmp / "optimizer"))
+            torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        else:
+            dist_checkpointing.save({}, str(tmp / "optimizer"))
+        if rank == 0 and rl_state is not None:
+            torch.save(rl_state, tmp / "rl_state.pt")
+        dist.barrier()
+        if rank == 0:
+            meta = {
+                "format": FORMAT, "step": step,
+                "weight_version": (rl_state or {}).get("weight_version", step),
+                "layout": dataclasses.asdict(layout) if layout is not None else None,
+                "world_size": dist.get_world_size(),
+                "dtype": (str(next(engine.model.module.parameters()).dtype).replace("torch.", "")
+                          if engine is not None else None),
+                "model": dataclasses.asdict(model_cfg) if model_cfg is not None else None,
+                "tokenizer": tokenizer, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **(extra or {}),
+            }
+            meta["files"] = _manifest(tmp)
+            _fsync_write(tmp / META, json.dumps(meta, indent=2))
+            _failpoint("checkpoint_before_rename", name)
+            if final.exists():  # an earlier run saved this step (e.g. a resume that repeats it): replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            pointer_tmp = self.root / f"{LATEST}.tmp"
+            _fsync_write(pointer_tmp, name + "\n")
+            os.replace(pointer_tmp, self.root / LATEST)
+            _fsync_dir(self.root)
+            self._prune(keep=final)
+        dist.barrier()
+        self.last_save_s = time.perf_counter() - t0
+        return final
+
+    def _prune(self, keep: Path) -> None:
+        complete = [p for _, p in list_checkpoints(self.root)]
+        for p in complete[: max(len(complete) - self.keep_last, 0)]:
+            if p != keep:
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self.root.glob("step_*.tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    # ---- find and load ---------------------------------------------------------------------------------------
+    def find(self, fallback: bool = False) -> Optional[Path]:
+        """The checkpoint to resume from: the one `latest` names, verified. None when the run has none.
+
+        A corrupt or incomplete latest checkpoint is an error naming it, unless `fallback` asks for the newest
+        earlier checkpoint that verifies."""
+        latest = read_latest(self.root)
+        if latest is None:
+            if list_checkpoints(self.root):
+                raise CheckpointError(f"{self.root}: checkpoints present but no '{LATEST}' pointer; pass the "
+                                      f"step directory explicitly or restore the pointer")
+            return None
+        try:
+            verify(latest)
+            return latest
+        except CheckpointError as e:
+            if not fallback:
+                older = [p.name for s, p in list_checkpoints(self.root) if p != latest]
+                hint = (f"; set checkpoint.fallback=true to resume from {older[-1]}" if older else "")
+                raise CheckpointError(f"{e}{hint}") from None
+        for _, p in reversed(list_checkpoints(self.root)):
+            if p == latest:
+                continue
+            try:
+                verify(p)
+                return p
+            except CheckpointError:
+                continue
+        raise CheckpointError(f"{self.root}: no loadable checkpoint (latest {latest.name} is corrupt)")
+
+    def load(self, path: Path, engine=None) -> dict:
+        """Collective over the world: restores model, optimizer, scheduler, counters (trainer ranks) and, when
+        the world and layout are those it was written with, the RNG states. Returns the metadata plus
+        `rl_state` (the controller's state, on every rank)."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        meta = verify(path)
+        if engine is not None:
+            _ensure_optimizer_state(engine.optimizer)
+            model_sd = _model_sharded_state_dict(engine)
+            state = dist_checkpointing.load(model_sd, str(path / "model"))
+            engine.model.module.load_state_dict(state)
+            optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=True)
+            ostate = dist_checkpointing.load(optim_sd, str(path / "optimizer"))
+            with _torch_adam_step_tolerated():
+                engine.optimizer.load_state_dict(ostate["optimizer"])
+            _unshare_adam_steps(engine.optimizer)
+            engine.scheduler.load_state_dict(ostate["scheduler"])
+            for k, v in ostate["engine"].items():
+                setattr(engine, k, v)
+            rng = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+            same_world = meta.get("world_size") == dist.get_world_size()
+            if same_world and rng.exists():
+                _set_rng_state(torch.load(rng, weights_only=False))
+        else:
+            dist_checkpointing.load({}, str(path / "model"))
+            dist_checkpointing.load({}, str(path / "optimizer"))
+        rl = path / "rl_state.pt"
+        meta["rl_state"] = torch.load(rl, weights_only=True) if rl.exists() else {}
+        dist.barrier()
+        return meta

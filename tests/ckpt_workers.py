@@ -1,0 +1,80 @@
+"""Worker functions for the training-checkpoint tests (run under megatron_rl.parallel.spawn.run_local)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_rl.algorithms import AIPOSettings
+from megatron_rl.checkpointing.training import TrainCheckpointer
+from megatron_rl.models import build_gpt_model, get_preset
+from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
+from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+from megatron_rl.training.engine import OptimSettings
+from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
+from rl_workers import make_rollouts
+
+
+def _trainer(layout_kw, state_path, seed=0):
+    layout = ParallelLayout(**layout_kw)
+    cfg = get_preset("tiny")
+    g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
+    model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", seed=seed)
+    if state_path is not None:
+        load_full_state_dict(model, torch.load(state_path), cfg, g.pgs)
+    settings = RLTrainerSettings(micro_batch_size=2, temperature=0.8, aipo=AIPOSettings(rho=2.0),
+                                 optim=OptimSettings(lr=1e-3, adam_eps=1e-4, clip_grad=10.0, warmup_steps=2,
+                                                     total_steps=20, lr_decay_style="cosine"))
+    return cfg, layout, g, RLTrainer(model, cfg, g, settings)
+
+
+def train_save_continue(rank, world_size, layout_kw, state_path, root, steps):
+    """`steps` AIPO steps, a checkpoint, one more step: the uninterrupted reference."""
+    cfg, layout, g, trainer = _trainer(layout_kw, state_path)
+    for i in range(steps):
+        trainer.step(make_rollouts(cfg.vocab_size, seed=i))
+    ck = TrainCheckpointer(root, keep_last=2)
+    path = ck.save(steps, trainer.engine, layout=layout, model_cfg=cfg,
+                   rl_state={"step": steps, "weight_version": steps} if rank == 0 else None,
+                   tokenizer={"type": "byte"})
+    metrics = trainer.step(make_rollouts(cfg.vocab_size, seed=steps))
+    return {"path": str(path), "metrics": metrics, "params": gather_full_state_dict(trainer.model.module, cfg, g.pgs)}
+
+
+def load_and_continue(rank, world_size, layout_kw, path, steps, load_optimizer=True):
+    """A fresh trainer (different random init) restored from `path`, then the same next step."""
+    cfg, layout, g, trainer = _trainer(layout_kw, None, seed=77)
+    ck = TrainCheckpointer(Path(path).parent)
+    if load_optimizer:
+        meta = ck.load(path, trainer.engine)
+    else:  # control: weights only, fresh optimizer
+        from megatron.core import dist_checkpointing
+
+        sd = trainer.model.module.sharded_state_dict(metadata={"dp_cp_group": g.pgs.dp_cp})
+        trainer.model.module.load_state_dict(dist_checkpointing.load(sd, f"{path}/model"))
+        meta = {"rl_state": {}}
+    metrics = trainer.step(make_rollouts(cfg.vocab_size, seed=steps))
+    return {"metrics": metrics, "params": gather_full_state_dict(trainer.model.module, cfg, g.pgs),
+            "rl_state": meta["rl_state"], "lr": trainer.engine.optimizer.param_groups[0]["lr"],
+            "steps_done": trainer.engine.steps_done}
+
+
+def train_with_two_saves(rank, world_size, state_path, root):
+    """Two steps, save, two steps, save (the crash test kills the second save midway)."""
+    cfg, layout, g, trainer = _trainer(dict(tp=world_size), state_path)
+    ck = TrainCheckpointer(root, keep_last=2)
+    for i in range(4):
+        trainer.step(make_rollouts(cfg.vocab_size, seed=i))
+        if i % 2 == 1:
+            ck.save(i + 1, trainer.engine, layout=layout, model_cfg=cfg,
+                    rl_state={"step": i + 1, "weight_version": i + 1} if rank == 0 else None)
+    return True
+
+
+if __name__ == "__main__":  # the crash test runs this in its own process group
+    import sys
+
+    from megatron_rl.parallel.spawn import run_local
+
+    run_local(train_with_two_saves, 2, sys.argv[1], sys.argv[2])
