@@ -118,6 +118,7 @@ class CheckpointSection:
     save_interval: int = 50
     keep_last: int = 2
     resume: bool = True
+    fallback: bool = False  # resume from an older checkpoint when the latest is corrupt
 
 
 @dataclass

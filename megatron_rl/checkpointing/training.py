@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -37,6 +38,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.failpoints import failpoint
 
 FORMAT = "megatron-rl/train"
 META = "megatron_rl.json"
@@ -53,15 +56,6 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _failpoint(name: str, tag: str = "") -> None:
-    """Fault injection for the crash tests: `MEGATRON_RL_FAILPOINT=<name>` or `<name>:<tag>` kills this whole
-    process group here, as a node failure would (no cleanup, no exception handlers)."""
-    if os.environ.get("MEGATRON_RL_FAILPOINT") in (name, f"{name}:{tag}"):
-        import signal
-
-        os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -177,6 +171,10 @@ def _optimizer_sharded_state_dict(engine, model_sd: dict, is_loading: bool) -> d
     }
 
 
+def _no_common(common_state_dict: dict) -> dict:
+    return {}
+
+
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete-looking checkpoint directories under `root`, oldest first (`*.tmp*` writes excluded)."""
     if not root.is_dir():
@@ -257,18 +255,21 @@ class TrainCheckpointer:
             for sub in ("model", "optimizer", "rng"):
                 (tmp / sub).mkdir(parents=True)
         dist.barrier()
+        # Ranks without trainer state (generators) hold no common state either: skip the cross-rank comparison
+        # of common state dicts, which would only report that.
+        save = functools.partial(dist_checkpointing.save, preprocess_common_before_consistancy_check=_no_common)
         if engine is not None:
             model_sd = _model_sharded_state_dict(engine)
-            dist_checkpointing.save(model_sd, str(tmp / "model"))
+            save(model_sd, str(tmp / "model"))
         else:
-            dist_checkpointing.save({}, str(tmp / "model"))
-        _failpoint("checkpoint_between_model_and_optimizer", name)
+            save({}, str(tmp / "model"))
+        failpoint("checkpoint_between_model_and_optimizer", name)
         if engine is not None:
             optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=False)
-            dist_checkpointing.save(optim_sd, str(tmp / "optimizer"))
+            save(optim_sd, str(tmp / "optimizer"))
             torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         else:
-            dist_checkpointing.save({}, str(tmp / "optimizer"))
+            save({}, str(tmp / "optimizer"))
         if rank == 0 and rl_state is not None:
             torch.save(rl_state, tmp / "rl_state.pt")
         dist.barrier()
@@ -286,7 +287,7 @@ class TrainCheckpointer:
             }
             meta["files"] = _manifest(tmp)
             _fsync_write(tmp / META, json.dumps(meta, indent=2))
-            _failpoint("checkpoint_before_rename", name)
+            failpoint("checkpoint_before_rename", name)
             if final.exists():  # an earlier run saved this step (e.g. a resume that repeats it): replace it
                 shutil.rmtree(final)
             os.rename(tmp, final)

@@ -7,6 +7,7 @@ writes the metrics. Control messages are small pickled objects over gloo groups;
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms import AIPOSettings, compute_advantages
+from megatron_rl.failpoints import failpoint
 from megatron_rl.config import JobConfig, validate
 from megatron_rl.controller.channels import Outbox, recv_object
-from megatron_rl.controller.schedule import generation_version, pull_before_batch, push_after_step
+from megatron_rl.controller.schedule import generation_version, push_after_step
 from megatron_rl.controller.tasks import AdditionTask
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 from megatron_rl.rollout import RolloutBatch
@@ -87,6 +89,10 @@ class Job:
         if self.model_cfg.vocab_size < self.tok.vocab_size:
             raise ValueError(f"model vocab {self.model_cfg.vocab_size} is smaller than the byte tokenizer's 259")
         self.task = AdditionTask(max_operand=20, eval_size=cfg.data.eval_size, seed=cfg.run.seed)
+        from megatron_rl.checkpointing.training import TrainCheckpointer
+
+        self.ckpt = TrainCheckpointer(run_dir, keep_last=cfg.checkpoint.keep_last)
+        self.start_step = 0
         self._build_models()
 
     # ---- executors ---------------------------------------------------------------------------------------------
@@ -207,79 +213,181 @@ class Job:
         scores = [self.task.score(problems[j // 4], self.tok.decode(o.token_ids)) for j, o in enumerate(outs)]
         return sum(scores) / len(scores)
 
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def _save_after(self, k: int) -> bool:
+        """Is a checkpoint written after trainer step k? Every `save_interval` steps and after the last one."""
+        iv = self.cfg.checkpoint.save_interval
+        return iv > 0 and ((k + 1) % iv == 0 or k == self.cfg.run.steps - 1)
+
+    def _checkpoint(self, version: int) -> None:
+        """Collective over the world: the state after `version` trainer steps. The rollouts of batches that were
+        generated with older weights (batches version .. version + s - 1) cannot be regenerated after a restart,
+        so the controller collects them first and they go into the checkpoint."""
+        from megatron_rl.checkpointing.training import step_dir_name
+
+        n, s = self.cfg.run.steps, self._staleness
+        rl_state = None
+        if self.rank == 0:
+            pending = {}
+            for b in range(version, min(version + s, n) if version > 0 else 0):
+                pending[b] = [dataclasses.asdict(r) for r in self._collect(b)]
+            rl_state = {"step": version, "weight_version": version, "pending": pending,
+                        "nonfinite_total": self.trainer.engine.nonfinite_total if self.trainer else 0}
+        engine = self.trainer.engine if self.trainer is not None else None
+        self.ckpt.save(version, engine, layout=self.t.layout, model_cfg=self.model_cfg, rl_state=rl_state,
+                       tokenizer={"type": "byte"}, extra={"run": self.cfg.run.name, "mode": self.cfg.rollout.mode,
+                                                          "staleness": s})
+        if self.rank == 0:
+            self._log_line(f"checkpoint {step_dir_name(version)} saved ({self.ckpt.last_save_s:.1f} s)")
+
+    def _resume(self) -> int:
+        """Restore the newest checkpoint if there is one; returns the number of trainer steps already done."""
+        from megatron_rl.checkpointing.training import CheckpointError
+
+        if not self.cfg.checkpoint.resume:
+            return -1
+        path = self.ckpt.find(fallback=self.cfg.checkpoint.fallback)
+        if path is None:
+            return -1
+        from megatron_rl.checkpointing.training import verify
+
+        saved_model = verify(path).get("model")
+        if saved_model is not None and saved_model != dataclasses.asdict(self.model_cfg):
+            diff = sorted(k for k in saved_model if saved_model[k] != dataclasses.asdict(self.model_cfg).get(k))
+            raise CheckpointError(f"{path}: written for another model shape (differs in {', '.join(diff)}); use "
+                                  f"another checkpoint.dir or run.name, or checkpoint.resume=false")
+        meta = self.ckpt.load(path, self.trainer.engine if self.trainer is not None else None)
+        rl = meta["rl_state"]
+        self.start_step = int(rl["step"])
+        if self.rank == 0:
+            # Stored as whole batches: they stay valid when the generator's layout (its replicas) changed.
+            self._restored = {int(b): [Rollouts(**p) for p in parts] for b, parts in rl.get("pending", {}).items()}
+            self._log_line(f"resumed from {path} (step {rl['step']}, {len(rl.get('pending', {}))} rollout "
+                           f"batches restored)")
+        if self.trainer is not None:
+            self.trainer.engine.set_constant_lr(self.cfg.trainer.lr)
+        return int(rl["step"])
+
+    def _log_line(self, text: str) -> None:
+        if self._echo is not None:
+            self._echo(text)
+
     # ---- the loop ------------------------------------------------------------------------------------------------
-    def run(self, progress=None) -> list[dict]:
+    def run(self, progress=None, on_row=None, echo=None) -> list[dict]:
+        """Run (or resume) the job. `progress(step, total, text)` after every warm-start and RL step,
+        `on_row(row)` with each step's metrics as soon as they exist (rank 0), `echo(text)` for log lines."""
         cfg = self.cfg
-        n, s = cfg.run.steps, (cfg.rollout.staleness if cfg.rollout.mode == "async" else 0)
+        n = cfg.run.steps
+        s = self._staleness = cfg.rollout.staleness if cfg.rollout.mode == "async" else 0
         log = progress or (lambda *a: None)
-        t_start = time.perf_counter()
-        self._warm_start(log)
-        warm_s = time.perf_counter() - t_start
-        self._push_weights(0)
-        self._pending: dict[int, Rollouts] = {}
+        self._on_row, self._echo = on_row, echo
+        self._inbox: dict[int, dict[int, Rollouts]] = {}
+        self._restored: dict[int, list[Rollouts]] = {}
         self._outbox = None
+        t_start = time.perf_counter()
+        done = self._resume()
+        self.start_step = start = max(done, 0)
+        if done < 0:
+            self._warm_start(log)
+            if cfg.checkpoint.save_interval > 0:
+                self._checkpoint(0)
+        self.warm_s = time.perf_counter() - t_start
+        self._push_weights(start)
+        # Batches start .. start + s - 1 were generated before the checkpoint (restored above), except at the
+        # very beginning, where they come from version 0 = the weights just pushed.
+        gen_start = min(start + s, n) if start > 0 else 0
+        saves = [k for k in range(start, n) if self._save_after(k)]
+        joins: dict[int, list[int]] = {}  # generator side: after producing batch b, join these saves
+        for k in saves:
+            joins.setdefault(min(k + s, n - 1), []).append(k + 1)
         rows: list[dict] = []
         colocated = self.trainer is not None and self.generator is not None
         if colocated:
             # Same ranks: no overlap is possible, but the versions follow the same schedule. Before trainer step
             # k the generator holds version k and produces batch k + s (batches 0..s-1 come from version 0).
-            for k in range(min(s, n)):
-                self._produce(k, 0.0)
-            for k in range(n):
-                if k > 0:
+            for j in range(gen_start, min(start + s, n)):
+                self._produce(j, 0.0)
+            for k in range(start, n):
+                if k > start:
                     self._push_weights(k)
                 if k + s < n:
                     self._produce(k + s, 0.0)
                 self._consume(k, n, rows, log)
+                if self._save_after(k):
+                    self._checkpoint(k + 1)
         elif self.generator is not None:
-            for k in range(n):
+            version = start
+            for b in sorted(b for b in joins if b < gen_start):  # saves whose batches were all restored
+                for v in joins.pop(b):
+                    self._checkpoint(v)
+            for j in range(gen_start, n):
                 wait = 0.0
-                if pull_before_batch(k, s):
+                gv = generation_version(j, s)
+                if gv != version:
                     t0 = time.perf_counter()
-                    self._push_weights(generation_version(k, s))
+                    self._push_weights(gv)
                     wait = time.perf_counter() - t0
-                self._produce(k, wait)
+                    version = gv
+                self._produce(j, wait)
+                for v in joins.get(j, []):
+                    self._checkpoint(v)
         else:
-            for k in range(n):
+            for k in range(start, n):
                 self._consume(k, n, rows, log)
+                if self._save_after(k):
+                    self._checkpoint(k + 1)
                 if push_after_step(k, n, s):
                     self._push_weights(k + 1)
         if self._outbox is not None:
             self._outbox.flush()
-        for r in rows:
-            r["warm_start_s"] = warm_s
         return rows
 
     def _produce(self, k: int, wait: float) -> None:
-        n, s = self.cfg.run.steps, (self.cfg.rollout.staleness if self.cfg.rollout.mode == "async" else 0)
+        n, s = self.cfg.run.steps, self._staleness
         evaluate = k % max(self.cfg.run.eval_interval, 1) == 0 or k == n - 1
         out = self._generate(k, generation_version(k, s), wait, evaluate)
         if out is None:
             return
         if self.rank == 0:
-            self._pending[k] = out
+            self._inbox.setdefault(k, {})[0] = out
         else:
             if self._outbox is None:
                 self._outbox = Outbox(0, self.ctl)
             self._outbox.send(out)
 
+    def _collect(self, k: int) -> list[Rollouts]:
+        """Rank 0: the rollouts of batch k from every generator replica (received now unless already here).
+        Each replica sends its batches in order, so the next message from a leader is its oldest unread batch."""
+        if k in self._restored:
+            return self._restored[k]
+        have = self._inbox.setdefault(k, {})
+        for leader in self.leaders:
+            if leader not in have:
+                if leader == 0:
+                    raise RuntimeError(f"batch {k} was never produced on rank 0")
+                got = recv_object(leader, self.ctl)
+                if got.batch != k:
+                    raise RuntimeError(f"expected rollouts of batch {k} from rank {leader}, got batch {got.batch}")
+                have[leader] = got
+        return [have[leader] for leader in self.leaders]
+
     def _consume(self, k: int, n: int, rows: list, log) -> None:
         row = self._train_step(k)
+        log(k + 1, n, "" if row is None else
+            f"reward {row['reward']:.2f}" + (f" eval {row['eval/reward']:.2f}" if "eval/reward" in row else ""))
         if row is not None:
+            row["warm_start_s"] = self.warm_s
             rows.append(row)
-            ev = row.get("eval/reward")
-            log(k + 1, n, f"reward {row['reward']:.2f}" + (f" eval {ev:.2f}" if ev is not None else ""))
+            if self._on_row is not None:
+                self._on_row(row)
 
     def _train_step(self, k: int) -> Optional[dict]:
         t0 = time.perf_counter()
         msg = None
         if self.rank == 0:
-            parts = []
-            for leader in self.leaders:
-                if leader == 0:
-                    parts.append(self._pending.pop(k))
-                else:
-                    parts.append(recv_object(leader, self.ctl))
+            parts = self._collect(k)
+            self._inbox.pop(k, None)
+            self._restored.pop(k, None)
             batch = _pack(parts, self.tok.pad_id)
             batch.advantages = compute_advantages(batch.rewards, batch.group_ids, self.cfg.algorithm.advantage)
             msg = [batch, parts]
@@ -288,6 +396,7 @@ class Job:
         recv_s = time.perf_counter() - t0
         dist.broadcast_object_list(msg, src=0, group=self.trainer_ctl)
         batch, parts = msg
+        failpoint("train_step", str(k))
         t1 = time.perf_counter()
         metrics = self.trainer.step(batch)
         train_s = time.perf_counter() - t1

@@ -9,17 +9,26 @@ from typing import Optional
 
 
 class MetricsWriter:
-    """Appends each step's row as soon as it exists (a crash loses nothing already logged)."""
+    """Appends each step's row as soon as it exists (a crash loses nothing already logged).
 
-    def __init__(self, run_dir: Path):
+    `start_step`: the step this process starts at. Rows from step `start_step` on, written by an earlier process
+    that died after its last checkpoint, are dropped (those steps run again), so every step has exactly one row;
+    TensorBoard purges them the same way. A fresh run (start 0) starts an empty file.
+    """
+
+    def __init__(self, run_dir: Path, start_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) < start_step] if self.path.exists() else []
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
         self._file = open(self.path, "a")
         self._tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step if start_step else None)
         except Exception:  # tensorboard is optional (pip install tensorboard)
             self._tb = None
 
@@ -38,7 +47,13 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in open(path) if line.strip()]
+    rows = []
+    for line in open(path):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line cut short by a crash
+            continue
+    return rows
 
 
 def plot_run(rows: list[dict], out: Path, title: Optional[str] = None) -> Optional[Path]:

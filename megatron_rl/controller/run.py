@@ -18,9 +18,8 @@ def _job_worker(rank: int, world_size: int, cfg: JobConfig, run_dir: str) -> dic
     from megatron_rl.controller.metrics import MetricsWriter
 
     job = Job(cfg, Path(run_dir))
-    writer = MetricsWriter(Path(run_dir)) if rank == 0 else None
     t0 = time.perf_counter()
-    bar = None
+    bar, writer = None, None
     if rank == 0:
         from tqdm import tqdm
 
@@ -30,15 +29,29 @@ def _job_worker(rank: int, world_size: int, cfg: JobConfig, run_dir: str) -> dic
     def progress(step, total, text):
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(text, refresh=False)
+            if text:
+                bar.set_postfix_str(text, refresh=False)
 
-    rows = job.run(progress)
-    if rank == 0:
-        bar.close()
-        for r in rows:
-            writer.write(r)
-        writer.close()
-    return {"rows": rows, "time_s": time.perf_counter() - t0}
+    def echo(text):
+        if bar is not None:
+            if job.start_step and bar.n < cfg.trainer.warmup_steps_sft + job.start_step:
+                bar.update(cfg.trainer.warmup_steps_sft + job.start_step - bar.n)
+            bar.write(text, file=sys.stderr)
+
+    def on_row(row):
+        nonlocal writer
+        if writer is None:  # the first row: the start step is known (a resumed run drops later rows)
+            writer = MetricsWriter(Path(run_dir), start_step=job.start_step)
+        writer.write(row)
+
+    try:
+        rows = job.run(progress, on_row=on_row if rank == 0 else None, echo=echo)
+    finally:
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.close()
+    return {"rows": rows, "start_step": job.start_step, "time_s": time.perf_counter() - t0}
 
 
 def train(cfg: JobConfig) -> dict:
@@ -56,15 +69,18 @@ def train(cfg: JobConfig) -> dict:
                           f"loading and the tokenizer of the model, not wired yet)")
     run_dir = Path(cfg.checkpoint.dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     t0 = time.perf_counter()
     results = run_local(_job_worker, world, cfg, str(run_dir), timeout=3600)
     wall = time.perf_counter() - t0
-    rows = results[0]["rows"]
+    from megatron_rl.controller.metrics import read_metrics
+
+    metrics = run_dir / "metrics.jsonl"
+    rows = read_metrics(metrics) if metrics.exists() else []
     evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
     summary = {
-        "run_dir": str(run_dir), "steps": len(rows), "wall_time_s": round(wall, 1),
+        "run_dir": str(run_dir), "steps": len(rows), "resumed_from_step": results[0]["start_step"],
+        "wall_time_s": round(wall, 1),
         "warm_start_s": round(rows[0]["warm_start_s"], 1) if rows else None,
         "eval_reward_start": evals[0] if evals else None, "eval_reward_end": evals[-1] if evals else None,
         "eval_reward_gain": (evals[-1] - evals[0]) if len(evals) > 1 else None,

@@ -1,0 +1,16 @@
+"""Fault injection for crash tests: kill the process group at a named point, as a node failure would.
+
+`MEGATRON_RL_FAILPOINT=<name>` or `<name>:<tag>` (e.g. `train_step:3`, `checkpoint_before_rename:step_00000004`)
+makes the process that reaches that point SIGKILL its whole process group: no cleanup, no exception handlers, no
+flushed buffers. Unset (always, outside tests), a failpoint is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def failpoint(name: str, tag: str = "") -> None:
+    if os.environ.get("MEGATRON_RL_FAILPOINT") in (name, f"{name}:{tag}"):
+        os.killpg(os.getpgrp(), signal.SIGKILL)
