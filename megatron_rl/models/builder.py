@@ -13,9 +13,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.models.attention import SDPAttention
+from megatron_rl.models.fused import FusedRMSNorm, FusionSpec, register_rope_fusion, resolve_fusions
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.layout import ParallelLayout
 
@@ -37,8 +39,11 @@ def resolve_attention_backend(backend: AttentionBackend) -> str:
     return backend
 
 
-def layer_spec(backend: AttentionBackend = "auto") -> ModuleSpec:
-    """Transformer-layer spec: Megatron-Core's local modules with the chosen core attention, or TE's spec."""
+def layer_spec(backend: AttentionBackend = "auto", fusions: FusionSpec = "none") -> ModuleSpec:
+    """Transformer-layer spec: Megatron-Core's local modules with the chosen core attention, or TE's spec.
+
+    With the "rmsnorm" fusion the local spec's norms (torch.nn.RMSNorm) become `FusedRMSNorm` (TE's spec has its
+    own fused norms)."""
     backend = resolve_attention_backend(backend)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -47,6 +52,9 @@ def layer_spec(backend: AttentionBackend = "auto") -> ModuleSpec:
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if "rmsnorm" in resolve_fusions(fusions):
+        spec.submodules.input_layernorm = FusedRMSNorm
+        spec.submodules.pre_mlp_layernorm = FusedRMSNorm
     return spec
 
 
@@ -84,8 +92,8 @@ def transformer_config(
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization,
         # SwiGLU fusion is Megatron-Core's torch.compile'd kernel: on GPUs it saves time and 8 GB at 16K tokens
-        # for a 1B model (docs/benchmarks.md); on CPUs compiling costs more than it saves. The other fusions
-        # need apex or transformer-engine.
+        # for a 1B model (docs/benchmarks.md); on CPUs compiling costs more than it saves. RMSNorm and RoPE
+        # fusions are `build_gpt_model(fusions=...)` (megatron_rl.models.fused); the rest need apex or TE.
         bias_activation_fusion=torch.cuda.is_available(),
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
@@ -113,19 +121,45 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     seed: int = 1234,
     config_overrides: Optional[dict] = None,
+    fusions: FusionSpec = "auto",
 ) -> GPTModel:
     """One pipeline stage of a Llama-family GPTModel on this rank.
 
     The stage, tensor shards and vocabulary padding (to `make_vocab_size_divisible_by * tp`) follow from `layout`
     and the ranks of `pgs`. Initialization is deterministic in `seed`; on the CPU, Megatron-Core initializes each
     full weight and slices it, so every layout starts from the same logical weights.
+
+    `fusions` ("auto": all on GPUs, none on CPUs; "none"; or a comma list of "rmsnorm", "rope") picks the fused
+    RMSNorm and RoPE of `megatron_rl.models.fused`. They change no parameter and no result beyond bf16 rounding
+    (CPU tensors take the unfused arithmetic even when asked); the set chosen is kept on the model as
+    `megatron_rl_fusions` (the generator's incremental forward reads it). Megatron-Core's SwiGLU fusion is its own
+    config flag, `bias_activation_fusion`.
     """
     if pgs.tp.size() != layout.tp or pgs.pp.size() != layout.pp:
         raise ValueError(
             f"process groups (tp={pgs.tp.size()}, pp={pgs.pp.size()}) do not match the layout {layout}"
         )
     pp_rank = pgs.pp.rank()
-    config = transformer_config(model, layout, params_dtype=params_dtype, **(config_overrides or {}))
+    backend = resolve_attention_backend(attention)
+    fused = resolve_fusions(fusions)
+    if backend == "te":  # transformer-engine's spec brings its own fused norms (and its own RoPE kernel)
+        fused -= {"rmsnorm", "rope"}
+    overrides = dict(config_overrides or {})
+    if "rope" in fused:
+        # Megatron-Core's own RoPE switch; without transformer-engine its kernel slot is filled with ours.
+        register_rope_fusion()
+        overrides.setdefault("apply_rope_fusion", True)
+    config = transformer_config(model, layout, params_dtype=params_dtype, **overrides)
+    if not config.apply_rope_fusion:
+        fused -= {"rope"}
+    spec = layer_spec(backend, fused)
+    if "rmsnorm" in fused:
+        # The block's final norm comes from Megatron-Core's default (WrappedTorchNorm without apex): pass the
+        # block's submodules explicitly, as `_get_block_submodules` builds them, with our norm.
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank),
+            layer_norm=FusedRMSNorm,
+        )
     # The local spec's DotProductAttention takes scratch space from Megatron-Core's global memory buffer.
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
@@ -133,7 +167,7 @@ def build_gpt_model(
     seed_rng_tracker(seed, tp_rank=pgs.tp.rank())
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(attention),
+        transformer_layer_spec=spec,
         vocab_size=model.padded_vocab_size(layout.tp),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pp_rank == 0,
@@ -145,6 +179,7 @@ def build_gpt_model(
         rope_scaling_factor=model.rope_scaling_factor,
         pg_collection=pgs,
     )
+    gpt.megatron_rl_fusions = frozenset(fused)
     zero_vocab_padding(gpt, model.vocab_size, pgs.tp.rank())
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())

@@ -1,0 +1,181 @@
+"""Fused RMSNorm and RoPE for GPU runs, without transformer-engine or apex.
+
+Megatron-Core's fused kernels for these come from outside it: `FusedLayerNorm` (apex; LayerNorm only, and
+`persist_layer_norm` is apex's LayerNorm kernel), `TENorm` and `fused_apply_rotary_pos_emb` (transformer-engine).
+Without them the local spec's norm is `torch.nn.RMSNorm` (via `WrappedTorchNorm`) and RoPE is
+`_apply_rotary_pos_emb_bshd`, both chains of separate elementwise kernels.
+
+RMSNorm. Megatron-Core creates the norm weights in fp32 while the activations are bf16. torch has a fused CUDA
+RMSNorm (`aten._fused_rms_norm`), but `F.rms_norm` takes it only when input and weight share a dtype, so every norm
+of a bf16 model runs torch's composite path: about nine kernels forward and twenty backward, with fp32 copies of the
+activations saved for the backward pass. `FusedRMSNorm` runs the same arithmetic,
+``(x_fp32 * rsqrt(mean(x_fp32^2) + eps) * weight_fp32).to(x.dtype)`` (exactly torch's composite for an fp32 weight),
+`torch.compile`d: one Triton kernel forward and a few backward (the weight gradient is a reduction over all tokens),
+with the fp32 weight and fp32 weight gradient kept. The alternative, casting the weight to bf16 to reach torch's
+own kernel (`rms_norm(..., impl="torch")`), is faster in isolation on the H100 (forward + backward at 16K x 2048:
+0.41 ms against 0.84 ms compiled and 2.0 ms composite, `benchmarks/fused_kernels.py`), but the whole RL step was
+slower with it on the same machine (306.5 ms against 293.9 ms, docs/benchmarks.md) and it rounds the weight and its
+gradient to bf16, so the compiled arithmetic is the default.
+
+RoPE. ``t * cos(f) + rotate_half(t) * sin(f)`` with cos and sin rounded to t's dtype, as Megatron's
+`_apply_rotary_pos_emb_bshd` (non-interleaved; interleaved rotations fall back to Megatron's function), written once
+and `torch.compile`d for CUDA tensors: one Triton kernel forward instead of about eight, and likewise backward.
+The compiled kernel keeps the products in fp32 and rounds once, so in bf16 it may differ from the unfused chain
+(which rounds after every operation) by one unit in the last place; in fp32 the two agree to rounding.
+
+CPU tensors always take the plain arithmetic, bit-identical to torch's and Megatron's unfused functions (compiling
+costs more than it saves on a CPU, and the test suite compares CPU runs against references at 1e-5);
+`build_gpt_model` enables these only on GPUs unless asked to.
+
+How they are wired in (`megatron_rl.models.builder`):
+
+* RMSNorm: `FusedRMSNorm` (a `torch.nn.RMSNorm` subclass, so parameter names, dtypes, initialization and
+  checkpoints are unchanged) replaces the layer spec's `input_layernorm` / `pre_mlp_layernorm` and the block's final
+  norm. (Megatron-Core has no RMSNorm hook of its own without TE: `normalization="RMSNorm"` picks torch's norm,
+  `persist_layer_norm` and `FusedLayerNorm` are apex LayerNorm only.)
+* RoPE: Megatron-Core's own switch, `TransformerConfig.apply_rope_fusion`, routes `apply_rotary_pos_emb` to
+  `rope_utils.fused_apply_rotary_pos_emb`, which Megatron imports from transformer-engine and leaves `None`
+  without it (and then refuses the flag). `register_rope_fusion` fills that slot with `fused_apply_rotary_pos_emb`
+  below when it is empty; models built without the flag are unaffected.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+FUSIONS = ("rmsnorm", "rope")
+
+FusionSpec = Union[str, Iterable[str], None]
+
+
+def resolve_fusions(fusions: FusionSpec = "auto") -> frozenset:
+    """"auto": every fusion when CUDA is available, none otherwise; "none" (or None, ""): none; otherwise a
+    comma-separated string or an iterable of names from `FUSIONS`."""
+    if fusions is None:
+        return frozenset()
+    if isinstance(fusions, str):
+        if fusions == "auto":
+            return frozenset(FUSIONS) if torch.cuda.is_available() else frozenset()
+        if fusions in ("none", ""):
+            return frozenset()
+        fusions = [f.strip() for f in fusions.split(",") if f.strip()]
+    names = frozenset(fusions)
+    unknown = names - set(FUSIONS)
+    if unknown:
+        raise ValueError(f"unknown fusions {sorted(unknown)}; expected 'auto', 'none' or names from {FUSIONS}")
+    return names
+
+
+def _compiled(fn):
+    """`fn` compiled on first use (automatic dynamic shapes: the first call specializes, a second shape makes the
+    varying sizes symbolic, so training, prefill and decode shapes share a few compiled graphs)."""
+    holder = {}
+
+    def get():
+        if "fn" not in holder:
+            holder["fn"] = torch.compile(fn, fullgraph=True)
+        return holder["fn"]
+
+    return get
+
+
+# ----------------------------------------------------------------------------------------------------- RMSNorm
+
+
+def rms_norm_math(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in fp32, rounded once to x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    return y.to(x.dtype)
+
+
+_rms_norm_compiled = _compiled(rms_norm_math)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, impl: Optional[str] = None) -> torch.Tensor:
+    """RMSNorm over the last dimension. impl: "compiled" (`rms_norm_math` compiled; the default for CUDA tensors),
+    "math" (`rms_norm_math` as is; the default otherwise) or "torch" (torch's fused kernel where it has one, the
+    weight cast to x's dtype for it)."""
+    if impl is None:
+        impl = "compiled" if x.is_cuda else "math"
+    if impl == "torch":
+        w = weight if weight is None or weight.dtype == x.dtype else weight.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    if impl == "compiled":
+        return _rms_norm_compiled()(x, weight, eps)
+    if impl == "math":
+        return rms_norm_math(x, weight, eps)
+    raise ValueError(f"unknown RMSNorm implementation {impl!r}")
+
+
+class FusedRMSNorm(torch.nn.RMSNorm):
+    """Drop-in for the norm `WrappedTorchNorm` builds (`torch.nn.RMSNorm(hidden_size, eps)`) with a compiled forward
+    (and backward) for CUDA inputs. Takes Megatron-Core's norm constructor arguments."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        # The same restrictions as WrappedTorchNorm's (which asserts them for torch's norms).
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"FusedRMSNorm is an RMSNorm; the config asks for {config.normalization}")
+        if config.layernorm_zero_centered_gamma or config.sequence_parallel or config.memory_efficient_layer_norm:
+            raise ValueError("FusedRMSNorm supports neither zero-centered gamma, sequence parallelism nor "
+                             "memory-efficient layer norm")
+        super().__init__(hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return rms_norm(x, self.weight, eps)
+
+
+# -------------------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_math(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of t [s, b, heads, d] by angles freqs [s, 1 or b, 1, rot_dim] (non-interleaved halves;
+    dimensions past rot_dim pass through)."""
+    rot = freqs.shape[-1]
+    x = t[..., :rot]
+    cos = torch.cos(freqs).to(t.dtype)
+    sin = torch.sin(freqs).to(t.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    if rot < t.shape[-1]:
+        out = torch.cat((out, t[..., rot:]), dim=-1)
+    return out
+
+
+_rope_compiled = _compiled(rope_math)
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor, compiled: Optional[bool] = None) -> torch.Tensor:
+    """`rope_math`, compiled for CUDA tensors (or as `compiled` says)."""
+    if compiled is None:
+        compiled = t.is_cuda
+    return (_rope_compiled() if compiled else rope_math)(t, freqs)
+
+
+def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
+                               interleaved: bool = False) -> torch.Tensor:
+    """The signature Megatron-Core calls its (transformer-engine) fused RoPE with, for [s, b, heads, d] inputs."""
+    if interleaved:
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+        return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
+    return apply_rope(t, freqs)
+
+
+def register_rope_fusion() -> bool:
+    """Make Megatron-Core's `apply_rope_fusion` path available without transformer-engine: fill its empty
+    `fused_apply_rotary_pos_emb` slot with ours. Returns whether the slot now holds a fused RoPE (ours or TE's).
+    Packed sequences (the THD slot) stay unsupported; this project does not pack sequences."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+    return rope_utils.fused_apply_rotary_pos_emb is not None
+
