@@ -1,6 +1,9 @@
-"""HF Llama -> Megatron distributed checkpoint -> HF: logits at other layouts, bit-exact round trip, bad inputs."""
+"""HF Llama <-> Megatron distributed checkpoint: streaming conversion at several writer layouts, logits at other
+layouts, bit-exact round trips, the tokenizer travelling with the checkpoint, and bad inputs."""
 
 import json
+import shutil
+import struct
 import subprocess
 import sys
 
@@ -11,10 +14,22 @@ from megatron_rl.parallel.spawn import run_local
 
 transformers = pytest.importorskip("transformers")
 
+WORDS = "the cat sat on a mat and ran".split()
+
 
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "convert", *map(str, args)], capture_output=True,
                           text=True, timeout=300)
+
+
+def _save_word_tokenizer(d):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(d)
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +41,38 @@ def hf_dir(tmp_path_factory):
     model = transformers.LlamaForCausalLM(cfg).eval()
     d = tmp_path_factory.mktemp("hf")
     model.save_pretrained(d, safe_serialization=True)
+    _save_word_tokenizer(d)
     return d, model
 
 
-def _logits_worker(rank, world_size, ckpt, layout_kw, tokens):
+@pytest.fixture(scope="module")
+def converted(hf_dir, tmp_path_factory):
+    """The model written by 1 process and by tp=2 x pp=2 processes."""
+    from megatron_rl.checkpointing.convert import convert
+
+    src, _ = hf_dir
+    root = tmp_path_factory.mktemp("mcore")
+    return root, convert(src, root / "tp1", "megatron"), convert(src, root / "tp2pp2", "megatron", tp=2, pp=2)
+
+
+def _load_model(ckpt, layout_kw):
     from megatron.core import dist_checkpointing
 
     from megatron_rl.checkpointing.convert import read_meta
     from megatron_rl.models import build_gpt_model
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
-    from megatron_rl.training.engine import run_schedule
 
     cfg, _ = read_meta(ckpt)
     g = build_topology([ExecutorPlacement("x", ParallelLayout(**layout_kw))])["x"]
     model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", seed=99)
     sd = dist_checkpointing.load(model.sharded_state_dict(metadata={"dp_cp_group": g.pgs.dp_cp}), str(ckpt / "model"))
     model.load_state_dict(sd)
+    return cfg, g, model
+
+
+def _logits(cfg, g, model, tokens):
+    from megatron_rl.training.engine import run_schedule
+
     out = []
 
     def grab(logits, mb):
@@ -55,39 +86,152 @@ def _logits_worker(rank, world_size, ckpt, layout_kw, tokens):
     return out[0] if out else None
 
 
-def test_hf_to_megatron_loads_at_other_layouts_and_round_trips(hf_dir, tmp_path):
-    src, hf = hf_dir
-    out = _cli(src, tmp_path / "mcore", "--to", "megatron")
-    assert out.returncode == 0, out.stderr[-2000:]
-    tokens = torch.randint(0, 301, (2, 12), generator=torch.Generator().manual_seed(1))
+def _logits_worker(rank, world_size, ckpt, layout_kw, tokens):
+    return _logits(*_load_model(ckpt, layout_kw), tokens)
+
+
+def _tp1_worker(rank, world_size, ckpts, tokens):
+    """Each checkpoint loaded into a TP=1 model: its full state dict and logits."""
+    from megatron_rl.models.sharding import gather_full_state_dict
+
+    out = []
+    for ckpt in ckpts:
+        cfg, g, model = _load_model(ckpt, {})
+        out.append((gather_full_state_dict(model, cfg, g.pgs), _logits(cfg, g, model, tokens)))
+    return out
+
+
+def _tokens():
+    return torch.randint(0, 301, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def test_checkpoint_written_at_tp2_pp2_loads_at_tp1_bit_for_bit(hf_dir, converted):
+    (root, s1, s22), (_, hf) = converted, hf_dir
+    assert s1["layout"] == {"tp": 1, "pp": 1, "dp": 1} and s22["layout"] == {"tp": 2, "pp": 2, "dp": 1}
+    assert len(s22["memory"]["rank_peak_rss_mb"]) == 4
     with torch.no_grad():
-        want = hf(tokens).logits
-    for layout in (dict(tp=1), dict(tp=2), dict(pp=2)):
-        world = layout.get("tp", 1) * layout.get("pp", 1)
-        got = [r for r in run_local(_logits_worker, world, tmp_path / "mcore", layout, tokens) if r is not None]
-        torch.testing.assert_close(got[0], want, atol=1e-4, rtol=0, msg=lambda m: f"{layout}: {m}")
-    out = _cli(tmp_path / "mcore", tmp_path / "back", "--to", "hf")
-    assert out.returncode == 0, out.stderr[-2000:]
-    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").state_dict()
+        want = hf(_tokens()).logits
+    (sd1, logits1), (sd22, logits22) = run_local(_tp1_worker, 1, [root / "tp1", root / "tp2pp2"], _tokens())[0]
+    assert set(sd1) == set(sd22)
+    for k in sd1:
+        assert torch.equal(sd1[k], sd22[k]), k
+    torch.testing.assert_close(logits1, want, atol=1e-4, rtol=0)
+    assert torch.equal(logits1, logits22)
+
+
+def test_checkpoint_logits_match_hf_at_tp2_pp2(hf_dir, converted):
+    (root, _, _), (_, hf) = converted, hf_dir
+    with torch.no_grad():
+        want = hf(_tokens()).logits
+    got = [r for r in run_local(_logits_worker, 4, root / "tp1", dict(tp=2, pp=2), _tokens()) if r is not None]
+    torch.testing.assert_close(got[0], want, atol=1e-4, rtol=0)
+
+
+def test_round_trip_to_hf_is_bit_exact_and_carries_the_tokenizer(hf_dir, converted, tmp_path):
+    from megatron_rl.checkpointing import load_checkpoint_tokenizer
+    from megatron_rl.checkpointing.convert import convert, read_meta
+    from megatron_rl.models.hf_mapping import model_config_from_hf
+
+    (root, _, _), (src, hf) = converted, hf_dir
+    text = "the cat sat on a mat"
+    want_ids = transformers.AutoTokenizer.from_pretrained(src).encode(text, add_special_tokens=False)
+    for name in ("tp1", "tp2pp2"):
+        meta = json.loads((root / name / "megatron_rl.json").read_text())
+        assert meta["tokenizer"] == {"type": "hf", "path": "tokenizer"}
+        assert (root / name / "tokenizer" / "tokenizer.json").is_file()
+        assert load_checkpoint_tokenizer(root / name).encode(text) == want_ids
+    # The way back, in small shards (one tensor at a time into files whose headers were written first).
+    summary = convert(root / "tp2pp2", tmp_path / "back", "hf", shard_bytes=100_000)
+    assert summary["shards"] > 1 and summary["tokenizer_files"] >= 2
+    back_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back")
+    back = back_model.state_dict()
     for k, v in hf.state_dict().items():
         assert torch.equal(back[k], v), k
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(hf.state_dict())
+    assert model_config_from_hf(back_model.config, name=src.name) == read_meta(root / "tp1")[0]
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "back").encode(text) == \
+        transformers.AutoTokenizer.from_pretrained(src).encode(text)
 
 
-def test_bad_inputs_fail_with_one_line_and_leave_nothing(hf_dir, tmp_path):
+def test_config_json_is_read_as_transformers_reads_it(hf_dir, tmp_path):
+    from megatron_rl.checkpointing.convert import hf_model_config
+    from megatron_rl.models.hf_mapping import model_config_from_hf
+
     src, _ = hf_dir
+    assert hf_model_config(src) == model_config_from_hf(transformers.AutoConfig.from_pretrained(src), name=src.name)
+    # An older-style config: rope_theta and a llama3 rope_scaling at the top level, defaults left out.
+    d = tmp_path / "old"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 500, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}}))
+    assert hf_model_config(d) == model_config_from_hf(transformers.AutoConfig.from_pretrained(d), name="old")
+
+
+def _write_gguf_header(path, arch):
+    def s(text):
+        b = text.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    kv = s("general.architecture") + struct.pack("<I", 8) + s(arch)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv)
+
+
+def test_bad_inputs_fail_with_one_line_and_leave_nothing(hf_dir, converted, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rl.checkpointing.convert import ConversionError, convert
+
+    src, _ = hf_dir
+    root = converted[0]
+
+    def fails(match, *args, **kw):
+        with pytest.raises(ConversionError, match=match) as e:
+            convert(*args, **kw)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
     (tmp_path / "empty").mkdir()
-    out = _cli(tmp_path / "empty", tmp_path / "x", "--to", "megatron")
-    assert out.returncode == 2 and "not a Hugging Face directory" in out.stderr and not (tmp_path / "x").exists()
+    fails("not a Hugging Face directory", tmp_path / "empty", tmp_path / "x", "megatron")
     (tmp_path / "exists").mkdir()
-    out = _cli(src, tmp_path / "exists", "--to", "megatron")
-    assert out.returncode == 2 and "exists (pass --overwrite" in out.stderr
-    bad = tmp_path / "truncated"
-    bad.mkdir()
-    (bad / "config.json").write_text((src / "config.json").read_text())
-    data = (src / "model.safetensors").read_bytes()
-    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
-    out = _cli(bad, tmp_path / "y", "--to", "megatron")
-    assert out.returncode == 2 and "unreadable safetensors" in out.stderr
-    assert not any(p.name.startswith("y") for p in tmp_path.iterdir())
+    fails(r"exists \(pass --overwrite", src, tmp_path / "exists", "megatron")
+    fails(r"exists \(pass --overwrite", root / "tp1", tmp_path / "exists", "hf")
+    fails("does not divide num_attention_heads=4", src, tmp_path / "x", "megatron", tp=3)
+    fails("is a hf source", src, tmp_path / "x", "hf")
+    # A truncated file, a tensor of the wrong shape, a missing tensor.
+    sd = load_file(src / "model.safetensors")
+    for name, change in (("truncated", None), ("shape", "model.layers.1.self_attn.k_proj.weight"),
+                         ("missing", "model.norm.weight")):
+        bad = tmp_path / name
+        bad.mkdir()
+        shutil.copy(src / "config.json", bad / "config.json")
+        if change is None:
+            data = (src / "model.safetensors").read_bytes()
+            (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+        elif name == "shape":
+            save_file(dict(sd, **{change: sd[change][:16].clone()}), bad / "model.safetensors")
+        else:
+            save_file({k: v for k, v in sd.items() if k != change}, bad / "model.safetensors")
+    fails("unreadable safetensors", tmp_path / "truncated", tmp_path / "y", "megatron")
+    msg = fails("model.layers.1.self_attn.k_proj.weight has shape", tmp_path / "shape", tmp_path / "y", "megatron")
+    assert "[16, 64]" in msg and "[32, 64]" in msg
+    fails("tensor model.norm.weight missing", tmp_path / "missing", tmp_path / "y", "megatron")
+    # Other architectures: a GPT-2 directory saved by transformers, and a GGUF whose header says gpt2.
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32,
+                                                                n_layer=1, n_head=2))
+    gpt2.save_pretrained(tmp_path / "gpt2", safe_serialization=True)
+    fails("architecture 'gpt2' is not supported", tmp_path / "gpt2", tmp_path / "y", "megatron")
+    _write_gguf_header(tmp_path / "tiny-gpt2.gguf", "gpt2")
+    fails("architecture 'gpt2' is not supported", tmp_path / "tiny-gpt2.gguf", tmp_path / "y", "megatron")
+    # A half-written Megatron checkpoint, through the command: exit code 2 and one line.
+    half = tmp_path / "half"
+    shutil.copytree(root / "tp1", half)
+    (half / "model" / ".metadata").unlink()
+    out = _cli(half, tmp_path / "z", "--to", "hf")
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
+    assert out.stderr.startswith("megatron-rl: convert: ") and "model/.metadata missing" in out.stderr
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(("x", "y", "z"))]
+    assert not leftovers, leftovers

@@ -6,7 +6,8 @@ Megatron's `linear_qkv` interleaves per KV group: rows [q (heads/groups x d), k 
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Optional
 
 import torch
 
@@ -62,38 +63,117 @@ def _qkv_to_hf(qkv, cfg: ModelConfig):
     return q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)
 
 
-def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF LlamaForCausalLM state dict -> logical Megatron GPTModel state dict (global layer names)."""
-    out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+# Per-tensor mapping (used by the streaming converter): each Megatron tensor comes from one or more HF tensors.
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+LAYER_HF = {  # Megatron layer parameter -> the HF layer tensors it is made of, in order
+    "input_layernorm.weight": ("input_layernorm.weight",),
+    "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                         "self_attn.v_proj.weight"),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
+    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
+    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+}
+_GLOBAL_HF = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+              "decoder.final_layernorm.weight": "model.norm.weight",
+              "output_layer.weight": "lm_head.weight"}
+
+
+def megatron_names(cfg: ModelConfig) -> list[str]:
+    """Logical Megatron tensor names (TP=1, PP=1, global layer index), in model order."""
+    names = ["embedding.word_embeddings.weight"]
+    names += [f"decoder.layers.{i}.{s}" for i in range(cfg.num_layers) for s in LAYER_HF]
+    names.append("decoder.final_layernorm.weight")
     if not cfg.tie_word_embeddings:
-        out["output_layer.weight"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+        names.append("output_layer.weight")
+    return names
+
+
+def hf_names(name: str) -> tuple[str, ...]:
+    """The HF tensors one logical Megatron tensor is made of."""
+    if name in _GLOBAL_HF:
+        return (_GLOBAL_HF[name],)
+    m = _LAYER.match(name)
+    if m and m.group(2) in LAYER_HF:
+        return tuple(f"model.layers.{m.group(1)}.{s}" for s in LAYER_HF[m.group(2)])
+    raise KeyError(f"no Hugging Face counterpart for Megatron tensor {name!r}")
+
+
+def to_megatron_tensor(name: str, tensors: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """One logical Megatron tensor from its HF tensors (in the order of `hf_names(name)`)."""
+    if name.endswith("self_attention.linear_qkv.weight"):
+        return _qkv_from_hf(*tensors, cfg)
+    if name.endswith("mlp.linear_fc1.weight"):
+        return torch.cat(tensors)
+    (t,) = tensors
+    return t
+
+
+def hf_row_blocks(name: str, cfg: ModelConfig) -> list[tuple[int, str, int, int]]:
+    """Where the rows of one logical Megatron tensor come from: (first row, HF tensor, rows, first HF row) blocks,
+    so a rank can read just the rows (and columns) of its shard from the HF files."""
+    names = hf_names(name)
+    if name.endswith("self_attention.linear_qkv.weight"):
+        g, d = cfg.num_query_groups, cfg.kv_channels
+        per = cfg.num_attention_heads // g
+        q, k, v = names
+        out = []
+        for i in range(g):
+            base = i * (per + 2) * d
+            out += [(base, q, per * d, i * per * d), (base + per * d, k, d, i * d), (base + (per + 1) * d, v, d, i * d)]
+        return out
+    if name.endswith("mlp.linear_fc1.weight"):
+        gate, up = names
+        f = cfg.ffn_hidden_size
+        return [(0, gate, f, 0), (f, up, f, 0)]
+    (only,) = names
+    # The others are [hidden, ...] (norms, linear_proj, linear_fc2) or [vocab, hidden].
+    rows = cfg.vocab_size if name in ("embedding.word_embeddings.weight", "output_layer.weight") else cfg.hidden_size
+    return [(0, only, rows, 0)]
+
+
+def to_hf_tensors(name: str, t: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one logical Megatron tensor (views where the layout allows, copies for q/k/v)."""
+    names = hf_names(name)
+    if name.endswith("self_attention.linear_qkv.weight"):
+        parts = _qkv_to_hf(t, cfg)
+    elif name.endswith("mlp.linear_fc1.weight"):
+        parts = t.chunk(2)
+    else:
+        parts = (t,)
+    return list(zip(names, parts))
+
+
+def hf_shapes(cfg: ModelConfig, lm_head: Optional[bool] = None) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the HF Llama tensors of this model, in model order (`lm_head` defaults to untied)."""
+    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.kv_channels
+    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
+             "mlp.down_proj.weight": (h, f)}
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
-        out[m + "self_attention.linear_qkv.weight"] = _qkv_from_hf(
-            sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"],
-            cfg)
-        out[m + "self_attention.linear_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-        out[m + "mlp.linear_fc2.weight"] = sd[p + "mlp.down_proj.weight"]
+        out.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    out["model.norm.weight"] = (h,)
+    if (not cfg.tie_word_embeddings) if lm_head is None else lm_head:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
     return out
 
 
+def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF LlamaForCausalLM state dict -> logical Megatron GPTModel state dict (global layer names)."""
+    sd = dict(sd)
+    if not cfg.tie_word_embeddings:
+        sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+    return {n: to_megatron_tensor(n, [sd[k] for k in hf_names(n)], cfg) for n in megatron_names(cfg)}
+
+
 def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Logical Megatron GPTModel state dict -> HF LlamaForCausalLM state dict."""
-    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
-           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
-    out["lm_head.weight"] = sd["embedding.word_embeddings.weight" if cfg.tie_word_embeddings else "output_layer.weight"]
-    for i in range(cfg.num_layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[p + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"]
-        q, k, v = _qkv_to_hf(sd[m + "self_attention.linear_qkv.weight"], cfg)
-        out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"], out[p + "self_attn.v_proj.weight"] = q, k, v
-        out[p + "self_attn.o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
-        out[p + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
-        gate, up = sd[m + "mlp.linear_fc1.weight"].chunk(2)
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-        out[p + "mlp.down_proj.weight"] = sd[m + "mlp.linear_fc2.weight"]
+    """Logical Megatron GPTModel state dict -> HF LlamaForCausalLM state dict (`lm_head.weight` included)."""
+    out = {}
+    for n in megatron_names(cfg):
+        out.update(to_hf_tensors(n, sd[n], cfg))
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = sd["embedding.word_embeddings.weight"]
     return out

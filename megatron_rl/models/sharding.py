@@ -51,6 +51,22 @@ class ParamShard:
             return full
         return _strided_chunk(full, self.partition_dim, self.partition_stride, self.tp_size, self.tp_rank)
 
+    def row_segments(self, local_rows: int) -> list[tuple[int, int, int]]:
+        """(first local row, first logical row, rows) of this shard along dimension 0 (vocabulary rows past the
+        logical size are padding, so segments may run past it)."""
+        if self.partition_dim != 0:
+            return [(0, 0, local_rows)]
+        chunk = local_rows // self.partition_stride
+        return [(s * chunk, (s * self.tp_size + self.tp_rank) * chunk, chunk) for s in range(self.partition_stride)]
+
+    def col_range(self, local_cols: int) -> Optional[tuple[int, int]]:
+        """The logical columns this shard holds (None: all of them)."""
+        if self.partition_dim != 1:
+            return None
+        if self.partition_stride != 1:
+            raise ValueError(f"{self.global_name}: column partition with stride {self.partition_stride}")
+        return self.tp_rank * local_cols, (self.tp_rank + 1) * local_cols
+
 
 def _strided_chunk(t: torch.Tensor, dim: int, stride: int, parts: int, index: int) -> torch.Tensor:
     """Megatron's strided partition: the dim is [stride, parts, chunk]; part `index` takes [:, index, :]."""

@@ -1,0 +1,315 @@
+"""`megatron-rl inspect`: what a checkpoint holds, from its metadata only (no tensor is loaded).
+
+Understands
+- a conversion checkpoint: `DIR/megatron_rl.json` (format "megatron-rl/dist_checkpointing") + `DIR/model/`;
+- a training checkpoint: `DIR/megatron_rl.json` (format "megatron-rl/train": step, weight version, layout, dtype,
+  model, tokenizer, optionally a manifest of every file with its size) + `DIR/model/` + `DIR/optimizer/` +
+  `DIR/rl_state.pt`;
+- a run's checkpoint root: `ROOT/step_00000042/`-style checkpoints, `ROOT/latest` naming the newest complete one,
+  and `*.tmp*` directories, which are incomplete writes;
+- a bare Megatron-Core dist_checkpointing (torch_dist) directory.
+`model/` and `optimizer/` are read through torch.distributed.checkpoint's `.metadata` (global shapes and dtypes of
+every tensor). A checkpoint missing any of that is reported in one line naming the path and what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+META = "megatron_rl.json"
+LATEST = "latest"
+CONVERT_FORMAT = "megatron-rl/dist_checkpointing"
+TRAIN_FORMAT = "megatron-rl/train"
+FORMATS = (CONVERT_FORMAT, TRAIN_FORMAT)
+DCP_METADATA = ".metadata"
+_STEP = re.compile(r"^step_(\d+)")
+
+
+class InspectError(ValueError):
+    """A path that is not a usable checkpoint; the message is one line naming the path and what is missing."""
+
+
+# ---- small helpers -----------------------------------------------------------------------------------------------
+def dir_size(p: Path) -> int:
+    if p.is_file():
+        return p.stat().st_size
+    if not p.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def is_dist_checkpoint(d: Path) -> bool:
+    return (d / DCP_METADATA).is_file()
+
+
+def dist_tensors(d: Path, what: str = "model") -> list[dict]:
+    """Every tensor of a torch_dist checkpoint directory: name, global shape, dtype, elements, bytes.
+
+    Reads only `.metadata`. Non-tensor entries (Megatron's `_extra_state` blobs) are left out."""
+    if not d.is_dir():
+        raise InspectError(f"{d.parent}: incomplete checkpoint: {what}/ missing")
+    if not is_dist_checkpoint(d):
+        raise InspectError(f"{d.parent}: incomplete checkpoint: {what}/{DCP_METADATA} missing "
+                           f"(a write that did not finish, or not a dist_checkpointing directory)")
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        md = FileSystemReader(str(d)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is reported the same way
+        raise InspectError(f"{d}: unreadable {DCP_METADATA} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                           ) from None
+    out = []
+    for name, m in md.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata):
+            continue
+        shape = [int(s) for s in m.size]
+        numel = 1
+        for s in shape:
+            numel *= s
+        dtype = m.properties.dtype
+        out.append({"name": name, "shape": shape, "dtype": _dtype_name(dtype), "numel": numel,
+                    "bytes": numel * torch.empty((), dtype=dtype).element_size()})
+    return out
+
+
+def read_meta(ckpt: Path) -> dict:
+    try:
+        meta = json.loads((ckpt / META).read_text())
+    except OSError as e:
+        raise InspectError(f"{ckpt}: cannot read {META} ({e.strerror})") from None
+    except ValueError as e:
+        raise InspectError(f"{ckpt}: {META} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise InspectError(f"{ckpt}: unknown checkpoint format {fmt!r} in {META} (expected one of {list(FORMATS)})")
+    return meta
+
+
+def model_config(meta: dict):
+    """The ModelConfig recorded in a checkpoint (fields this version does not know are ignored)."""
+    from megatron_rl.models.presets import ModelConfig
+
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in (meta.get("model") or {}).items() if k in known})
+
+
+# ---- run roots ---------------------------------------------------------------------------------------------------
+def is_run_root(p: Path) -> bool:
+    if not p.is_dir() or (p / META).exists():
+        return False
+    return (p / LATEST).is_file() or any(_STEP.match(c.name) for c in p.iterdir() if c.is_dir())
+
+
+def _is_complete(d: Path) -> bool:
+    return ".tmp" not in d.name and (d / META).is_file() and is_dist_checkpoint(d / "model")
+
+
+def list_run(root: Path) -> list[dict]:
+    """Checkpoint directories of a run root, by step: name, step, status (complete / incomplete), bytes."""
+    rows = []
+    for c in root.iterdir():
+        m = _STEP.match(c.name)
+        if not (m and c.is_dir()):
+            continue
+        rows.append({"name": c.name, "step": int(m.group(1)),
+                     "status": "complete" if _is_complete(c) else "incomplete", "bytes": dir_size(c)})
+    return sorted(rows, key=lambda r: (r["step"], r["name"]))
+
+
+def read_latest(root: Path) -> Optional[str]:
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not name or "/" in name or name in (".", ".."):
+        raise InspectError(f"{pointer}: does not name a checkpoint directory (content {name!r})")
+    if not (root / name).is_dir():
+        raise InspectError(f"{pointer}: names {name}, which does not exist")
+    return name
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory from a checkpoint or a run root (its `latest`, else its newest complete step)."""
+    path = Path(path)
+    if not path.exists():
+        raise InspectError(f"{path}: does not exist")
+    if (path / META).is_file():
+        return path
+    if is_run_root(path):
+        name = read_latest(path)
+        if name is None:
+            done = [r for r in list_run(path) if r["status"] == "complete"]
+            if not done:
+                raise InspectError(f"{path}: run directory without a complete checkpoint (no {LATEST} file)")
+            name = done[-1]["name"]
+        return path / name
+    raise InspectError(f"{path}: not a megatron-rl checkpoint ({META} missing) nor a run directory "
+                       f"({LATEST} and step_* directories missing)")
+
+
+# ---- inspection --------------------------------------------------------------------------------------------------
+def inspect_checkpoint(ckpt: Path) -> dict:
+    """Everything `inspect` reports about one checkpoint directory (raises InspectError when unusable)."""
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt)
+    tensors = dist_tensors(ckpt / "model", "model")
+    fmt = meta["format"]
+    optimizer = None
+    if fmt == TRAIN_FORMAT:
+        opt = dist_tensors(ckpt / "optimizer", "optimizer")
+        optimizer = {"tensors": len(opt), "numel": sum(t["numel"] for t in opt),
+                     "bytes": dir_size(ckpt / "optimizer")}
+    problems = []
+    for rel, size in (meta.get("files") or {}).items():
+        f = ckpt / rel
+        if not f.is_file():
+            problems.append(f"{rel} missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{rel} has {f.stat().st_size} bytes, {size} were written")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InspectError(f"{ckpt}: corrupt checkpoint: {problems[0]}{more}")
+    cfg = model_config(meta) if meta.get("model") else None
+    layout = meta.get("layout")
+    total = dir_size(ckpt)
+    sizes = {"model": dir_size(ckpt / "model")}
+    if optimizer is not None:
+        sizes["optimizer"] = optimizer["bytes"]
+    for part, rel in (("rl_state", "rl_state.pt"), ("tokenizer", "tokenizer"), ("rng", "rng")):
+        if (ckpt / rel).exists():
+            sizes[part] = dir_size(ckpt / rel)
+    sizes["other"] = total - sum(sizes.values())
+    sizes["total"] = total
+    info = {"kind": "checkpoint", "path": str(ckpt), "format": fmt, "step": meta.get("step"),
+            "weight_version": meta.get("weight_version"), "layout": layout, "dtype": meta.get("dtype"),
+            "model": dataclasses.asdict(cfg) if cfg else None, "tokenizer": meta.get("tokenizer"), "source": meta.get("source"),
+            "parameters": sum(t["numel"] for t in tensors),
+            "padded_vocab_size": next((t["shape"][0] for t in tensors
+                                       if t["name"] == "embedding.word_embeddings.weight"), None),
+            "tensors": tensors, "optimizer": optimizer, "size": sizes}
+    return info
+
+
+def inspect_path(path: Path) -> dict:
+    """`inspect` of a checkpoint, a run root (the latest checkpoint plus every step present) or a bare
+    dist_checkpointing directory."""
+    path = Path(path)
+    if not path.exists():
+        raise InspectError(f"{path}: does not exist")
+    if (path / META).is_file():
+        return inspect_checkpoint(path)
+    if is_run_root(path):
+        steps = list_run(path)
+        latest = read_latest(path)
+        shown = resolve_checkpoint(path)
+        return {"kind": "run", "path": str(path), "latest": latest, "checkpoints": steps,
+                "checkpoint": inspect_checkpoint(shown)}
+    if path.is_dir() and (is_dist_checkpoint(path) or (path / "metadata.json").is_file()):
+        tensors = dist_tensors(path, path.name)
+        return {"kind": "dist_checkpointing", "path": str(path), "format": "torch_dist",
+                "parameters": sum(t["numel"] for t in tensors), "tensors": tensors,
+                "size": {"total": dir_size(path)}}
+    raise InspectError(f"{path}: not a megatron-rl checkpoint ({META} missing) nor a run directory "
+                       f"({LATEST} and step_* directories missing)")
+
+
+# ---- text report -------------------------------------------------------------------------------------------------
+def _table(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def _checkpoint_text(info: dict) -> list[str]:
+    m = info.get("model") or {}
+    lines = [f"checkpoint   {info['path']}", f"format       {info['format']}"]
+    if info.get("step") is not None:
+        wv = f", weight version {info['weight_version']}" if info.get("weight_version") is not None else ""
+        lines.append(f"step         {info['step']}{wv}")
+    layout = info.get("layout")
+    lines.append("written at   " + (", ".join(f"{k}={v}" for k, v in layout.items()) if layout else "unknown layout")
+                 + f"; dtype {info.get('dtype') or 'unknown'}")
+    if not m and info["kind"] == "checkpoint":
+        lines.append("model        shape not recorded")
+    if m:
+        pad = info.get("padded_vocab_size")
+        lines.append(f"model        {m.get('name')}: {m.get('num_layers')} layers, hidden {m.get('hidden_size')}, "
+                     f"ffn {m.get('ffn_hidden_size')}, heads {m.get('num_attention_heads')} "
+                     f"(kv {m.get('num_query_groups')}), vocab {m.get('vocab_size')}"
+                     + (f" (stored padded to {pad})" if pad and pad != m.get("vocab_size") else "")
+                     + (", tied embeddings" if m.get("tie_word_embeddings") else ""))
+    lines.append(f"parameters   {info['parameters']:,} in {len(info['tensors'])} tensors")
+    tok = info.get("tokenizer")
+    if "tokenizer" in info:
+        lines.append("tokenizer    " + (", ".join(f"{k} {v}" for k, v in tok.items()) if tok else "none recorded"))
+    if info.get("source"):
+        lines.append(f"converted    from {info['source']}")
+    opt = info.get("optimizer")
+    if opt:
+        lines.append(f"optimizer    {opt['tensors']} tensors, {opt['numel']:,} elements, {human_bytes(opt['bytes'])}")
+    lines.append("on disk      " + ", ".join(f"{k} {human_bytes(v)}" for k, v in info["size"].items() if v))
+    lines.append("")
+    rows = [["tensor", "global shape", "dtype", "size"]]
+    for t in info["tensors"]:
+        rows.append([t["name"], "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], human_bytes(t["bytes"])])
+    lines += _table(rows, right={3})
+    if any(t["name"].startswith("decoder.layers.") for t in info["tensors"]):
+        lines.append("(decoder.layers.* tensors are stacked over layers: the first dimension is the layer)")
+    return lines
+
+
+def format_text(info: dict) -> str:
+    if info["kind"] == "run":
+        lines = [f"run          {info['path']}",
+                 f"latest       {info['latest'] or '(no latest file; showing the newest complete checkpoint)'}", ""]
+        rows = [["step", "directory", "status", "size"]]
+        for r in info["checkpoints"]:
+            status = r["status"] + (" (latest)" if r["name"] == info["latest"] else "")
+            rows.append([str(r["step"]), r["name"], status, human_bytes(r["bytes"])])
+        lines += _table(rows, right={0, 3}) + [""] + _checkpoint_text(info["checkpoint"])
+        return "\n".join(lines)
+    if info["kind"] == "dist_checkpointing":
+        info = dict(info, format="torch_dist (bare dist_checkpointing directory)")
+    return "\n".join(_checkpoint_text(info))
+
+
+def run(path: str | Path, as_json: bool = False, prog: str = "megatron-rl inspect") -> int:
+    """Print the report (or one JSON object); 0 on success, 2 with one line on stderr for an unusable path."""
+    try:
+        info = inspect_path(Path(path))
+    except InspectError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(info) if as_json else format_text(info))
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="inspect_checkpoint", description=__doc__.splitlines()[0])
+    p.add_argument("path", help="a checkpoint directory or a run's checkpoint root")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    args = p.parse_args(argv)
+    return run(args.path, args.json)

@@ -1,0 +1,85 @@
+"""The tokenizer that travels with a checkpoint.
+
+`megatron_rl.json` records it as `"tokenizer": {"type": "hf", "path": "tokenizer"}` (Hugging Face tokenizer files
+in `DIR/tokenizer/`; a relative path is relative to the checkpoint), `{"type": "byte"}` (the file-free byte
+tokenizer), or `{"type": "sentencepiece", "path": ...}`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from megatron_rl.tokenizers.base import Tokenizer
+
+TOKENIZER_DIR = "tokenizer"
+# Files a Hugging Face tokenizer is made of (whichever of them a model directory has).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+                   "chat_template.json")
+
+
+def save_tokenizer(src: Path, dst: Path) -> Optional[dict]:
+    """Write the tokenizer of a HF model directory or a GGUF file into `dst` (created); return the
+    `megatron_rl.json` entry, or None when a HF directory has no tokenizer files."""
+    src = Path(src)
+    if src.is_file() and src.suffix == ".gguf":
+        from transformers import AutoTokenizer
+
+        dst.mkdir(parents=True, exist_ok=True)
+        AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name).save_pretrained(dst)
+    else:
+        found = [src / f for f in TOKENIZER_FILES if (src / f).is_file()]
+        if not found:
+            return None
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in found:
+            shutil.copy2(f, dst / f.name)
+    return {"type": "hf", "path": dst.name}
+
+
+def tokenizer_dir(ckpt: Path, meta: dict) -> Optional[Path]:
+    """The directory of a checkpoint's HF tokenizer, or None when it records another kind (or none)."""
+    entry = meta.get("tokenizer") or {}
+    if entry.get("type") != "hf" or not entry.get("path"):
+        return None
+    p = Path(entry["path"])
+    return p if p.is_absolute() else Path(ckpt) / p
+
+
+def load_checkpoint_tokenizer(ckpt_dir: str | Path) -> Tokenizer:
+    """The tokenizer recorded in a checkpoint's `megatron_rl.json` (a conversion or training checkpoint, or a
+    run's checkpoint root, whose `latest` is used). Raises ValueError with a one-line message when the checkpoint
+    records none or its files are missing."""
+    from megatron_rl.checkpointing.inspect import META, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(Path(ckpt_dir))
+    try:
+        meta = json.loads((ckpt / META).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{ckpt}: cannot read {META} ({e})") from None
+    entry = meta.get("tokenizer")
+    if not entry:
+        raise ValueError(f"{ckpt}: {META} records no tokenizer (pass one explicitly, e.g. a HF directory or 'byte')")
+    kind = entry.get("type")
+    if kind == "byte":
+        from megatron_rl.tokenizers import ByteTokenizer
+
+        return ByteTokenizer()
+    if kind in ("hf", "sentencepiece"):
+        if not entry.get("path"):
+            raise ValueError(f"{ckpt}: tokenizer entry {entry} has no path")
+        p = Path(entry["path"])
+        p = p if p.is_absolute() else ckpt / p
+        if not p.exists():
+            raise ValueError(f"{ckpt}: tokenizer {kind} at {p} is missing")
+        if kind == "hf":
+            from megatron_rl.tokenizers.hf import HFTokenizer
+
+            return HFTokenizer(p)
+        from megatron_rl.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
+
+        return SentencePieceTokenizer(p)
+    raise ValueError(f"{ckpt}: unknown tokenizer type {kind!r} in {META} (expected hf, byte or sentencepiece)")

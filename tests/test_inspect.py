@@ -1,0 +1,162 @@
+"""`megatron-rl inspect`: conversion and training checkpoints, run roots, half-written checkpoints, from metadata
+only; and the checkpoint's tokenizer."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny Llama with tied embeddings, converted by 2 tensor-parallel processes."""
+    from megatron_rl.checkpointing.convert import convert
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    d = tmp_path_factory.mktemp("inspect")
+    model.save_pretrained(d / "hf", safe_serialization=True)
+    convert(d / "hf", d / "mcore", "megatron", tp=2)
+    return d / "mcore", model
+
+
+def _expected_shapes(cfg, tp):
+    """Global shapes of the stored tensors, from the model shape alone (layers stacked on the first dim)."""
+    L, h, f, d = cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.kv_channels
+    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    out = {"embedding.word_embeddings.weight": [cfg.padded_vocab_size(tp), h],
+           "decoder.layers.self_attention.linear_qkv.layer_norm_weight": [L, h],
+           "decoder.layers.self_attention.linear_qkv.weight": [L, q + 2 * kv, h],
+           "decoder.layers.self_attention.linear_proj.weight": [L, h, q],
+           "decoder.layers.mlp.linear_fc1.layer_norm_weight": [L, h],
+           "decoder.layers.mlp.linear_fc1.weight": [L, 2 * f, h],
+           "decoder.layers.mlp.linear_fc2.weight": [L, h, f],
+           "decoder.final_layernorm.weight": [h]}
+    if not cfg.tie_word_embeddings:
+        out["output_layer.weight"] = [cfg.padded_vocab_size(tp), h]
+    return out
+
+
+def _du(p):
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def test_conversion_checkpoint_from_metadata_only(ckpt, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_rl.checkpointing.convert import read_meta
+    from megatron_rl.checkpointing.inspect import format_text, inspect_path
+
+    path, _ = ckpt
+    cfg, _ = read_meta(path)
+
+    def no_tensor_reads(*a, **k):
+        raise AssertionError("inspect read tensor data")
+
+    monkeypatch.setattr(FileSystemReader, "read_data", no_tensor_reads)
+    info = inspect_path(path)
+    assert info["format"] == "megatron-rl/dist_checkpointing" and info["layout"] == {"tp": 2, "pp": 1, "dp": 1}
+    assert {t["name"]: t["shape"] for t in info["tensors"]} == _expected_shapes(cfg, tp=2)
+    assert {t["dtype"] for t in info["tensors"]} == {"float32"}
+    assert info["parameters"] == cfg.num_parameters(tp=2) == sum(t["numel"] for t in info["tensors"])
+    assert info["padded_vocab_size"] == 512 and info["model"]["vocab_size"] == 300
+    assert info["size"]["total"] == _du(path) and info["size"]["model"] == _du(path / "model")
+    text = format_text(info)
+    assert "tp=2, pp=1, dp=1" in text and "stored padded to 512" in text and "[4, 352, 64]" in text
+
+
+def _fake_training_checkpoint(src: Path, dst: Path, step: int, manifest: bool = True):
+    """The agreed training layout, made from a conversion checkpoint (optimizer/ stands in with a copy of a
+    dist_checkpointing directory)."""
+    shutil.copytree(src / "model", dst / "model")
+    shutil.copytree(src / "model", dst / "optimizer")
+    torch.save({"step": step, "in_flight": []}, dst / "rl_state.pt")
+    conv = json.loads((src / "megatron_rl.json").read_text())
+    meta = {"format": "megatron-rl/train", "step": step, "weight_version": step - 1,
+            "layout": {"tp": 2, "pp": 1, "dp": 1}, "dtype": "float32", "model": conv["model"],
+            "tokenizer": {"type": "byte"}}
+    if manifest:
+        meta["files"] = {str(f.relative_to(dst)): f.stat().st_size for f in sorted(dst.rglob("*")) if f.is_file()}
+    (dst / "megatron_rl.json").write_text(json.dumps(meta))
+
+
+def test_run_root_shows_latest_and_lists_steps_and_incomplete_writes(ckpt, tmp_path):
+    from megatron_rl.checkpointing import load_checkpoint_tokenizer
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.checkpointing.inspect import InspectError, format_text, inspect_path
+    from megatron_rl.tokenizers import ByteTokenizer
+
+    path, hf = ckpt
+    root = tmp_path / "run"
+    for step in (2, 4):
+        _fake_training_checkpoint(path, root / f"step_{step:08d}", step)
+    (root / "step_00000006.tmp").mkdir()
+    shutil.copytree(path / "model", root / "step_00000006.tmp" / "model")
+    (root / "step_00000006.tmp" / "model" / ".metadata").unlink()
+    (root / "latest").write_text("step_00000004\n")
+    info = inspect_path(root)
+    assert info["kind"] == "run" and info["latest"] == "step_00000004"
+    assert [(r["step"], r["status"]) for r in info["checkpoints"]] == [(2, "complete"), (4, "complete"),
+                                                                        (6, "incomplete")]
+    c = info["checkpoint"]
+    assert c["format"] == "megatron-rl/train" and c["step"] == 4 and c["weight_version"] == 3
+    assert c["optimizer"]["bytes"] == _du(root / "step_00000004" / "optimizer") > 0
+    assert c["size"]["optimizer"] == c["optimizer"]["bytes"] and c["size"]["model"] == _du(path / "model")
+    assert c["size"]["rl_state"] > 0 and c["size"]["total"] == _du(root / "step_00000004")
+    text = format_text(info)
+    assert "step_00000006.tmp" in text and "incomplete" in text and "complete (latest)" in text
+    assert "optimizer" in text and "step         4, weight version 3" in text
+    # The tokenizer and the weights come out of the run root (its latest checkpoint).
+    assert isinstance(load_checkpoint_tokenizer(root), ByteTokenizer)
+    convert(root, tmp_path / "hf", "hf")
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    for k, v in hf.state_dict().items():
+        assert torch.equal(back[k], v), k
+    # A checkpoint whose files no longer match its manifest.
+    with open(root / "step_00000002" / "rl_state.pt", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(InspectError, match=r"step_00000002: corrupt checkpoint: rl_state.pt has"):
+        inspect_path(root / "step_00000002")
+
+
+def test_half_written_and_unknown_paths_exit_2_with_one_line(ckpt, tmp_path, capsys):
+    from megatron_rl.checkpointing import load_checkpoint_tokenizer
+    from megatron_rl.checkpointing.inspect import run
+
+    path, _ = ckpt
+    half = tmp_path / "half"
+    shutil.copytree(path, half)
+    (half / "model" / ".metadata").unlink()
+    (tmp_path / "junk").mkdir()
+    root = tmp_path / "run"
+    (root / "step_00000001.tmp").mkdir(parents=True)
+    (root / "latest").write_text("step_00000001")
+    cases = {half: "incomplete checkpoint: model/.metadata missing", tmp_path / "junk": "not a megatron-rl checkpoint",
+             tmp_path / "nowhere": "does not exist", root: "names step_00000001, which does not exist"}
+    for p, what in cases.items():
+        assert run(p) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(p) in err and what in err, err
+    # Through the command and the tool wrapper.
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "inspect", str(half)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and ".metadata missing" in out.stderr
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "inspect_checkpoint.py"), str(path), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["layout"]["tp"] == 2 and info["parameters"] > 0
+    # A checkpoint converted from a directory without tokenizer files records none.
+    with pytest.raises(ValueError, match="records no tokenizer"):
+        load_checkpoint_tokenizer(path)
