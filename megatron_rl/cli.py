@@ -23,6 +23,10 @@ def _load(args) -> tuple:
 
 
 def cmd_train(args) -> int:
+    from megatron_rl.controller.launcher import resolve_launcher
+
+    if resolve_launcher(args.launcher) == "env":
+        return _train_env(args)
     cfg, model = _load(args)
     print(f"megatron-rl train: model {cfg.model.preset} ({model.num_parameters() / 1e6:.1f}M parameters), "
           f"trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator tp={cfg.generator.tp} "
@@ -33,6 +37,28 @@ def cmd_train(args) -> int:
 
     summary = train(cfg)
     print(json.dumps(summary))
+    return 0
+
+
+def _train_env(args) -> int:
+    """One rank of a world started by torchrun or srun; rank 0 prints the banner, the summary and any config error."""
+    from megatron_rl.controller.launcher import check_world, env_world, train_env
+
+    world = env_world()
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_world(cfg, world.world_size)
+        if world.rank == 0:
+            print(f"megatron-rl train: model {cfg.model.preset}, {world.world_size} ranks started by {world.source} "
+                  f"(trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator "
+                  f"tp={cfg.generator.tp} dp={cfg.generator.dp}), {cfg.rollout.mode} rollouts", flush=True)
+        summary = train_env(cfg, world)
+    except ConfigError as e:
+        from megatron_rl.controller.launcher import report_config_error
+
+        return report_config_error(world, f"megatron-rl: config error: {e}")
+    if summary is not None:
+        print(json.dumps(summary))
     return 0
 
 
@@ -93,13 +119,34 @@ def cmd_convert(args) -> int:
 
     from megatron_rl.checkpointing.convert import ConversionError, convert
 
+    return _json_or_one_line_error("convert", ConversionError, lambda: convert(
+        Path(args.src), Path(args.dst), args.to, dtype=args.dtype, overwrite=args.overwrite, tp=args.tp, pp=args.pp))
+
+
+def cmd_eval(args) -> int:
+    from megatron_rl.evaluation import EvalError, EvalSettings, evaluate
+
+    settings = EvalSettings(dataset=args.dataset, data_dir=args.data_dir, limit=args.limit,
+                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, tp=args.tp,
+                            chat=args.chat, samples_out=args.samples_out, tokenizer=args.tokenizer)
+    return _json_or_one_line_error("eval", EvalError, lambda: evaluate(args.checkpoint, settings))
+
+
+def _json_or_one_line_error(command: str, errors, fn) -> int:
+    """Run fn; print its summary as one JSON line (exit 0) or the expected error as one line (exit 2)."""
     try:
-        summary = convert(Path(args.src), Path(args.dst), args.to, dtype=args.dtype, overwrite=args.overwrite)
-    except ConversionError as e:
-        print(f"megatron-rl: convert: {e}", file=sys.stderr)
+        summary = fn()
+    except errors as e:
+        print(f"megatron-rl: {command}: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary))
     return 0
+
+
+def cmd_inspect(args) -> int:
+    from megatron_rl.checkpointing.inspect import run
+
+    return run(args.path, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run the RL job (built-in default when given no arguments)")
     _add_config_args(p)
+    p.add_argument("--launcher", choices=["auto", "local", "env"], default="auto",
+                   help="local: start the ranks on this machine; env: this process is one rank started by torchrun "
+                        "or srun; auto (default): env when WORLD_SIZE is set, else local")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("config", help="print the resolved, validated configuration as YAML")
     _add_config_args(p)
@@ -117,7 +167,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=["megatron", "hf"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="write with N tensor-parallel processes (--to megatron)")
+    p.add_argument("--pp", type=int, default=1, help="write with N pipeline stages (--to megatron)")
     p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("inspect", help="what a checkpoint (or a run's checkpoint root) holds, without loading it")
+    p.add_argument("path", help="a checkpoint directory or a run's checkpoint root")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("eval", help="accuracy of a checkpoint on GSM8K (test) or MATH-500, greedy decoding")
+    p.add_argument("checkpoint", help="a megatron-rl checkpoint directory, or a run's checkpoint root (uses latest)")
+    p.add_argument("--dataset", default="gsm8k", help="gsm8k (test split) or math500 (default: gsm8k)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding gsm8k/test.jsonl and math500/test.jsonl (default: $MEGATRON_RL_DATA_DIR, "
+                        "else ../shared/data next to the repository)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=64, help="sequences decoded together (KV cache slots)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: local processes running the model")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the tokenizer's chat template (default: when the tokenizer has one)")
+    p.add_argument("--samples-out", default=None, help="write prompt, output and score per problem to this JSONL")
+    p.add_argument("--tokenizer", default=None,
+                   help="override the checkpoint's tokenizer: a Hugging Face directory, a .gguf file, a "
+                        "sentencepiece .model, or 'byte'")
+    p.set_defaults(func=cmd_eval)
     p = sub.add_parser("presets", help="list the model presets")
     p.set_defaults(func=cmd_presets)
     p = sub.add_parser("reshard-check", help="run DDMA between two layouts on local processes and check every bit")

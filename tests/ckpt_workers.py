@@ -77,4 +77,4 @@ if __name__ == "__main__":  # the crash test runs this in its own process group
 
     from megatron_rl.parallel.spawn import run_local
 
-    run_local(train_with_two_saves, 2, sys.argv[1], sys.argv[2])
+    run_local(train_with_two_saves, 1, sys.argv[1], sys.argv[2])

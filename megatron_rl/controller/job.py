@@ -161,6 +161,8 @@ class Job:
             for i, (a, b) in enumerate(enc):
                 toks[i, : len(a) + len(b)] = torch.tensor(a + b)
                 mask[i, len(a): len(a) + len(b)] = 1
+            if torch.cuda.is_available():
+                toks, mask = toks.cuda(non_blocking=True), mask.cuda(non_blocking=True)
             metrics = engine.step([{"tokens": toks, "loss_mask": mask}], loss_fn)
             log(step, steps, f"warm-start loss {metrics['loss']:.3f}")
         engine.set_constant_lr(self.cfg.trainer.lr)

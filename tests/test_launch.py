@@ -1,0 +1,170 @@
+"""Launching in an externally started world: the SLURM recipes run under a stand-in srun/scontrol, torchrun starts
+the ranks, `train --launcher env` runs the job; a world of the wrong size fails at once with one line; the recipes
+name configs that fit the GPUs they ask for."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.controller.launcher import check_world, env_world, resolve_launcher
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "launch" / "slurm").glob("*.sbatch"))
+
+FAKE_SRUN = r"""#!/bin/bash
+# Stand-in for srun inside an allocation, ntasks-per-node=1: one task per node, all on this machine.
+nodes=${SLURM_NNODES:-1}
+kill_on_bad_exit=0
+while [[ $# -gt 0 && "$1" == -* ]]; do
+    case "$1" in
+        --nodes=*) nodes=${1#--nodes=} ;;
+        -N) nodes=$2; shift ;;
+        --kill-on-bad-exit*|-K) kill_on_bad_exit=1 ;;
+    esac
+    shift
+done
+echo "srun nodes=$nodes: $*" >> "$FAKE_SLURM_LOG"
+pids=()
+for ((i = 0; i < nodes; i++)); do
+    SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURM_NNODES=$nodes SLURM_NTASKS=$nodes SLURM_STEP_ID=0 "$@" &
+    pids+=($!)
+done
+rc=0
+while (( ${#pids[@]} )); do
+    wait -n -p done_pid "${pids[@]}"; status=$?
+    left=(); for p in "${pids[@]}"; do [[ $p == "$done_pid" ]] || left+=("$p"); done; pids=("${left[@]}")
+    if (( status != 0 )); then
+        rc=$status
+        if (( kill_on_bad_exit )) && (( ${#pids[@]} )); then kill "${pids[@]}" 2>/dev/null; fi
+    fi
+done
+exit $rc
+"""
+
+FAKE_SCONTROL = r"""#!/bin/bash
+# Stand-in for `scontrol show hostnames LIST` (comma-separated host names only).
+if [[ "$1" == show && "$2" == hostnames ]]; then tr ',' '\n' <<< "$3"; exit 0; fi
+echo "fake scontrol: unsupported: $*" >&2
+exit 1
+"""
+
+# The 8B recipe's config, shrunk to the tiny model on 3 CPU processes.
+TINY = ["model.preset=tiny", "trainer.tp=2", "trainer.pp=1", "trainer.dp=1", "trainer.dtype=fp32",
+        "trainer.micro_batch_size=64", "trainer.lr=1e-4", "trainer.warmup_steps_sft=2", "generator.tp=1",
+        "generator.dp=1", "generator.dtype=fp32", "generator.max_batch_size=16", "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2", "rollout.max_prompt_length=48", "rollout.max_new_tokens=8",
+        "data.dataset=synthetic-arithmetic", "data.eval_size=4", "reward.kind=auto", "reward.num_workers=1",
+        "run.steps=2", "run.world_size=3", "run.eval_interval=10"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def slurm_env(tmp_path):
+    """The environment of an sbatch allocation of one node, with srun and scontrol stand-ins on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_ID="4242", SLURM_NNODES="1",
+               SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=str(REPO), FAKE_SLURM_LOG=str(tmp_path / "srun.log"),
+               MASTER_PORT=str(_free_port()), TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return env
+
+
+def _sbatch(script, env, args, cwd, timeout=240):
+    return subprocess.run(["bash", str(script), *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_8b_recipe_runs_the_job_under_srun_and_torchrun(slurm_env, tmp_path):
+    env = dict(slurm_env, GPUS_PER_NODE="3")
+    out = _sbatch(REPO / "launch/slurm/llama3_8b.sbatch", env,
+                  [*TINY, f"checkpoint.dir={tmp_path / 'ckpt'}", "run.name=slurm"], cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    srun = (tmp_path / "srun.log").read_text().splitlines()
+    assert len(srun) == 1 and srun[0].startswith("srun nodes=1: ")
+    assert f"--rdzv-endpoint localhost:{env['MASTER_PORT']}" in srun[0] and "--nproc-per-node 3" in srun[0]
+    assert "-c configs/llama3-8b.yaml" in srun[0] and "--launcher env" in srun[0]
+    run_dir = tmp_path / "ckpt" / "slurm"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["generated_with_version"] for r in rows] == [0, 0]  # async, staleness 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["launcher"] == "env (torchrun)" and summary["world_size"] == 3 and summary["steps"] == 2
+    assert json.loads(out.stdout.strip().splitlines()[-1])["run_dir"] == str(run_dir)  # printed by rank 0 only
+    assert out.stdout.count('"run_dir"') == 1
+    assert "preset: tiny" in (run_dir / "config.yaml").read_text()
+
+
+def test_too_small_world_fails_at_once_with_one_line(slurm_env, tmp_path):
+    line = "megatron-rl: config error: executors need 3 ranks (trainer 2 + generator 1) but 2 were launched"
+    # The SLURM recipe on one node with 2 GPUs.
+    out = _sbatch(REPO / "launch/slurm/llama3_8b.sbatch", dict(slurm_env, GPUS_PER_NODE="2"),
+                  [*TINY, f"checkpoint.dir={tmp_path / 'a'}"], cwd=tmp_path, timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.count(line) == 1, out.stderr[-3000:]
+    assert not (tmp_path / "a").exists()  # nothing was started, not even the run directory
+    # The local torchrun script with 2 processes.
+    out = subprocess.run(["bash", str(REPO / "launch/local.sh"), *TINY, f"checkpoint.dir={tmp_path / 'b'}"],
+                         env=dict(slurm_env, NPROC="2"), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and out.stderr.count(line) == 1, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("script", RECIPES, ids=lambda p: p.name)
+def test_recipe_is_valid_bash_and_its_config_fits_its_allocation(script):
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.M))
+    assert sbatch["ntasks-per-node"] == "1" and "exclusive" in sbatch
+    nodes, gpus = int(sbatch["nodes"]), int(sbatch["gpus-per-node"])
+    config = re.search(r"^CONFIG=\$\{CONFIG:-(\S+)\}", text, re.M).group(1)
+    assert re.search(rf"SLURM_NNODES:-{nodes}\}}", text) and re.search(rf"GPUS_PER_NODE:-{gpus}\}}", text)
+    assert 'scontrol show hostnames "${SLURM_JOB_NODELIST' in text and "--rdzv-backend c10d" in text
+    assert '-m megatron_rl.cli train --launcher env -c "$CONFIG" "$@"' in text
+    cfg = load_config(REPO / config)
+    validate(cfg)  # what `megatron-rl config -c FILE` checks, with run.world_size
+    assert cfg.run.world_size == nodes * gpus == cfg.world_size_needed
+    check_world(cfg, nodes * gpus)
+    from megatron_rl.cli import main
+
+    assert main(["config", "-c", str(REPO / config)]) == 0
+
+
+def test_launcher_choice_and_environment(tmp_path, monkeypatch):
+    assert resolve_launcher("auto", {"WORLD_SIZE": "4"}) == "env"
+    assert resolve_launcher("auto", {}) == "local"
+    assert resolve_launcher("local", {"WORLD_SIZE": "4"}) == "local"
+    w = env_world({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
+    assert (w.rank, w.world_size, w.local_rank, w.master_addr, w.master_port, w.source) == (5, 8, 1, "h0", 1234,
+                                                                                            "torchrun")
+    # srun without torchrun: the rendezvous host is the first node of the allocation (through scontrol).
+    (tmp_path / "scontrol").write_text(FAKE_SCONTROL)
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    w = env_world({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+                   "SLURM_JOB_NODELIST": "node7,node8"})
+    assert (w.rank, w.world_size, w.local_rank, w.master_addr, w.master_port, w.source) == (3, 4, 1, "node7", 29500,
+                                                                                            "slurm")
+    with pytest.raises(ConfigError, match="torchrun .* or srun"):
+        env_world({})
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        env_world({"RANK": "0", "WORLD_SIZE": "2"})
+    cfg = load_config(None, ["generator.colocated=true", "generator.tp=2"])
+    with pytest.raises(ConfigError, match=r"^executors need 2 ranks \(trainer 2, generator 2 colocated\) but 4 were"):
+        check_world(cfg, 4)
