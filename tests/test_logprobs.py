@@ -1,5 +1,6 @@
 """Vocabulary-parallel log-probs equal log_softmax of the gathered logits, values and gradients."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -31,23 +32,25 @@ def test_single_rank_matches_log_softmax_and_leaves_logits_alone(monkeypatch):
     assert torch.all(logits.grad[..., 33:] == 0)  # padding columns get no gradient
 
 
-def _tp_worker(rank, world_size):
+def _tp_worker(rank, world_size, vocab):
     torch.manual_seed(0)
     full = torch.randn(2, 6, 64)
-    target = torch.randint(0, 50, (2, 6))
+    target = torch.randint(0, vocab, (2, 6))
     w = torch.randn(2, 6)
     group = dist.new_group([0, 1])
     shard = full.chunk(world_size, -1)[rank].clone().requires_grad_(True)
-    lp = vocab_parallel_logprobs(shard, target, group, vocab_size=50, temperature=1.3)
+    lp = vocab_parallel_logprobs(shard, target, group, vocab_size=vocab, temperature=1.3)
     (lp * w).sum().backward()
     return full, target, w, lp.detach(), shard.grad
 
 
-def test_tensor_parallel_matches_gathered_log_softmax():
-    results = run_local(_tp_worker, 2)
+# 50 real columns of 64: padding at the end of shard 1; 16 of 64: shard 1 is all padding (a small vocabulary at TP 2).
+@pytest.mark.parametrize("vocab", [50, 16])
+def test_tensor_parallel_matches_gathered_log_softmax(vocab):
+    results = run_local(_tp_worker, 2, vocab)
     full, target, w = results[0][:3]
     ref_logits = full.clone().requires_grad_(True)
-    ref = _reference(ref_logits, target, 50, 1.3)
+    ref = _reference(ref_logits, target, vocab, 1.3)
     (ref * w.double()).sum().backward()
     grads = torch.cat([r[4] for r in results], -1)
     for r in results:

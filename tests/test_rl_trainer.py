@@ -42,3 +42,15 @@ def test_nan_in_batch_skips_the_step(state_path):
         assert r["nan_metrics"]["skipped"] and r["nan_metrics"]["nonfinite_total"] == 1
         assert r["unchanged"]
         assert not r["metrics"]["skipped"]  # the next, finite step trains normally
+
+
+def test_micro_batches_are_as_few_as_allowed_and_evenly_filled():
+    from megatron_rl.training.rl_trainer import micro_batch_rows
+
+    assert [micro_batch_rows(n, 64) for n in (4, 64, 65, 128, 129)] == [4, 64, 33, 64, 43]
+    for n in range(1, 300):
+        for limit in (1, 3, 8, 64):
+            rows = micro_batch_rows(n, limit)
+            count = -(-n // rows)
+            assert rows <= limit and count == -(-n // limit)  # never more micro-batches than needed
+            assert count * rows - n < count  # at most one padding row per micro-batch

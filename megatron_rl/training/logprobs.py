@@ -52,7 +52,9 @@ def _scaled(chunk: torch.Tensor, temperature: float, first_pad: int) -> torch.Te
 def _forward_chunk(chunk, idx, temperature: float, first_pad: int):
     """Per token, local to this vocabulary shard: max m, sum exp(x - m), sum exp(x - m)(x - m), x[target]."""
     x = _scaled(chunk, temperature, first_pad)
-    m = x.amax(-1)
+    # A shard of vocabulary padding only (small vocabularies at TP > 1) has max -inf; the most negative finite
+    # value instead keeps its sums exact zeros (no inf - inf), and the other shards set the global max.
+    m = x.amax(-1).clamp(min=torch.finfo(x.dtype).min)
     xs = x - m[:, None]
     e = torch.exp(xs)
     z = e.sum(-1)

@@ -41,9 +41,19 @@ def shard_for_dp(batch: RolloutBatch, dp: int, dp_rank: int) -> RolloutBatch:
     return batch.select(parts[dp_rank])
 
 
+def micro_batch_rows(n: int, micro_batch_size: int) -> int:
+    """Rows per micro-batch for n sequences: as few micro-batches as `micro_batch_size` allows, evenly filled
+    (65 sequences at most 64 per micro-batch -> 2 of 33, not 2 of 64), so padding rows cost at most one per
+    micro-batch instead of up to a whole micro-batch."""
+    count = max(-(-n // micro_batch_size), 1)
+    return max(-(-n // count), 1)
+
+
 def make_micro_batches(batch: RolloutBatch, micro_batch_size: int, seq_len: int, pad_id: int = 0) -> list[dict]:
-    """Micro-batches of equal shape [micro_batch_size, seq_len]; missing rows are padding with no loss."""
+    """Micro-batches of equal shape [rows, seq_len], rows = `micro_batch_rows` (at most micro_batch_size);
+    missing rows are padding with no loss."""
     n = batch.size
+    micro_batch_size = micro_batch_rows(n, micro_batch_size)
     rows = max(-(-n // micro_batch_size), 1) * micro_batch_size
     s = batch.tokens.shape[1]
     if seq_len < s:
