@@ -28,7 +28,7 @@ def cmd_train(args) -> int:
     if resolve_launcher(args.launcher) == "env":
         return _train_env(args)
     cfg, model = _load(args)
-    print(f"megatron-rl train: model {cfg.model.preset} ({model.num_parameters() / 1e6:.1f}M parameters), "
+    print(f"megatron-rl train: model {cfg.model.name} ({model.num_parameters() / 1e6:.1f}M parameters), "
           f"trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator tp={cfg.generator.tp} "
           f"dp={cfg.generator.dp}{' (colocated)' if cfg.generator.colocated else ''}, "
           f"{cfg.rollout.mode} rollouts (staleness {cfg.rollout.staleness}), {cfg.world_size_needed} processes",
@@ -49,7 +49,7 @@ def _train_env(args) -> int:
         cfg = load_config(args.config, args.overrides)
         check_world(cfg, world.world_size)
         if world.rank == 0:
-            print(f"megatron-rl train: model {cfg.model.preset}, {world.world_size} ranks started by {world.source} "
+            print(f"megatron-rl train: model {cfg.model.name}, {world.world_size} ranks started by {world.source} "
                   f"(trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator "
                   f"tp={cfg.generator.tp} dp={cfg.generator.dp}), {cfg.rollout.mode} rollouts", flush=True)
         summary = train_env(cfg, world)

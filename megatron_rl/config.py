@@ -28,13 +28,44 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    """A preset by name, plus any ModelConfig field as an override (`model.num_layers=2`)."""
+    """A preset by name, plus any ModelConfig field as an override (`model.num_layers=2`); or the initial weights
+    of a checkpoint (`model.checkpoint=PATH`), whose recorded shape is then the model's.
 
-    preset: str = "tiny"
+    checkpoint: a megatron-rl checkpoint (`megatron-rl convert --to megatron` output, or a training run's step or
+        root); with the local launcher also a Hugging Face Llama directory, a .gguf file or the name of a packaged
+        model (`smollm2-135m-instruct`), converted once into the run directory before the job starts.
+    tokenizer: "byte", a HF directory, a .gguf or a sentencepiece .model; default: the checkpoint's own tokenizer,
+        or the byte tokenizer without a checkpoint.
+    """
+
+    preset: Optional[str] = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    checkpoint: Optional[str] = None
+    tokenizer: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        if self.preset:
+            return self.preset
+        return Path(self.checkpoint).name if self.checkpoint else "tiny"
 
     def resolve(self) -> ModelConfig:
-        return get_preset(self.preset, **self.overrides)
+        if self.checkpoint is None:
+            return get_preset(self.preset or "tiny", **self.overrides)
+        from megatron_rl.checkpointing.initial import checkpoint_model_config
+
+        model = checkpoint_model_config(self.checkpoint)
+        if self.overrides:
+            raise ValueError(f"model.{next(iter(self.overrides))} cannot be set with model.checkpoint (the "
+                             f"checkpoint's shape is the model's)")
+        if self.preset:
+            want = dataclasses.asdict(get_preset(self.preset))
+            have = dataclasses.asdict(model)
+            diff = [k for k in want if k != "name" and want[k] != have.get(k)]
+            if diff:
+                raise ValueError(f"model.checkpoint={self.checkpoint!r} is not a {self.preset!r} model (differs in "
+                                 f"{', '.join(diff)}); drop model.preset or use a matching checkpoint")
+        return model
 
 
 @dataclass
@@ -53,6 +84,7 @@ class TrainerSection:
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     use_distributed_optimizer: bool = True
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
     dtype: Literal["fp32", "bf16"] = "fp32"
@@ -97,11 +129,23 @@ class RolloutSection:
 
 @dataclass
 class DataSection:
+    """dataset: "synthetic-arithmetic" (built in), "gsm8k", "math500" or "jsonl". GSM8K trains on `path` (default:
+    the shared train split) and evaluates on `eval_path` (default: the shared test split); a single file (MATH-500,
+    JSONL without eval_path) holds out its first `eval_size` records. `prompt_field`/`answer_field` map JSONL
+    fields. `chat`: apply the tokenizer's chat template (default: when it has one). `system`: a system message.
+    Held-out reward: `eval_samples` samples per held-out problem at the rollout temperature."""
+
     dataset: str = "synthetic-arithmetic"
     path: Optional[str] = None
+    eval_path: Optional[str] = None
     prompt_field: str = "question"
-    answer_field: str = "answer"
+    answer_field: Optional[str] = "answer"
     eval_size: int = 64
+    eval_samples: int = 4
+    chat: Optional[bool] = None
+    system: Optional[str] = None
+    # Synthetic task only: the share of the warm start's demonstrations that are right (the rest are off by one).
+    demo_accuracy: float = 1.0
 
 
 @dataclass
@@ -147,7 +191,10 @@ class JobConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         model = d.pop("model")
-        d["model"] = {"preset": model["preset"], **model["overrides"]}
+        d["model"] = {k: model[k] for k in ("preset", "checkpoint", "tokenizer") if model[k] is not None}
+        if model["checkpoint"] is None:
+            d["model"]["preset"] = self.model.name
+        d["model"].update(model["overrides"])
         return d
 
     @property
@@ -229,13 +276,17 @@ def _apply(cfg: JobConfig, path: str, value: Any) -> None:
     section = getattr(cfg, section_name)
     if section_name == "model":
         if key == "preset":
-            if value not in PRESETS:
+            if value is not None and value not in PRESETS:
                 raise ConfigError(f"model.preset={value!r} is not a preset{_suggest(str(value), PRESETS)}; "
                                   f"known: {', '.join(PRESETS)}")
             section.preset = value
             return
+        if key in ("checkpoint", "tokenizer"):
+            setattr(section, key, None if value is None else _coerce(path, str(value) if isinstance(value, (int, float)) else value, str))
+            return
         if key not in _MODEL_FIELDS:
-            raise ConfigError(f"unknown key 'model.{key}'{_suggest(key, ['preset', *_MODEL_FIELDS], 'model.')}")
+            raise ConfigError(f"unknown key 'model.{key}'"
+                              f"{_suggest(key, ['preset', 'checkpoint', 'tokenizer', *_MODEL_FIELDS], 'model.')}")
         hints = typing.get_type_hints(ModelConfig)
         section.overrides[key] = _coerce(path, value, hints[key])
         return
@@ -348,6 +399,37 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
         errors.append(f"algorithm.ppo_clip={a.ppo_clip} must be > 0 or null")
     if cfg.trainer.lr <= 0:
         errors.append(f"trainer.lr={cfg.trainer.lr} must be > 0")
+    d = cfg.data
+    from megatron_rl.controller.tasks import dataset_key
+
+    try:
+        dataset = dataset_key(d.dataset)
+    except ValueError as e:
+        errors.append(str(e))
+        dataset = None
+    if dataset is not None and cfg.trainer.warmup_steps_sft > 0:
+        errors.append(f"trainer.warmup_steps_sft={cfg.trainer.warmup_steps_sft}: the supervised warm start needs "
+                      f"demonstrations, which only the synthetic task has; set it to 0 for data.dataset="
+                      f"{d.dataset!r} (start from trained weights with model.checkpoint)")
+    if dataset == "jsonl" and not d.path:
+        errors.append("data.dataset='jsonl' needs data.path (a JSONL file of prompts)")
+    for f in ("eval_size", "eval_samples"):
+        if getattr(d, f) < 1:
+            errors.append(f"data.{f}={getattr(d, f)} must be >= 1")
+    if cfg.reward.kind == "reward-model":
+        errors.append("reward.kind='reward-model' is not available yet (no reward-model executor); use 'gsm8k', "
+                      "'math', 'synthetic' or 'function'")
+    elif dataset is not None and cfg.reward.kind == "auto":
+        from megatron_rl.rewards import kind_for_dataset
+
+        try:
+            kind_for_dataset(d.dataset)
+        except ValueError as e:
+            errors.append(str(e))
+    elif dataset is None and cfg.reward.kind not in ("auto", "synthetic") and not (
+            cfg.reward.kind == "function" and not cfg.reward.function):
+        errors.append(f"reward.kind={cfg.reward.kind!r}: the built-in synthetic task has its own exact-match "
+                      f"reward; use data.dataset='jsonl' with your prompts to train on another reward")
     if cfg.reward.kind == "function" and not cfg.reward.function:
         errors.append("reward.function must be set (module:function) when reward.kind='function'")
     if cfg.reward.function and ":" not in cfg.reward.function:

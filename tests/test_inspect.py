@@ -20,13 +20,10 @@ def ckpt(tmp_path_factory):
     """A tiny Llama with tied embeddings, converted by 2 tensor-parallel processes."""
     from megatron_rl.checkpointing.convert import convert
 
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    from tiny_hf import save_tiny_llama
+
     d = tmp_path_factory.mktemp("inspect")
-    model.save_pretrained(d / "hf", safe_serialization=True)
+    model = save_tiny_llama(d / "hf", num_layers=4, tied=True)
     convert(d / "hf", d / "mcore", "megatron", tp=2)
     return d / "mcore", model
 

@@ -22,9 +22,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def save_tokenizer(src: Path, dst: Path) -> Optional[dict]:
-    """Write the tokenizer of a HF model directory or a GGUF file into `dst` (created); return the
-    `megatron_rl.json` entry, or None when a HF directory has no tokenizer files."""
+    """Write the tokenizer of a HF model directory, a GGUF file or a sentencepiece .model into `dst` (created);
+    return the `megatron_rl.json` entry, or None when a HF directory has no tokenizer files."""
     src = Path(src)
+    if src.is_file() and src.suffix == ".model":  # sentencepiece
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst / "tokenizer.model")
+        return {"type": "sentencepiece", "path": f"{dst.name}/tokenizer.model"}
     if src.is_file() and src.suffix == ".gguf":
         from transformers import AutoTokenizer
 

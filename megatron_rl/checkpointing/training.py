@@ -161,14 +161,23 @@ def _unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
-def _optimizer_sharded_state_dict(engine, model_sd: dict, is_loading: bool) -> dict:
+def _has_optimizer_state(optimizer) -> bool:
+    """Has the optimizer taken a step (Adam moments exist)? A job that starts from given weights saves its first
+    checkpoint before any update: there is no optimizer state to save then, and resuming from it starts fresh."""
+    return any(getattr(getattr(o, "optimizer", None), "state", None)
+               for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_sharded_state_dict(engine, model_sd: dict, is_loading: bool, with_state: bool = True) -> dict:
     metadata = dict(_OPTIM_METADATA, dp_cp_group=engine.pgs.dp_cp)
-    return {
-        "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata),
+    out = {
         "scheduler": engine.scheduler.state_dict(),
         "engine": {"steps_done": engine.steps_done, "nonfinite_total": engine.nonfinite_total,
                    "nonfinite_in_a_row": engine.nonfinite_in_a_row},
     }
+    if with_state:
+        out["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    return out
 
 
 def _no_common(common_state_dict: dict) -> dict:
@@ -241,7 +250,8 @@ class TrainCheckpointer:
     def save(self, step: int, engine=None, *, layout=None, model_cfg=None, rl_state: Optional[dict] = None,
              tokenizer: Optional[dict] = None, extra: Optional[dict] = None) -> Path:
         """Collective over the world. Trainer ranks pass their TrainEngine (and the layout / model shape);
-        the controller (rank 0) passes `rl_state`. Returns the final checkpoint path."""
+        the controller (rank 0) passes `rl_state`. `tokenizer` is the metadata entry, or {"source": PATH} to copy
+        a tokenizer (HF directory, .gguf, sentencepiece .model) into the checkpoint. Returns the final path."""
         from megatron.core import dist_checkpointing
 
         rank = dist.get_rank()
@@ -265,13 +275,20 @@ class TrainCheckpointer:
             save({}, str(tmp / "model"))
         failpoint("checkpoint_between_model_and_optimizer", name)
         if engine is not None:
-            optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=False)
+            optimizer_state = _has_optimizer_state(engine.optimizer)
+            optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=False,
+                                                     with_state=optimizer_state)
             save(optim_sd, str(tmp / "optimizer"))
             torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         else:
             save({}, str(tmp / "optimizer"))
         if rank == 0 and rl_state is not None:
             torch.save(rl_state, tmp / "rl_state.pt")
+        if rank == 0 and tokenizer is not None and "source" in tokenizer:
+            # The checkpoint carries its tokenizer's files, so that it stands on its own (eval, convert, resume).
+            from megatron_rl.checkpointing.tokenizer import TOKENIZER_DIR, save_tokenizer
+
+            tokenizer = save_tokenizer(Path(tokenizer["source"]), tmp / TOKENIZER_DIR)
         dist.barrier()
         if rank == 0:
             meta = {
@@ -283,6 +300,7 @@ class TrainCheckpointer:
                           if engine is not None else None),
                 "model": dataclasses.asdict(model_cfg) if model_cfg is not None else None,
                 "tokenizer": tokenizer, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "optimizer_state": _has_optimizer_state(engine.optimizer) if engine is not None else None,
                 **(extra or {}),
             }
             meta["files"] = _manifest(tmp)
@@ -348,15 +366,21 @@ class TrainCheckpointer:
         path = Path(path)
         meta = verify(path)
         if engine is not None:
-            _ensure_optimizer_state(engine.optimizer)
+            with_state = meta.get("optimizer_state") is not False
+            if with_state:
+                _ensure_optimizer_state(engine.optimizer)
             model_sd = _model_sharded_state_dict(engine)
             state = dist_checkpointing.load(model_sd, str(path / "model"))
             engine.model.module.load_state_dict(state)
-            optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=True)
+            optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=True,
+                                                     with_state=with_state)
             ostate = dist_checkpointing.load(optim_sd, str(path / "optimizer"))
-            with _torch_adam_step_tolerated():
-                engine.optimizer.load_state_dict(ostate["optimizer"])
-            _unshare_adam_steps(engine.optimizer)
+            if with_state:
+                with _torch_adam_step_tolerated():
+                    engine.optimizer.load_state_dict(ostate["optimizer"])
+                _unshare_adam_steps(engine.optimizer)
+            else:  # saved before the first update: the main parameters are still copies of the old weights
+                engine.optimizer.reload_model_params()
             engine.scheduler.load_state_dict(ostate["scheduler"])
             for k, v in ostate["engine"].items():
                 setattr(engine, k, v)

@@ -21,7 +21,7 @@ from megatron_rl.failpoints import failpoint
 from megatron_rl.config import JobConfig, validate
 from megatron_rl.controller.channels import Outbox, recv_object
 from megatron_rl.controller.schedule import generation_version, push_after_step
-from megatron_rl.controller.tasks import AdditionTask
+from megatron_rl.controller.tasks import build_task
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 from megatron_rl.rollout import RolloutBatch
 
@@ -83,12 +83,16 @@ class Job:
         self.leaders = [self.g.placement.first_rank + gl.local_rank(0, 0, d) for d in range(gl.dp)]
         self.trainer_ctl = dist.new_group(trainer_ranks, backend="gloo")
         self.ctl = dist.new_group(sorted({0, *self.leaders}), backend="gloo")
-        from megatron_rl.tokenizers import ByteTokenizer
+        from megatron_rl.checkpointing import initial
 
-        self.tok = ByteTokenizer()
+        self.initial = initial.megatron_checkpoint(cfg.model.checkpoint)
+        self.tok = initial.job_tokenizer(cfg)
         if self.model_cfg.vocab_size < self.tok.vocab_size:
-            raise ValueError(f"model vocab {self.model_cfg.vocab_size} is smaller than the byte tokenizer's 259")
-        self.task = AdditionTask(max_operand=20, eval_size=cfg.data.eval_size, seed=cfg.run.seed)
+            raise ValueError(f"the tokenizer has {self.tok.vocab_size} tokens but the model's vocabulary only "
+                             f"{self.model_cfg.vocab_size}")
+        self.stop_ids = tuple(sorted(self.tok.stop_ids))
+        # Generator replica leaders score responses (and run reward workers); other ranks only need the prompts.
+        self.task = build_task(cfg, self.tok, with_reward=self.rank in self.leaders)
         from megatron_rl.checkpointing.training import TrainCheckpointer
 
         self.ckpt = TrainCheckpointer(run_dir, keep_last=cfg.checkpoint.keep_last)
@@ -105,18 +109,32 @@ class Job:
 
         cfg, m = self.cfg, self.model_cfg
         self.trainer = self.generator = None
+        model = None
         if self.t.is_member:
             model = build_gpt_model(m, self.t.layout, self.t.pgs, attention=cfg.trainer.attention, seed=cfg.run.seed)
-            a = cfg.algorithm
+        if self.initial is not None and not (cfg.checkpoint.resume and self.ckpt.find(cfg.checkpoint.fallback)):
+            # Before the optimizer exists: its main parameters start as copies of these weights. (A run that
+            # resumes restores its own weights instead.) Every rank takes part; generators get the weights by DDMA.
+            from megatron_rl.checkpointing.initial import load_weights
+
+            load_weights(model, self.initial, self.t.pgs.dp_cp if model is not None else None)
+        if self.t.is_member:
+            a, tr = cfg.algorithm, cfg.trainer
+            warm = tr.warmup_steps_sft > 0
             settings = RLTrainerSettings(
-                micro_batch_size=cfg.trainer.micro_batch_size, temperature=cfg.rollout.temperature,
+                micro_batch_size=tr.micro_batch_size, temperature=cfg.rollout.temperature,
                 aipo=AIPOSettings(rho=a.rho, normalization=a.normalization, ppo_clip=a.ppo_clip,
                                   kl_coef=a.kl_coef, entropy_coef=a.entropy_coef),
-                optim=OptimSettings(lr=cfg.trainer.warmup_lr, min_lr=cfg.trainer.warmup_lr / 10,
-                                    warmup_steps=10, total_steps=max(cfg.trainer.warmup_steps_sft, 11),
-                                    lr_decay_style="cosine", clip_grad=cfg.trainer.clip_grad,
-                                    use_distributed_optimizer=cfg.trainer.use_distributed_optimizer,
-                                    max_nonfinite_steps=cfg.trainer.max_nonfinite_steps))
+                # The warm start (if any) runs its own warm-up and cosine decay; RL then runs at trainer.lr.
+                optim=OptimSettings(lr=tr.warmup_lr if warm else tr.lr,
+                                    min_lr=tr.warmup_lr / 10 if warm else tr.min_lr,
+                                    warmup_steps=10 if warm else tr.warmup_steps,
+                                    total_steps=max(tr.warmup_steps_sft, 11) if warm else cfg.run.steps,
+                                    lr_decay_style="cosine" if warm else "constant", clip_grad=tr.clip_grad,
+                                    weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
+                                    adam_eps=tr.adam_eps,
+                                    use_distributed_optimizer=tr.use_distributed_optimizer,
+                                    max_nonfinite_steps=tr.max_nonfinite_steps))
             self.trainer = RLTrainer(model, m, self.t, settings)
         if self.g.is_member:
             gmodel = build_gpt_model(m, self.g.layout, self.g.pgs, attention=cfg.generator.attention,
@@ -151,10 +169,9 @@ class Job:
         loss_fn = make_lm_loss(self.t.pgs.tp, self.model_cfg.vocab_size)
         bs = 32
         for step in range(steps):
-            probs = self.task.train_batch(10_000_000 + step, bs * self.t.layout.dp)
-            mine = probs[self.t.dp_rank * bs:(self.t.dp_rank + 1) * bs]
-            enc = [(self.tok.encode(p.prompt, add_bos=True), self.tok.encode(p.answer) + [self.tok.eos_id])
-                   for p in mine]
+            demos = self.task.demonstrations(step, bs * self.t.layout.dp)
+            mine = demos[self.t.dp_rank * bs:(self.t.dp_rank + 1) * bs]
+            enc = [(self._encode(prompt), self.tok.encode(answer) + [self.tok.eos_id]) for prompt, answer in mine]
             width = max(len(a) + len(b) for a, b in enc)
             toks = torch.full((bs, width), self.tok.pad_id, dtype=torch.long)
             mask = torch.zeros(bs, width)
@@ -168,51 +185,55 @@ class Job:
         engine.set_constant_lr(self.cfg.trainer.lr)
 
     # ---- generator side ------------------------------------------------------------------------------------------
-    def _generate(self, batch: int, version: int, wait_s: float, evaluate: bool) -> Optional[Rollouts]:
-        from megatron_rl.inference import GenerationRequest, SamplingParams
+    def _encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_bos=self.tok.bos_id is not None)
+
+    def _sampling(self, seed: int, n: int):
+        from megatron_rl.inference import SamplingParams
 
         r = self.cfg.rollout
-        per = r.prompts_per_step
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids, n=n, seed=seed)
+
+    def _generate(self, batch: int, version: int, wait_s: float, evaluate: bool) -> Optional[Rollouts]:
+        from megatron_rl.inference import GenerationRequest
+
+        r = self.cfg.rollout
+        per, n = r.prompts_per_step, r.samples_per_prompt
         problems = self.task.train_batch(batch, per)
         dp, d = self.g.layout.dp, self.g.dp_rank
         mine = list(range(per))[d::dp]
-        params = lambda seed, n: SamplingParams(  # noqa: E731
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-            stop_token_ids=(self.tok.eos_id,), n=n, seed=seed)
         t0 = time.perf_counter()
-        reqs = [GenerationRequest(self.tok.encode(problems[i].prompt, add_bos=True),
-                                  params(self.cfg.run.seed * 7919 + batch * 1000 + i, r.samples_per_prompt))
+        reqs = [GenerationRequest(self._encode(self.task.prompt_text(problems[i])),
+                                  self._sampling(self.cfg.run.seed * 7919 + batch * 1000 + i, n))
                 for i in mine]
         outs = self.generator.generate(reqs)
         gen_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        rewards, groups = [], []
-        for j, o in enumerate(outs):
-            p = problems[mine[j // r.samples_per_prompt]]
-            rewards.append(self.task.score(p, self.tok.decode(o.token_ids)))
-            groups.append(mine[j // r.samples_per_prompt])
-        reward_s = time.perf_counter() - t0
         eval_reward = self._evaluate() if evaluate else None
         if self.g.tp_rank != 0:
             return None
+        t0 = time.perf_counter()
+        texts = [self.tok.decode(o.token_ids) for o in outs]
+        rewards = self.task.score([problems[mine[j // n]] for j in range(len(outs))], texts)
+        groups = [mine[j // n] for j in range(len(outs))]
+        reward_s = time.perf_counter() - t0
         return Rollouts(batch, version, [o.prompt_ids for o in outs], [o.token_ids for o in outs],
-                        [o.logprobs for o in outs], rewards, groups, [self.tok.decode(o.token_ids) for o in outs[:4]],
-                        gen_s, reward_s, wait_s, eval_reward)
+                        [o.logprobs for o in outs], rewards, groups, texts[:4], gen_s, reward_s, wait_s, eval_reward)
 
     def _evaluate(self) -> float:
         """Mean reward on the held-out problems, sampled as in training (this replica's share, all replicas
         see the same set; replicas hold the same weights)."""
-        from megatron_rl.inference import GenerationRequest, SamplingParams
+        from megatron_rl.inference import GenerationRequest
 
-        r = self.cfg.rollout
-        problems = self.task.eval_problems()
-        reqs = [GenerationRequest(self.tok.encode(p.prompt, add_bos=True),
-                                  SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                                 max_new_tokens=r.max_new_tokens, stop_token_ids=(self.tok.eos_id,),
-                                                 n=4, seed=424242 + i))
+        n = self.cfg.data.eval_samples
+        problems = self.task.eval_records()
+        reqs = [GenerationRequest(self._encode(self.task.prompt_text(p)), self._sampling(424242 + i, n))
                 for i, p in enumerate(problems)]
         outs = self.generator.generate(reqs)
-        scores = [self.task.score(problems[j // 4], self.tok.decode(o.token_ids)) for j, o in enumerate(outs)]
+        if self.g.tp_rank != 0:
+            return None
+        scores = self.task.score([problems[j // n] for j in range(len(outs))],
+                                 [self.tok.decode(o.token_ids) for o in outs])
         return sum(scores) / len(scores)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
@@ -237,10 +258,27 @@ class Job:
                         "nonfinite_total": self.trainer.engine.nonfinite_total if self.trainer else 0}
         engine = self.trainer.engine if self.trainer is not None else None
         self.ckpt.save(version, engine, layout=self.t.layout, model_cfg=self.model_cfg, rl_state=rl_state,
-                       tokenizer={"type": "byte"}, extra={"run": self.cfg.run.name, "mode": self.cfg.rollout.mode,
+                       tokenizer=self._tokenizer_entry(), extra={"run": self.cfg.run.name, "mode": self.cfg.rollout.mode,
                                                           "staleness": s})
         if self.rank == 0:
             self._log_line(f"checkpoint {step_dir_name(version)} saved ({self.ckpt.last_save_s:.1f} s)")
+
+    def _tokenizer_entry(self):
+        """How a training checkpoint records the job's tokenizer: the byte tokenizer by name; any other one as
+        the source it came from (`tokenizer_src`: copied into the checkpoint)."""
+        from megatron_rl.tokenizers import ByteTokenizer
+
+        if isinstance(self.tok, ByteTokenizer):
+            return {"type": "byte"}
+        if self.cfg.model.tokenizer:
+            return {"source": self.cfg.model.tokenizer}
+        import json as _json
+
+        entry = _json.loads((self.initial / "megatron_rl.json").read_text()).get("tokenizer") or {}
+        if entry.get("type") in ("hf", "sentencepiece") and entry.get("path"):
+            path = Path(entry["path"])
+            return {"source": str(path if path.is_absolute() else self.initial / path)}
+        return entry or None
 
     def _resume(self) -> int:
         """Restore the newest checkpoint if there is one; returns the number of trainer steps already done."""
@@ -261,6 +299,7 @@ class Job:
         meta = self.ckpt.load(path, self.trainer.engine if self.trainer is not None else None)
         rl = meta["rl_state"]
         self.start_step = int(rl["step"])
+        self._restored_batches = {int(b) for b in rl.get("pending", {})}
         if self.rank == 0:
             # Stored as whole batches: they stay valid when the generator's layout (its replicas) changed.
             self._restored = {int(b): [Rollouts(**p) for p in parts] for b, parts in rl.get("pending", {}).items()}
@@ -285,6 +324,7 @@ class Job:
         self._on_row, self._echo = on_row, echo
         self._inbox: dict[int, dict[int, Rollouts]] = {}
         self._restored: dict[int, list[Rollouts]] = {}
+        self._restored_batches: set[int] = set()
         self._outbox = None
         t_start = time.perf_counter()
         done = self._resume()
@@ -295,9 +335,11 @@ class Job:
                 self._checkpoint(0)
         self.warm_s = time.perf_counter() - t_start
         self._push_weights(start)
-        # Batches start .. start + s - 1 were generated before the checkpoint (restored above), except at the
-        # very beginning, where they come from version 0 = the weights just pushed.
-        gen_start = min(start + s, n) if start > 0 else 0
+        # Batches start .. start + s - 1 were generated before the checkpoint and restored with it, except when
+        # the earlier run ended before generating them (it had fewer steps): those come from the newest weights.
+        gen_start = start
+        while gen_start in self._restored_batches:
+            gen_start += 1
         saves = [k for k in range(start, n) if self._save_after(k)]
         joins: dict[int, list[int]] = {}  # generator side: after producing batch b, join these saves
         for k in saves:
@@ -324,7 +366,7 @@ class Job:
                     self._checkpoint(v)
             for j in range(gen_start, n):
                 wait = 0.0
-                gv = generation_version(j, s)
+                gv = self._version_for(j)
                 if gv != version:
                     t0 = time.perf_counter()
                     self._push_weights(gv)
@@ -344,10 +386,15 @@ class Job:
             self._outbox.flush()
         return rows
 
+    def _version_for(self, k: int) -> int:
+        """The weight version batch k is generated with: k - staleness by the schedule, never older than the
+        weights the run (re)started from."""
+        return max(generation_version(k, self._staleness), self.start_step)
+
     def _produce(self, k: int, wait: float) -> None:
-        n, s = self.cfg.run.steps, self._staleness
+        n = self.cfg.run.steps
         evaluate = k % max(self.cfg.run.eval_interval, 1) == 0 or k == n - 1
-        out = self._generate(k, generation_version(k, s), wait, evaluate)
+        out = self._generate(k, self._version_for(k), wait, evaluate)
         if out is None:
             return
         if self.rank == 0:

@@ -115,14 +115,6 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
     validate(cfg, world_size)
 
 
-def check_runnable(cfg: JobConfig) -> None:
-    """Jobs the controller cannot run yet, refused before any process starts (both launchers)."""
-    if cfg.data.dataset != "synthetic-arithmetic":
-        raise ConfigError(f"data.dataset={cfg.data.dataset!r} is not yet available to the job: it runs the built-in "
-                          f"'synthetic-arithmetic' task with the byte tokenizer (GSM8K/MATH jobs need checkpoint "
-                          f"loading and the tokenizer of the model, not wired yet)")
-
-
 def run_dir_of(cfg: JobConfig) -> Path:
     return Path(cfg.checkpoint.dir) / cfg.run.name
 
@@ -157,7 +149,7 @@ def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extr
         **(extra or {}),
     }
     plot = plot_run(rows, run_dir / "metrics.png",
-                    title=f"{cfg.model.preset}: {cfg.rollout.mode} AIPO, trainer tp={cfg.trainer.tp}, "
+                    title=f"{cfg.model.name}: {cfg.rollout.mode} AIPO, trainer tp={cfg.trainer.tp}, "
                           f"generator tp={cfg.generator.tp} dp={cfg.generator.dp}")
     summary["plot"] = str(plot) if plot else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -195,7 +187,12 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
     if not 0 <= world.rank < world.world_size:
         raise ConfigError(f"rank {world.rank} is outside the world of {world.world_size}")
     check_world(cfg, world.world_size)
-    check_runnable(cfg)
+    from megatron_rl.checkpointing.initial import megatron_checkpoint
+
+    try:  # every rank would convert at once: a HF or GGUF source must be converted before the launch
+        megatron_checkpoint(cfg.model.checkpoint)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     import torch
     import torch.distributed as dist

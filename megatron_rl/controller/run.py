@@ -55,13 +55,14 @@ def _job_worker(rank: int, world_size: int, cfg: JobConfig, run_dir: str) -> dic
 def train(cfg: JobConfig) -> dict:
     """Run the job on this machine with as many processes as its executors need; returns the summary.
     (`megatron_rl.controller.launcher` runs the same job in a world started by torchrun or srun.)"""
-    from megatron_rl.controller.launcher import check_runnable, prepare_run_dir, write_summary
+    from megatron_rl.checkpointing import initial
+    from megatron_rl.controller.launcher import prepare_run_dir, write_summary
     from megatron_rl.parallel.spawn import run_local
 
     world = cfg.world_size_needed
     validate(cfg, world)
-    check_runnable(cfg)
     run_dir = prepare_run_dir(cfg)
+    cfg = initial.prepare(cfg, run_dir, log=lambda text: print(f"megatron-rl: {text}", file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     results = run_local(_job_worker, world, cfg, str(run_dir), timeout=3600)
     return write_summary(cfg, results[0], run_dir, time.perf_counter() - t0)

@@ -1,23 +1,65 @@
-"""Built-in synthetic task for the default job: two-number addition, no files needed.
+"""What the job learns: prompts for training and evaluation, how a prompt is shown to the model, and its reward.
 
-Problems "a+b=" with the answer "a+b" then EOS, a and b drawn from [0, max_operand). The held-out set is a fixed
-set of pairs that training never samples, so the held-out reward measures generalisation, not memorisation.
+Two kinds of task, one interface (`Task`):
+
+* `AdditionTask`, the built-in default: two-number addition ("a+b=" -> "a+b" then EOS, a and b drawn from
+  [0, max_operand)), no files, byte tokenizer, exact-match reward. It also provides demonstrations, which the job's
+  supervised warm start imitates. Its held-out problems are a fixed set of pairs that training never samples.
+* `DatasetTask`: prompt records from a dataset (GSM8K, MATH-500, any JSONL with a field mapping), an instruction
+  and the tokenizer's chat template around each problem, and a verifier from `megatron_rl.rewards`.
+
+Every training batch is a pure function of its index, so a resumed run continues on exactly the prompts it would
+have seen; nothing about the data position needs saving beyond the step.
 """
 
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megatron_rl.data.records import PromptRecord
 
 
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
+class Task(ABC):
+    """Prompts, their presentation and their reward; `close()` releases reward worker processes, if any."""
+
+    @abstractmethod
+    def train_batch(self, index: int, size: int) -> list[PromptRecord]:
+        """Training batch `index`: a pure function of (task, index, size)."""
+
+    @abstractmethod
+    def eval_records(self) -> list[PromptRecord]:
+        """The held-out problems (never in a training batch)."""
+
+    @abstractmethod
+    def prompt_text(self, record: PromptRecord) -> str:
+        """The text the model is given (instruction and chat template applied)."""
+
+    @abstractmethod
+    def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
+        """One reward per (record, response)."""
+
+    def demonstrations(self, index: int, size: int) -> Optional[list[tuple[str, str]]]:
+        """(prompt text, target response) pairs for a supervised warm start, or None when the task has none."""
+        return None
+
+    def close(self) -> None:
+        pass
 
 
-class AdditionTask:
-    def __init__(self, max_operand: int = 20, eval_size: int = 64, seed: int = 0):
+# ---- the built-in synthetic task ---------------------------------------------------------------------------------
+class AdditionTask(Task):
+    """demo_accuracy: the share of demonstrations that are right; the others are off by one (a careless
+    demonstrator). The warm start learns the skill and the carelessness alike; RL with the exact reward can
+    then go beyond its demonstrations, which is what the default job shows."""
+
+    def __init__(self, max_operand: int = 20, eval_size: int = 64, seed: int = 0, demo_accuracy: float = 1.0):
+        if not 0.0 < demo_accuracy <= 1.0:
+            raise ValueError(f"demo_accuracy={demo_accuracy} must be in (0, 1]")
+        self.demo_accuracy = demo_accuracy
         pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
         random.Random(seed).shuffle(pairs)
         if eval_size >= len(pairs):
@@ -27,17 +69,168 @@ class AdditionTask:
         self.seed = seed
 
     @staticmethod
-    def _problem(a: int, b: int) -> Problem:
-        return Problem(f"{a}+{b}=", str(a + b))
+    def _record(a: int, b: int) -> PromptRecord:
+        return PromptRecord(id=f"{a}+{b}", prompt=f"{a}+{b}=", reference=str(a + b))
 
-    def train_batch(self, index: int, size: int) -> list[Problem]:
-        """Batch `index` of the training stream: a pure function of (seed, index), so resumable."""
+    def train_batch(self, index: int, size: int) -> list[PromptRecord]:
         rnd = random.Random(self.seed * 1_000_003 + index)
-        return [self._problem(*rnd.choice(self.train_pairs)) for _ in range(size)]
+        return [self._record(*rnd.choice(self.train_pairs)) for _ in range(size)]
 
-    def eval_problems(self) -> list[Problem]:
-        return [self._problem(a, b) for a, b in self.eval_pairs]
+    def eval_records(self) -> list[PromptRecord]:
+        return [self._record(a, b) for a, b in self.eval_pairs]
 
-    @staticmethod
-    def score(problem: Problem, response: str) -> float:
-        return 1.0 if response.strip() == problem.answer else 0.0
+    def prompt_text(self, record: PromptRecord) -> str:
+        return record.prompt
+
+    def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
+        return [1.0 if r.strip() == rec.reference else 0.0 for rec, r in zip(records, responses)]
+
+    def demonstrations(self, index: int, size: int) -> list[tuple[str, str]]:
+        rnd = random.Random(f"demo:{self.seed}:{index}")
+        out = []
+        for rec in self.train_batch(10_000_000 + index, size):
+            answer = int(rec.reference)
+            if rnd.random() >= self.demo_accuracy:
+                answer += 1 if answer == 0 or rnd.random() < 0.5 else -1
+            out.append((rec.prompt, str(answer)))
+        return out
+
+
+# ---- dataset tasks -----------------------------------------------------------------------------------------------
+# data.dataset -> (instruction for the verifier, default train file, default eval file) inside the data directory.
+# MATH-500 has one split: its first `eval_size` problems are held out and training uses the rest.
+_DATASETS = {
+    "gsm8k": ("gsm8k", "gsm8k/train.jsonl", "gsm8k/test.jsonl"),
+    "math500": ("math", "math500/test.jsonl", None),
+    "jsonl": ("plain", None, None),
+}
+_ALIASES = {"math-500": "math500", "math": "math500"}
+
+
+def dataset_key(name: str) -> Optional[str]:
+    """The dataset kind of a `data.dataset` value ("gsm8k", "math500", "jsonl"), None for the synthetic task."""
+    key = name.lower()
+    if key in ("synthetic-arithmetic", "synthetic", "arithmetic"):
+        return None
+    key = _ALIASES.get(key, key)
+    if key not in _DATASETS:
+        raise ValueError(f"data.dataset={name!r} is not known; expected 'synthetic-arithmetic', "
+                         + ", ".join(repr(k) for k in _DATASETS))
+    return key
+
+
+def _load(path: Path, data, key: str) -> list[PromptRecord]:
+    """GSM8K and MATH-500 files through their loaders (their field mapping and reference answers), any other JSONL
+    with `data.prompt_field` / `data.answer_field`."""
+    from megatron_rl.data import DataError, JsonlPromptDataset, load_gsm8k, load_math500
+
+    if not path.is_file():
+        raise DataError(f"{path}: no such file (set data.path, or data.eval_path for the held-out problems)")
+    if key == "gsm8k":
+        return list(load_gsm8k(path=path))
+    if key == "math500":
+        return list(load_math500(path=path))
+    return list(JsonlPromptDataset(path, prompt_field=data.prompt_field, answer_field=data.answer_field))
+
+
+class DatasetTask(Task):
+    """Prompt records from files, shown through an instruction and the tokenizer's chat template, scored by a
+    verifier. Prompts longer than `max_prompt_tokens` are left out (counted in `skipped`), not cut."""
+
+    def __init__(self, train: list[PromptRecord], heldout: list[PromptRecord], instruction: str, tokenizer,
+                 reward, *, chat: bool, max_prompt_tokens: int, seed: int = 0, system: Optional[str] = None):
+        from megatron_rl.data import ChatPromptBuilder
+
+        self.builder = ChatPromptBuilder.for_task(instruction, system)
+        self.tok, self.reward, self.chat, self.seed = tokenizer, reward, chat, seed
+        self.skipped = {"train": 0, "eval": 0}
+        self.train = self._fits(train, max_prompt_tokens, "train")
+        self.heldout = self._fits(heldout, max_prompt_tokens, "eval")
+        if not self.train:
+            raise ValueError(f"no training prompt fits rollout.max_prompt_length={max_prompt_tokens} tokens")
+        if not self.heldout:
+            raise ValueError(f"no held-out prompt fits rollout.max_prompt_length={max_prompt_tokens} tokens")
+        from megatron_rl.data import ResumableSampler
+
+        self._order = ResumableSampler(len(self.train), shuffle=True, seed=seed)
+
+    def _fits(self, records: list[PromptRecord], limit: int, split: str) -> list[PromptRecord]:
+        kept = [r for r in records if len(self.encode(r)) <= limit]
+        self.skipped[split] = len(records) - len(kept)
+        return kept
+
+    def prompt_text(self, record: PromptRecord) -> str:
+        return self.builder.build(record, self.tok if self.chat else None)
+
+    def encode(self, record: PromptRecord) -> list[int]:
+        return self.tok.encode(self.prompt_text(record), add_bos=self.tok.bos_id is not None)
+
+    def train_batch(self, index: int, size: int) -> list[PromptRecord]:
+        """Epochs over the training records, each in its own seeded order: item `index * size + j` of the
+        concatenated epochs."""
+        n, out = len(self.train), []
+        for pos in range(index * size, (index + 1) * size):
+            epoch, i = divmod(pos, n)
+            out.append(self.train[self._order.epoch_order(epoch)[i]])
+        return out
+
+    def eval_records(self) -> list[PromptRecord]:
+        return self.heldout
+
+    def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
+        return self.reward.score([(self.prompt_text(rec), resp, rec.reference) for rec, resp in zip(records, responses)])
+
+    def close(self) -> None:
+        self.reward.close()
+
+
+def has_chat_template(tokenizer) -> bool:
+    inner = getattr(tokenizer, "tok", None)
+    return bool(getattr(inner, "chat_template", None))
+
+
+def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
+    """The task a job configuration names. `with_reward=False` builds it without starting reward workers (ranks
+    that never score)."""
+    from megatron_rl.data import default_data_dir
+
+    data = cfg.data
+    key = dataset_key(data.dataset)
+    if key is None:
+        return AdditionTask(max_operand=20, eval_size=data.eval_size, seed=cfg.run.seed,
+                            demo_accuracy=data.demo_accuracy)
+    instruction, train_rel, eval_rel = _DATASETS[key]
+    root = default_data_dir()
+    train_path = Path(data.path) if data.path else (root / train_rel if train_rel else None)
+    if train_path is None:
+        raise ValueError("data.dataset='jsonl' needs data.path")
+    records = _load(train_path, data, key)
+    eval_path = Path(data.eval_path) if data.eval_path else (root / eval_rel if eval_rel and not data.path else None)
+    if eval_path is not None:
+        train, heldout = records, _load(eval_path, data, key)[: data.eval_size]
+    else:  # one file: hold out its first eval_size records
+        if len(records) <= data.eval_size:
+            raise ValueError(f"{train_path} has {len(records)} records; holding out data.eval_size={data.eval_size} "
+                             f"leaves none to train on (set data.eval_path or a smaller data.eval_size)")
+        train, heldout = records[data.eval_size:], records[: data.eval_size]
+    reward = _NoReward()
+    if with_reward:
+        from megatron_rl.rewards import get_reward_fn
+
+        r = cfg.reward
+        reward = get_reward_fn(r.kind, r.function, timeout_s=r.timeout_s, num_workers=r.num_workers,
+                               dataset=key if key != "jsonl" else data.dataset)
+    chat = has_chat_template(tokenizer) if data.chat is None else data.chat
+    return DatasetTask(train, heldout, instruction, tokenizer, reward, chat=chat,
+                       max_prompt_tokens=cfg.rollout.max_prompt_length, seed=cfg.run.seed, system=data.system)
+
+
+@dataclass
+class _NoReward:
+    """Stands in for the verifier on ranks that never score."""
+
+    def score(self, items):
+        raise RuntimeError("this rank does not score responses")
+
+    def close(self) -> None:
+        pass

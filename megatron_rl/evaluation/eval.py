@@ -22,10 +22,10 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
-META = "megatron_rl.json"
-LATEST = "latest"
+from megatron_rl.checkpointing.inspect import META
+
 DATA_DIR_ENV = "MEGATRON_RL_DATA_DIR"
 
 # dataset name -> (file inside the data dir, verifier kind, instruction task, display name)
@@ -55,19 +55,13 @@ class EvalSettings:
 
 # ---- inputs --------------------------------------------------------------------------------------------------------
 def resolve_checkpoint(path: Union[str, Path]) -> Path:
-    """The checkpoint directory CKPT names: itself when it holds megatron_rl.json, else what its `latest` names."""
-    p = Path(path)
-    if not p.exists():
-        raise EvalError(f"checkpoint {str(p)!r} does not exist")
-    if (p / META).is_file():
-        return p
-    if (p / LATEST).is_file():
-        name = (p / LATEST).read_text().strip()
-        target = Path(name) if Path(name).is_absolute() else p / name
-        if not name or not (target / META).is_file():
-            raise EvalError(f"{p / LATEST} names {name!r}, which is not a checkpoint (no {META})")
-        return target
-    raise EvalError(f"{p} is not a megatron-rl checkpoint: no {META} and no {LATEST} file naming one")
+    """The checkpoint directory CKPT names: itself, or what a run root's `latest` names (as `inspect` resolves)."""
+    from megatron_rl.checkpointing.inspect import InspectError, resolve_checkpoint as resolve
+
+    try:
+        return resolve(Path(path))
+    except InspectError as e:
+        raise EvalError(str(e)) from None
 
 
 def read_checkpoint_meta(ckpt: Path):
@@ -125,46 +119,21 @@ def load_problems(dataset: str, data_dir: Optional[str] = None, limit: Optional[
     return list(ds)
 
 
-def _tokenizer_from_entry(ckpt: Path, entry: Any):
-    from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
-
-    if isinstance(entry, str):
-        entry = {"type": "byte"} if entry == "byte" else {"path": entry}
-    if not isinstance(entry, dict):
-        raise EvalError(f"{ckpt / META}: bad tokenizer entry {entry!r}")
-    if entry.get("type") == "byte":
-        return ByteTokenizer()
-    if not entry.get("path"):
-        raise EvalError(f"{ckpt / META}: the tokenizer entry {entry!r} has no path")
-    path = Path(entry["path"])
-    return load_tokenizer(path if path.is_absolute() else ckpt / path)
-
-
-def checkpoint_tokenizer(ckpt: Path, meta: dict, override: Optional[str] = None):
+def checkpoint_tokenizer(ckpt: Path, override: Optional[str] = None):
     """`override` when given (a HF directory, .gguf, sentencepiece .model or "byte"), else the checkpoint's own."""
     from megatron_rl.tokenizers import load_tokenizer
 
     try:
         if override:
             return load_tokenizer(override)
-        try:
-            from megatron_rl.checkpointing import load_checkpoint_tokenizer
-        except ImportError:  # not in this version of the checkpointing package: read the entry here
-            load_checkpoint_tokenizer = None
-        if load_checkpoint_tokenizer is not None:
-            tok = load_checkpoint_tokenizer(ckpt)
-        else:
-            tok = _tokenizer_from_entry(ckpt, meta["tokenizer"]) if meta.get("tokenizer") is not None else None
-    except EvalError:
-        raise
+        from megatron_rl.checkpointing import load_checkpoint_tokenizer
+
+        return load_checkpoint_tokenizer(ckpt)
     except Exception as e:  # noqa: BLE001 - any loader failure is reported in one line
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
-        where = f"--tokenizer {override}" if override else f"the tokenizer recorded in {ckpt / META}"
+        where = f"--tokenizer {override}" if override else "the checkpoint's tokenizer (or pass --tokenizer: a Hugging " \
+            "Face directory, a .gguf file, a sentencepiece .model, or 'byte')"
         raise EvalError(f"cannot load {where}: {text}") from None
-    if tok is None:
-        raise EvalError(f"{ckpt / META} records no tokenizer; pass --tokenizer (a Hugging Face directory, a .gguf "
-                        f"file, a sentencepiece .model, or 'byte')")
-    return tok
 
 
 def has_chat_template(tok) -> bool:
@@ -232,7 +201,7 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
         if n % s.tp:
             raise EvalError(f"--tp={s.tp} does not divide the model's {what}={n}")
     dtype = _dtype_of(meta)
-    tok = checkpoint_tokenizer(ckpt, meta, s.tokenizer)
+    tok = checkpoint_tokenizer(ckpt, s.tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise EvalError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}; "
                         f"pass the model's tokenizer with --tokenizer")

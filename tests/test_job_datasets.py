@@ -1,0 +1,193 @@
+"""Jobs beyond the built-in task: datasets (GSM8K, MATH-500, JSONL), initial weights from a checkpoint or a HF
+model, the model's own tokenizer and a user reward function; and the built-in task's demonstrations."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.controller.tasks import AdditionTask, DatasetTask, build_task
+from megatron_rl.data import PromptRecord, default_data_dir
+from megatron_rl.tokenizers import ByteTokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = default_data_dir()
+
+
+# ---- the built-in task's demonstrations --------------------------------------------------------------------------
+def test_careless_demonstrations_are_right_at_the_given_rate_and_off_by_one_otherwise():
+    task = AdditionTask(eval_size=64, seed=3, demo_accuracy=0.4)
+    demos = [d for i in range(50) for d in task.demonstrations(i, 32)]
+    errors = [int(answer) - eval(prompt[:-1]) for prompt, answer in demos]
+    assert set(errors) <= {-1, 0, 1} and all(int(a) >= 0 for _, a in demos)
+    right = errors.count(0) / len(errors)
+    assert abs(right - 0.4) < 0.03, right  # 1,600 draws: 3 standard deviations is 0.037
+    assert task.demonstrations(7, 32) == task.demonstrations(7, 32)  # a pure function of the index
+    exact = AdditionTask(eval_size=64, seed=3)
+    assert all(int(a) == eval(p[:-1]) for p, a in exact.demonstrations(0, 64))
+    held = {r.prompt for r in task.eval_records()}
+    assert not held & {p for p, _ in demos}
+
+
+# ---- dataset tasks -----------------------------------------------------------------------------------------------
+def _records(n, prefix="q"):
+    return [PromptRecord(id=f"{prefix}{i}", prompt=f"{prefix} {i}" + " x" * (i % 7), reference=str(i)) for i in range(n)]
+
+
+class _Exact:
+    def score(self, items):
+        return [1.0 if resp.strip() == ref else 0.0 for _, resp, ref in items]
+
+    def close(self):
+        pass
+
+
+def test_dataset_batches_are_pure_epochs_and_long_prompts_are_left_out():
+    train = _records(10)
+    long = PromptRecord(id="long", prompt="y" * 100, reference="0")
+    task = DatasetTask(train + [long], _records(3, "e"), "plain", ByteTokenizer(), _Exact(), chat=False,
+                       max_prompt_tokens=40, seed=1)
+    assert task.skipped == {"train": 1, "eval": 0}
+    batches = [task.train_batch(k, 4) for k in range(5)]  # 20 items = two epochs of 10
+    ids = [r.id for b in batches for r in b]
+    assert sorted(ids[:10]) == sorted(r.id for r in train) == sorted(ids[10:])
+    assert ids[:10] != ids[10:]  # each epoch in its own order
+    assert [r.id for r in task.train_batch(3, 4)] == [r.id for r in batches[3]]
+    assert task.score(train[:2], [" 0", "7"]) == [1.0, 0.0]
+    assert task.prompt_text(train[1]) == "q 1 x"
+
+
+def test_gsm8k_trains_on_train_and_holds_out_test_through_the_chat_template():
+    if not (DATA / "gsm8k" / "train.jsonl").is_file():
+        pytest.skip(f"GSM8K is not at {DATA}")
+
+    class Chat(ByteTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    class Tok(Chat):
+        tok = type("Inner", (), {"chat_template": "x"})()
+
+    cfg = load_config(None, ["data.dataset=gsm8k", "data.eval_size=5", "rollout.max_prompt_length=2000"])
+    task = build_task(cfg, Tok())
+    test_questions = [json.loads(line)["question"] for line in open(DATA / "gsm8k" / "test.jsonl")][:5]
+    assert [r.prompt for r in task.eval_records()] == test_questions
+    assert len(task.train) == 7473 and task.eval_records()[0].reference == "18"
+    text = task.prompt_text(task.eval_records()[0])
+    assert text.startswith("<user>Solve the following") and "####" in text and text.endswith("<assistant>")
+    assert task.score(task.eval_records()[:2], ["so #### 18", "#### 4"]) == [1.0, 0.0]
+
+
+def test_one_file_holds_out_its_first_records(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"q": f"{i}+1=", "a": str(i + 1)}) + "\n" for i in range(12)))
+    cfg = load_config(None, ["data.dataset=jsonl", f"data.path={f}", "data.prompt_field=q", "data.answer_field=a",
+                             "data.eval_size=4", "reward.kind=synthetic"])
+    task = build_task(cfg, ByteTokenizer())
+    assert [r.prompt for r in task.eval_records()] == ["0+1=", "1+1=", "2+1=", "3+1="]
+    assert sorted(r.prompt for r in task.train) == sorted(f"{i}+1=" for i in range(4, 12))
+    assert task.score(task.eval_records()[:2], ["1", "5"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.dataset=gsm8k"], r"trainer.warmup_steps_sft=300: the supervised warm start needs demonstrations"),
+    (["data.dataset=squad", "trainer.warmup_steps_sft=0"], r"data.dataset='squad' is not known"),
+    (["data.dataset=jsonl", "trainer.warmup_steps_sft=0"], r"data.dataset='jsonl' needs data.path"),
+    (["data.dataset=jsonl", "data.path=x.jsonl", "trainer.warmup_steps_sft=0"],
+     r"reward.kind='auto' cannot choose a verifier for dataset 'jsonl'"),
+    (["reward.kind=reward-model"], r"reward.kind='reward-model' is not available yet"),
+    (["reward.kind=gsm8k"], r"the built-in synthetic task has its own exact-match reward"),
+    (["model.checkpoint=/nonexistent/ckpt"], r"model.checkpoint='/nonexistent/ckpt' does not exist"),
+    (["data.eval_samples=0"], r"data.eval_samples=0 must be >= 1"),
+])
+def test_jobs_that_cannot_run_fail_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, overrides), 3)
+
+
+# ---- a job from a HF model, on a JSONL dataset, scored by a user function ---------------------------------------
+def _weights(ckpt_model_dir):
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as d:
+        dcp_to_torch_save(str(ckpt_model_dir), f"{d}/m.pt")
+        sd = torch.load(f"{d}/m.pt", weights_only=False)
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def test_job_starts_from_a_hf_model_with_its_tokenizer_and_a_user_reward(tmp_path):
+    pytest.importorskip("transformers")
+    import torch
+    from tiny_hf import WORDS, save_tiny_llama, save_word_tokenizer
+
+    hf = tmp_path / "hf"
+    save_tiny_llama(hf, vocab_size=16)
+    save_word_tokenizer(hf)
+    data = tmp_path / "words.jsonl"
+    data.write_text("".join(json.dumps({"question": " ".join(WORDS[i % 5: i % 5 + 3])}) + "\n" for i in range(20)))
+    args = [f"model.checkpoint={hf}", "data.dataset=jsonl", f"data.path={data}",
+            "data.answer_field=null", "data.eval_size=4", "data.eval_samples=2", "reward.kind=function",
+            "reward.function=reward_fns:says_mat", "trainer.warmup_steps_sft=0", "trainer.tp=2", "generator.tp=1",
+            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
+            "run.eval_interval=1", "checkpoint.save_interval=2", f"checkpoint.dir={tmp_path}", "run.name=w"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+
+    def train(steps):
+        return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args, f"run.steps={steps}"],
+                              capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+
+    out = train(2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "w"
+    assert "converting" in out.stderr and (run / "initial_model" / "megatron_rl.json").is_file()
+    # The trainer started from the HF weights: the checkpoint written before the first step holds them exactly
+    # (written at trainer TP=2, converted at TP=1: the vocabulary is padded to 256 and 128 rows; 16 are real).
+    start, initial = _weights(run / "step_00000000" / "model"), _weights(run / "initial_model" / "model")
+    assert start.keys() == initial.keys() and len(start) >= 9
+    for k in start:
+        real = slice(0, 16) if k.startswith(("embedding", "output_layer")) else slice(None)
+        assert torch.equal(start[k][real], initial[k][real]), k
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]
+    words = set(WORDS)
+    for r in rows:  # the model's own tokenizer decoded the responses; the user function scored them
+        assert all(set(t.split()) <= words for t in r["samples"])
+        assert all(0.0 <= r["reward"] <= 1.0 for r in rows) and 0.0 <= r["eval/reward"] <= 1.0
+    from megatron_rl.checkpointing import load_checkpoint_tokenizer
+
+    tok = load_checkpoint_tokenizer(run)  # the run's latest checkpoint carries the tokenizer
+    assert (run / "step_00000002" / "tokenizer").is_dir() and tok.encode("cat mat") == [4, 8]
+
+    again = train(3)  # resumes from step 2; the initial model is not converted again
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "converting" not in again.stderr and "resumed from" in again.stderr
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_path):
+    """The real model from a converted checkpoint: GSM8K train prompts in its chat template, its tokenizer's stop
+    ids, the GSM8K verifier; the generator (weights from DDMA) and the trainer agree on every log-prob."""
+    ckpt = smollm2[0]
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", f"model.checkpoint={ckpt}",
+                          "data.dataset=gsm8k", "data.eval_size=2", "data.eval_samples=1", "trainer.tp=1",
+                          "trainer.warmup_steps_sft=0", "trainer.lr=1e-6", "rollout.mode=sync",
+                          "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+                          "rollout.max_prompt_length=320", "run.steps=2", "run.eval_interval=1",
+                          "checkpoint.save_interval=0", f"checkpoint.dir={tmp_path}", "run.name=s"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "s" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["skipped"] == 0.0 and abs(r["is_weight_mean"] - 1) < 1e-4 and abs(r["kl_mu_pi"]) < 1e-4
+        assert 1 <= r["response_length"] <= 12 and all(isinstance(t, str) for t in r["samples"])
+    # English from the model's own tokenizer, not byte soup: the responses decode to words.
+    text = " ".join(t for r in rows for t in r["samples"])
+    assert sum(w.isalpha() for w in text.split()) >= 4, text
