@@ -31,8 +31,11 @@ def cmd_train(args) -> int:
     print(f"megatron-rl train: model {cfg.model.name} ({model.num_parameters() / 1e6:.1f}M parameters), "
           f"trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator tp={cfg.generator.tp} "
           f"dp={cfg.generator.dp}{' (colocated)' if cfg.generator.colocated else ''}, "
-          f"{cfg.rollout.mode} rollouts (staleness {cfg.rollout.staleness}), {cfg.world_size_needed} processes",
-          flush=True)
+          f"{'async rollouts (staleness %d)' % cfg.rollout.staleness if cfg.rollout.mode == 'async' else 'sync rollouts'}"
+          f"{', trainer bf16' if cfg.trainer.dtype == 'bf16' else ''}"
+          f"{', generator ' + cfg.generator.dtype if cfg.generator.dtype != 'fp32' else ''}"
+          f"{', int8 generator weights' if cfg.generator.quantization == 'int8' else ''}, "
+          f"{cfg.world_size_needed} processes", flush=True)
     from megatron_rl.controller.run import train
 
     summary = train(cfg)

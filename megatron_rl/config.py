@@ -434,6 +434,12 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
         errors.append("reward.function must be set (module:function) when reward.kind='function'")
     if cfg.reward.function and ":" not in cfg.reward.function:
         errors.append(f"reward.function={cfg.reward.function!r} must look like 'module:function'")
+    if cfg.generator.quantization not in ("none", "int8"):
+        errors.append(f"generator.quantization={cfg.generator.quantization!r} is not available; use 'int8' "
+                      f"(int8 weights, dequantized per layer) or 'none'")
+    if cfg.generator.quantization == "int8" and cfg.generator.attention == "te":
+        errors.append("generator.quantization='int8' needs Megatron-Core's own linear layers: set "
+                      "generator.attention to 'sdpa' or 'local' (not 'te')")
     if cfg.checkpoint.keep_last < 1:
         errors.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     if cfg.generator.colocated:

@@ -39,3 +39,23 @@ def smollm2(tmp_path_factory):
     tok.save_pretrained(root / "hf")  # conversion records it in the checkpoint (older versions did not)
     convert(root / "hf", root / "smollm2", to="megatron")
     return root / "smollm2", hf, tok, root / "hf"
+
+
+@pytest.fixture(scope="session")
+def tiny_hf():
+    """A random transformers Llama (3 layers, GQA, untied) with enlarged weights, its Megatron config and its
+    weights in Megatron names."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights: confident, varied greedy continuations
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    ours = model_config_from_hf(cfg, name="tiny-test")
+    return hf, ours, hf_to_megatron({k: v.clone() for k, v in hf.state_dict().items()}, ours)

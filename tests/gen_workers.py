@@ -40,3 +40,34 @@ def parity_worker(rank, world_size, cfg, full, tp):
             lp = target_logprobs(logits, seq, g.pgs.tp, cfg.vocab_size, 0.7)[0, len(o.prompt_ids):]
         diffs.append((lp - torch.tensor(o.logprobs)).abs().max().item())
     return diffs
+
+
+def int8_generate_worker(rank, world_size, cfg, full, tp, requests, how="quantize"):
+    """Greedy generation with int8 weights quantized from `full`; also the weight bytes before and after.
+
+    how="quantize": load `full` into a model, then quantize it in place. how="build": build the int8 generator
+    directly (its matrices never exist in full precision) and fill it the way a sync would: int8 weights from the
+    quantized shards, the other parameters copied."""
+    from megatron_rl.ddma.quant import quantize_int8
+    from megatron_rl.inference.quantized import build_int8_generator, quantize_generator, weight_bytes
+
+    g, model = _setup(cfg, full, tp)
+    before = weight_bytes(model)
+    if how == "quantize":
+        targets = quantize_generator(model, cfg, g.layout, g.pgs.pp.rank(), g.pgs.tp.rank())
+    else:
+        reference = dict(model.named_parameters())
+        model, targets = build_int8_generator(cfg, g.layout, g.pgs, attention="sdpa")
+        assert not any(p.is_meta for p in model.parameters())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                assert not p.any(), name  # built at zero: the sync writes every weight
+                p.copy_(reference[name])
+            for name, w8 in targets.items():
+                q = quantize_int8(reference[name])
+                w8.qweight.copy_(q.qweight)
+                w8.scale.copy_(q.scale)
+    after = weight_bytes(model, targets)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=64)
+    outs = gen.generate(requests)
+    return [(o.token_ids, o.logprobs) for o in outs], before, after, sorted(targets)

@@ -48,6 +48,8 @@ BAD = [
     (["reward.kind=function"], r"^reward.function must be set"),
     (["generator.colocated=true"], r"^generator.colocated=true needs"),
     (["rollout.max_new_tokens=1000"], r"exceeds model.max_position_embeddings=512$"),
+    (["generator.quantization=fp8"], r"^generator.quantization='fp8' is not available; use 'int8'"),
+    (["generator.quantization=int8", "generator.attention=te"], r"needs Megatron-Core's own linear layers"),
 ]
 
 

@@ -44,18 +44,63 @@ def test_short_job_end_to_end(tmp_path, mode):
     assert (tmp_path / "t" / "config.yaml").exists()
 
 
-def _final_weights(run_dir):
-    """The model tensors of a run's newest checkpoint, read straight from the torch_dist files."""
+def _dcp_tensors(path):
+    """Every tensor of a torch_dist checkpoint directory, by its flattened key."""
     import tempfile
 
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    latest = (run_dir / "latest").read_text().strip()
     with tempfile.TemporaryDirectory() as d:
-        dcp_to_torch_save(str(run_dir / latest / "model"), f"{d}/m.pt")
+        dcp_to_torch_save(str(path), f"{d}/m.pt")
         sd = torch.load(f"{d}/m.pt", weights_only=False)
-    return latest, {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    out = {}
+
+    def walk(x, key):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(x, torch.Tensor):
+            out[key] = x
+
+    walk(sd, "")
+    return out
+
+
+def _final_weights(run_dir):
+    """The model tensors of a run's newest checkpoint, read straight from the torch_dist files."""
+    latest = (run_dir / "latest").read_text().strip()
+    return latest, _dcp_tensors(run_dir / latest / "model")
+
+
+def test_bf16_trainer_with_an_int8_generator_trains_and_resumes(tmp_path):
+    """trainer.dtype=bf16: bf16 weights, fp32 main weights in the optimizer (the weights are their rounding);
+    generator.quantization=int8 samples from int8 weights that DDMA refreshes: behaviour log-probs stay close to
+    the trainer's. A longer relaunch resumes the bf16 run."""
+    import torch
+
+    base = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.warmup_steps_sft=10", "rollout.mode=sync",
+            "rollout.prompts_per_step=4", "data.eval_size=4", "run.eval_interval=100", "checkpoint.save_interval=3",
+            "trainer.dtype=bf16", "generator.dtype=bf16", "generator.quantization=int8", f"checkpoint.dir={tmp_path}",
+            "run.name=q"]
+    out = subprocess.run(base + ["run.steps=3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    step = tmp_path / "q" / "step_00000003"
+    assert json.loads((step / "megatron_rl.json").read_text())["dtype"] == "bfloat16"
+    model, opt = _dcp_tensors(step / "model"), _dcp_tensors(step / "optimizer")
+    matrices = [k for k in model if "norm" not in k]  # (stacked over layers, norms are 2-D too)
+    assert matrices and all(model[k].dtype == torch.bfloat16 for k in matrices)
+    for k in matrices:
+        main = opt[f"optimizer.state.param.{k}"]
+        assert main.dtype == torch.float32 and torch.equal(main.to(torch.bfloat16), model[k]), k
+    rows = [json.loads(x) for x in open(tmp_path / "q" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:  # sync mode: same weights on both sides, up to bf16 and int8 rounding
+        assert abs(r["kl_mu_pi"]) < 1e-2 and abs(r["is_weight_mean"] - 1) < 1e-2 and r["skipped"] == 0
+    again = subprocess.run(base + ["run.steps=4"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from_step"] == 3
+    assert [json.loads(x)["step"] for x in open(tmp_path / "q" / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
 def test_killed_runs_resume_to_the_same_result(tmp_path):

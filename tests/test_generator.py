@@ -4,28 +4,10 @@ import pytest
 import torch
 
 from megatron_rl.inference import GenerationRequest, SamplingParams
-from megatron_rl.models.presets import get_preset
 from megatron_rl.parallel.spawn import run_local
 from gen_workers import generate_worker, parity_worker
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def tiny_hf():
-    from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
-
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger weights: confident, varied greedy continuations
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    ours = model_config_from_hf(cfg, name="tiny-test")
-    return hf, ours, hf_to_megatron({k: v.clone() for k, v in hf.state_dict().items()}, ours)
 
 
 PROMPTS = [[5, 17, 42, 99], [7], [250, 3, 3, 3, 8, 61, 12, 4, 90], [1, 2]]

@@ -26,6 +26,11 @@ from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topolo
 from megatron_rl.rollout import RolloutBatch
 
 
+# trainer.dtype / generator.dtype: the dtype of the model's parameters. A bf16 trainer keeps fp32 main weights in
+# its optimizer (Megatron-Core's mixed-precision optimizer); DDMA sends the bf16 weights.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 @dataclass
 class Rollouts:
     """What a generator replica sends the controller for one batch."""
@@ -102,6 +107,7 @@ class Job:
     # ---- executors ---------------------------------------------------------------------------------------------
     def _build_models(self) -> None:
         from megatron_rl.ddma.sync import WeightSync
+        from megatron_rl.ddma.transport import TransportSettings
         from megatron_rl.inference import Generator
         from megatron_rl.models import build_gpt_model
         from megatron_rl.training.engine import OptimSettings
@@ -109,9 +115,11 @@ class Job:
 
         cfg, m = self.cfg, self.model_cfg
         self.trainer = self.generator = None
+        self.gen_int8 = {}
         model = None
         if self.t.is_member:
-            model = build_gpt_model(m, self.t.layout, self.t.pgs, attention=cfg.trainer.attention, seed=cfg.run.seed)
+            model = build_gpt_model(m, self.t.layout, self.t.pgs, attention=cfg.trainer.attention, seed=cfg.run.seed,
+                                    params_dtype=DTYPES[cfg.trainer.dtype])
         if self.initial is not None and not (cfg.checkpoint.resume and self.ckpt.find(cfg.checkpoint.fallback)):
             # Before the optimizer exists: its main parameters start as copies of these weights. (A run that
             # resumes restores its own weights instead.) Every rank takes part; generators get the weights by DDMA.
@@ -137,19 +145,31 @@ class Job:
                                     max_nonfinite_steps=tr.max_nonfinite_steps))
             self.trainer = RLTrainer(model, m, self.t, settings)
         if self.g.is_member:
-            gmodel = build_gpt_model(m, self.g.layout, self.g.pgs, attention=cfg.generator.attention,
-                                     seed=cfg.run.seed + 1)
+            attention = cfg.generator.attention
+            if cfg.generator.quantization == "int8" and attention == "auto":
+                attention = "sdpa"  # int8 layers are Megatron-Core's own linears, not transformer-engine's
+            build = dict(attention=attention, seed=cfg.run.seed + 1, params_dtype=DTYPES[cfg.generator.dtype])
+            if cfg.generator.quantization == "int8":
+                from megatron_rl.inference.quantized import build_int8_generator
+
+                # Never holds the full-precision matrices; DDMA writes every weight before the first sample.
+                gmodel, self.gen_int8 = build_int8_generator(m, self.g.layout, self.g.pgs, **build)
+            else:
+                gmodel = build_gpt_model(m, self.g.layout, self.g.pgs, **build)
             self.gen_model = gmodel
             self.generator = Generator(gmodel, m.vocab_size, self.g.pgs.tp,
                                        max_batch_size=cfg.generator.max_batch_size,
                                        max_len=cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens,
                                        tokenizer=self.tok)
-        self.sync = WeightSync(m, self.t, self.g)
+        quantize = None if cfg.generator.quantization == "none" else cfg.generator.quantization
+        self.sync = WeightSync(m, self.t, self.g, settings=TransportSettings(quantize=quantize))
 
     def _push_weights(self, version: int) -> float:
         t0 = time.perf_counter()
         trainer_model = self.trainer.model if self.trainer is not None else None
         gen_model = self.gen_model if self.generator is not None else None
+        if gen_model is not None and self.gen_int8:  # int8 weights are written in place, the rest as usual
+            gen_model = {**dict(gen_model.named_parameters()), **self.gen_int8}
         self.sync.sync(trainer_model=trainer_model, generator_model=gen_model,
                        step=version if self.trainer is not None else None)
         if self.generator is not None:

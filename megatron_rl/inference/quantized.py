@@ -1,0 +1,149 @@
+"""Int8 weight-only generation: the generator holds its 2-D weights as int8 with per-row scales.
+
+A dedicated generator that only samples need not keep full-precision weights. Holding them as int8
+(`megatron_rl.ddma.quant.Int8Weight`: int8 plus one float32 scale per output row) halves the weight memory of a
+bf16 generator, which is what lets a 405B generator fit one 8-GPU node with room left for the KV cache (the
+LlamaRL paper quantizes its generators for the same reason). DDMA refreshes these int8 weights in place at every
+sync (`TransportSettings(quantize="int8")`, quantize-on-receive), so no rank ever holds a full-precision copy.
+
+Building such a generator never holds its full-precision matrices either: `build_int8_generator` constructs the
+model while a parameter-registration hook puts every tensor-parallel linear weight on the meta device (one
+layer's shard exists for a moment, then is dropped), skips Megatron's initialization (DDMA writes every weight
+before the first sample), and then allocates only the int8 weights and the full-precision rest. Without this, a
+405B generator at TP8 would need its 101 GB of bf16 weights per GPU at start-up.
+
+How the forward uses them: each quantized layer is one of Megatron-Core's own tensor-parallel linears
+(`ColumnParallelLinear` / `RowParallelLinear`). `quantize_generator` removes its `weight` parameter and gives
+the module a subclass whose `weight` is the dequantized int8 weight, computed when the forward reaches the layer
+and freed after it, so at most one layer's weight exists in full precision at a time. Everything else (the
+TP communication, the incremental forward, CUDA-graph decoding) is unchanged. Megatron-Core itself has no int8
+weight-only inference path for these layers (its low-precision inference goes through transformer-engine fp8 or
+ModelOpt), hence this small adapter. Transformer-engine layer specs keep their weights inside TE modules and are
+refused with a clear error.
+
+The cost is a dequantize (a read of int8 and a write of the compute dtype) per layer per forward; a fused int8
+matmul kernel would remove it, and is the next step where decode speed matters more than memory.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from megatron_rl.ddma.quant import Int8Weight, int8_targets, quantize_int8
+from megatron_rl.parallel.layout import ParallelLayout
+
+QUANTIZATIONS = ("none", "int8")
+
+
+def _dequantized(self) -> torch.Tensor:
+    return self._int8.dequantize(self._int8_dtype)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _int8_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        body = {"weight": property(_dequantized), "__module__": __name__,
+                "__doc__": f"{cls.__name__} whose weight is held as int8 (megatron_rl.inference.quantized)."}
+        if issubclass(cls, ColumnParallelLinear):
+            def forward(self, input_, weight=None, runtime_gather_output=None):
+                # ColumnParallelLinear.forward reads `self.weight` twice when no weight is passed: dequantize once.
+                return cls.forward(self, input_, self.weight if weight is None else weight, runtime_gather_output)
+
+            body["forward"] = forward
+        _CLASSES[cls] = type(f"Int8{cls.__name__}", (cls,), body)
+    return _CLASSES[cls]
+
+
+def quantize_generator(model: torch.nn.Module, model_cfg, layout: ParallelLayout, pp_rank: int, tp_rank: int,
+                       device: Optional[torch.device] = None) -> dict[str, Int8Weight]:
+    """Switch one generator stage to int8 weights, in place; returns {local parameter name: Int8Weight}.
+
+    The int8 weights start as the quantized current weights (zero for weights built on the meta device); pass
+    them to `WeightSync.sync` together with the remaining parameters (`{**dict(model.named_parameters()),
+    **targets}`) with `TransportSettings(quantize="int8")`. The vocabulary tensors (embedding, output layer) and
+    the norms stay in the model's dtype."""
+    if device is None:
+        device = next(p.device for p in model.parameters() if not p.is_meta)
+    targets = int8_targets(model_cfg, layout, pp_rank, tp_rank, device=device)
+    modules = dict(model.named_modules())
+    for name, w8 in targets.items():
+        mod_name, _, attr = name.rpartition(".")
+        mod = modules.get(mod_name)
+        param = None if mod is None else mod._parameters.get(attr)
+        if attr != "weight" or param is None:
+            raise ValueError(f"int8 generation: the model has no parameter {name!r}")
+        if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+            raise ValueError(f"int8 generation needs Megatron-Core's own linear layers; {mod_name} is a "
+                             f"{type(mod).__name__} (use generator.attention='sdpa' or 'local', not 'te')")
+        if tuple(param.shape) != tuple(w8.shape):
+            raise ValueError(f"int8 generation: {name} has shape {tuple(param.shape)}, the layout expects "
+                             f"{tuple(w8.shape)}")
+        if not param.is_meta:
+            start = quantize_int8(param.detach())
+            w8.qweight.copy_(start.qweight)
+            w8.scale.copy_(start.scale)
+        del mod._parameters["weight"]
+        mod.__class__ = _int8_class(type(mod))
+        mod._int8, mod._int8_dtype = w8, param.dtype
+    # Linear weights built on the meta device that stay in full precision (the output layer): allocate them now.
+    for mod in model.modules():
+        for pname, param in list(mod._parameters.items()):
+            if param is not None and param.is_meta:
+                real = torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device),
+                                          requires_grad=param.requires_grad)
+                real.__dict__.update(param.__dict__)
+                mod._parameters[pname] = real
+    return targets
+
+
+@contextmanager
+def _linear_weights_on_meta():
+    """While active, every weight a Megatron-Core tensor-parallel linear registers is replaced by a meta tensor
+    of the same shape and dtype (the allocated one is dropped at once)."""
+
+    def hook(module, name, param):
+        if name == "weight" and param is not None and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            meta = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                      requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)  # Megatron's attributes (tensor_model_parallel, partition_dim, ...)
+            return meta
+        return None
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def build_int8_generator(model_cfg, layout: ParallelLayout, pgs, **build_kwargs):
+    """Build one generator stage with int8 weights without ever materializing its full-precision matrices;
+    returns (model, {local name: Int8Weight}). Every weight starts at zero: sync from the trainer before use.
+    `build_kwargs` go to `build_gpt_model` (attention, params_dtype, seed, ...)."""
+    from megatron_rl.models import build_gpt_model
+
+    overrides = dict(build_kwargs.pop("config_overrides", None) or {}, perform_initialization=False)
+    with _linear_weights_on_meta():
+        model = build_gpt_model(model_cfg, layout, pgs, config_overrides=overrides, **build_kwargs)
+    # The non-quantized parameters were allocated without initialization: start them at zero too.
+    device = next((p.device for p in model.parameters() if not p.is_meta), None)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_meta:
+                p.zero_()
+    targets = quantize_generator(model, model_cfg, layout, pgs.pp.rank(), pgs.tp.rank(), device=device)
+    return model, targets
+
+
+def weight_bytes(model: torch.nn.Module, targets: Optional[dict[str, Int8Weight]] = None) -> int:
+    """Bytes of the weights one rank holds: parameters plus int8 weights and their scales."""
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    for w8 in (targets or {}).values():
+        n += w8.qweight.numel() * w8.qweight.element_size() + w8.scale.numel() * w8.scale.element_size()
+    return n
