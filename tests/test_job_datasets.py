@@ -94,7 +94,7 @@ def test_one_file_holds_out_its_first_records(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["data.dataset=gsm8k"], r"trainer.warmup_steps_sft=300: the supervised warm start needs demonstrations"),
+    (["data.dataset=gsm8k"], r"trainer.warmup_steps_sft=1500: the supervised warm start needs demonstrations"),
     (["data.dataset=squad", "trainer.warmup_steps_sft=0"], r"data.dataset='squad' is not known"),
     (["data.dataset=jsonl", "trainer.warmup_steps_sft=0"], r"data.dataset='jsonl' needs data.path"),
     (["data.dataset=jsonl", "data.path=x.jsonl", "trainer.warmup_steps_sft=0"],
