@@ -154,6 +154,7 @@ class DataSection:
 class RewardSection:
     kind: Literal["auto", "gsm8k", "math", "synthetic", "function", "reward-model"] = "auto"
     function: Optional[str] = None
+    model: Optional[str] = None  # reward-model: a Hugging Face sequence-classification directory (num_labels=1)
     timeout_s: float = 5.0
     num_workers: int = 1
 
@@ -419,8 +420,14 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
         if getattr(d, f) < 1:
             errors.append(f"data.{f}={getattr(d, f)} must be >= 1")
     if cfg.reward.kind == "reward-model":
-        errors.append("reward.kind='reward-model' is not available yet (no reward-model executor); use 'gsm8k', "
-                      "'math', 'synthetic' or 'function'")
+        if not cfg.reward.model:
+            errors.append("reward.model must be set (a Hugging Face sequence-classification directory) when "
+                          "reward.kind='reward-model'")
+        elif not (Path(cfg.reward.model) / "config.json").is_file():
+            errors.append(f"reward.model={cfg.reward.model!r} is not a Hugging Face model directory (no config.json)")
+        if dataset is None:
+            errors.append("reward.kind='reward-model': the built-in synthetic task has its own exact-match reward; "
+                          "use data.dataset='jsonl' with your prompts to train on a reward model")
     elif dataset is not None and cfg.reward.kind == "auto":
         from megatron_rl.rewards import kind_for_dataset
 

@@ -99,7 +99,8 @@ def test_one_file_holds_out_its_first_records(tmp_path):
     (["data.dataset=jsonl", "trainer.warmup_steps_sft=0"], r"data.dataset='jsonl' needs data.path"),
     (["data.dataset=jsonl", "data.path=x.jsonl", "trainer.warmup_steps_sft=0"],
      r"reward.kind='auto' cannot choose a verifier for dataset 'jsonl'"),
-    (["reward.kind=reward-model"], r"reward.kind='reward-model' is not available yet"),
+    (["reward.kind=reward-model"], r"reward.model must be set"),
+    (["reward.kind=reward-model", "reward.model=/nonexistent"], r"'/nonexistent' is not a Hugging Face model directory"),
     (["reward.kind=gsm8k"], r"the built-in synthetic task has its own exact-match reward"),
     (["model.checkpoint=/nonexistent/ckpt"], r"model.checkpoint='/nonexistent/ckpt' does not exist"),
     (["data.eval_samples=0"], r"data.eval_samples=0 must be >= 1"),
@@ -169,6 +170,33 @@ def test_job_starts_from_a_hf_model_with_its_tokenizer_and_a_user_reward(tmp_pat
     assert again.returncode == 0, again.stderr[-3000:]
     assert "converting" not in again.stderr and "resumed from" in again.stderr
     assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_job_trains_on_a_reward_model(tmp_path):
+    """reward.kind=reward-model: a sequence-classification model scores the responses (real-valued rewards)."""
+    pytest.importorskip("transformers")
+    from test_rewards import _tiny_reward_model
+    from tiny_hf import WORDS, save_tiny_llama, save_word_tokenizer
+
+    hf = tmp_path / "hf"
+    save_tiny_llama(hf, vocab_size=16)
+    save_word_tokenizer(hf)
+    _tiny_reward_model(tmp_path / "rm")
+    data = tmp_path / "words.jsonl"
+    data.write_text("".join(json.dumps({"question": " ".join(WORDS[i % 5: i % 5 + 3])}) + "\n" for i in range(12)))
+    args = [f"model.checkpoint={hf}", "data.dataset=jsonl", f"data.path={data}", "data.answer_field=null",
+            "data.eval_size=4", "data.eval_samples=2", "reward.kind=reward-model", f"reward.model={tmp_path / 'rm'}",
+            "trainer.warmup_steps_sft=0", "trainer.tp=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+            "rollout.max_new_tokens=4", "run.eval_interval=1", "run.steps=2", "checkpoint.save_interval=0",
+            f"checkpoint.dir={tmp_path}", "run.name=rm"]
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "rm" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]
+    rewards = [r["reward"] for r in rows] + [r["eval/reward"] for r in rows]
+    # means of a random model's scores over 8 samples: real-valued, not a verifier's multiples of 1/8
+    assert all(abs(x * 8 - round(x * 8)) > 1e-6 for x in rewards), rewards
 
 
 def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_path):

@@ -394,7 +394,50 @@ def test_registry():
         get_reward_fn("function")
     with pytest.raises(ValueError, match="use kind 'function'"):
         get_reward_fn("gsm8k", function="m:f")
-    with pytest.raises(NotImplementedError, match="reward-model"):
+    with pytest.raises(ValueError, match="needs model=DIR"):
         get_reward_fn("reward-model")
     with get_reward_fn("function", function="test_rewards:length_reward") as fn:
         assert fn.score([("p", "abc", None), ("p", "", None)]) == [3.0, 0.0]
+
+
+def _tiny_reward_model(d, num_labels=1):
+    """A random transformers LlamaForSequenceClassification with the tests' word tokenizer, saved into `d`."""
+    import torch
+    import transformers
+    from tiny_hf import save_word_tokenizer
+
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_labels=num_labels,
+                                   pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(cfg).eval()
+    model.save_pretrained(d, safe_serialization=True)
+    save_word_tokenizer(d)
+    return model
+
+
+def test_reward_model_scores_batches_as_one_text_at_a_time(tmp_path):
+    """Right-padded batches give each text the score the model gives it alone (read at its last real token)."""
+    pytest.importorskip("transformers")
+    import torch
+    import transformers
+
+    model = _tiny_reward_model(tmp_path / "rm")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "rm")
+    items = [("the cat ", "sat", None), ("a mat ", "and the cat ran on a mat", None), ("the ", "", None),
+             ("cat ", "ran ran", None)]
+    want = []
+    for prompt, response, _ in items:
+        ids = tok(prompt + response, return_tensors="pt")
+        with torch.no_grad():
+            want.append(float(model(**ids).logits[0, 0]))
+    rm = get_reward_fn("reward-model", model=str(tmp_path / "rm"))
+    rm.batch_size = 3  # two batches, padded differently
+    got = rm.score(items)
+    assert len(set(round(w, 6) for w in want)) == len(want)  # the texts score differently
+    assert got == pytest.approx(want, abs=1e-5)
+    _tiny_reward_model(tmp_path / "two", num_labels=2)
+    with pytest.raises(ValueError, match="has 2 outputs; a reward model has one"):
+        get_reward_fn("reward-model", model=str(tmp_path / "two"))
+    with pytest.raises(ValueError, match="not a Hugging Face model directory"):
+        get_reward_fn("reward-model", model=str(tmp_path))

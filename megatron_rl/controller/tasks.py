@@ -219,7 +219,7 @@ def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
 
         r = cfg.reward
         reward = get_reward_fn(r.kind, r.function, timeout_s=r.timeout_s, num_workers=r.num_workers,
-                               dataset=key if key != "jsonl" else data.dataset)
+                               dataset=key if key != "jsonl" else data.dataset, model=r.model)
     chat = has_chat_template(tokenizer) if data.chat is None else data.chat
     return DatasetTask(train, heldout, instruction, tokenizer, reward, chat=chat,
                        max_prompt_tokens=cfg.rollout.max_prompt_length, seed=cfg.run.seed, system=data.system)

@@ -36,15 +36,16 @@ def kind_for_dataset(dataset: Optional[str]) -> str:
         if key.startswith(prefix):
             return kind
     raise ValueError(f"reward.kind='auto' cannot choose a verifier for dataset {dataset!r}; "
-                     f"set reward.kind to one of 'gsm8k', 'math', 'function', 'synthetic'")
+                     f"set reward.kind to one of 'gsm8k', 'math', 'function', 'synthetic', 'reward-model'")
 
 
 def get_reward_fn(kind: str, function: Optional[str] = None, timeout_s: float = 5.0, num_workers: int = 1,
-                  dataset: Optional[str] = None, start_method: Optional[str] = None) -> RewardFunction:
+                  dataset: Optional[str] = None, start_method: Optional[str] = None,
+                  model: Optional[str] = None) -> RewardFunction:
     """A ready reward function. Call `close()` on it (or use `with`) to stop its worker processes, if any.
 
-    kind: "gsm8k", "math", "synthetic", "function" (needs `function="module:function"`), "auto" (by `dataset`);
-    "reward-model" is reserved for the reward-model executor, which is not built yet.
+    kind: "gsm8k", "math", "synthetic", "function" (needs `function="module:function"`), "reward-model" (needs
+    `model`, a Hugging Face sequence-classification directory), "auto" (by `dataset`).
     """
     if kind not in REWARD_KINDS:
         close = difflib.get_close_matches(str(kind), REWARD_KINDS, n=1)
@@ -64,5 +65,8 @@ def get_reward_fn(kind: str, function: Optional[str] = None, timeout_s: float = 
         if not function:
             raise ValueError("reward kind 'function' needs function='module:function'")
         return FunctionReward(function, timeout_s=timeout_s, num_workers=num_workers, start_method=start_method)
-    raise NotImplementedError("reward kind 'reward-model' (a reward-model executor) is not implemented yet; "
-                              "use 'gsm8k', 'math', 'synthetic' or 'function'")
+    if not model:
+        raise ValueError("reward kind 'reward-model' needs model=DIR (a sequence-classification model)")
+    from megatron_rl.rewards.reward_model import RewardModelReward
+
+    return RewardModelReward(model)
