@@ -129,3 +129,10 @@ def dist_checkpoint_worker(rank, world_size, layout_kw, ckpt_dir, mode):
         state = dist_checkpointing.load(model.sharded_state_dict(metadata=metadata), ckpt_dir)
         model.load_state_dict(state)
     return gather_full_state_dict(model, cfg, g.pgs)
+
+
+def rank_and_world_worker(rank, world_size):
+    """(rank, world size) as the process group sees them."""
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()

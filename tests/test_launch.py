@@ -168,3 +168,50 @@ def test_launcher_choice_and_environment(tmp_path, monkeypatch):
     cfg = load_config(None, ["generator.colocated=true", "generator.tp=2"])
     with pytest.raises(ConfigError, match=r"^executors need 2 ranks \(trainer 2, generator 2 colocated\) but 4 were"):
         check_world(cfg, 4)
+
+
+def test_backend_and_gpus_per_rank():
+    """Where CUDA is present ranks use NCCL with a GPU each; a machine or node with fewer GPUs than ranks fails in
+    one line before anything starts (two ranks on one GPU cannot share an NCCL communicator)."""
+    from megatron_rl.controller.launcher import EnvWorld, env_backend
+    from megatron_rl.parallel.spawn import LaunchError, resolve_backend
+
+    assert resolve_backend("auto", 3, 0) == "gloo"
+    assert resolve_backend("auto", 3, 8) == "nccl"
+    assert resolve_backend("gloo", 3, 1) == "gloo"
+    with pytest.raises(LaunchError, match=r"^3 ranks need 3 GPUs \(one each\) but this machine shows 1; .*"
+                                          r"CUDA_VISIBLE_DEVICES= to run on the CPU$"):
+        resolve_backend("auto", 3, 1)
+    with pytest.raises(LaunchError, match="needs CUDA"):
+        resolve_backend("nccl", 1, 0)
+    with pytest.raises(LaunchError, match="'mpi' is not one of"):
+        resolve_backend("mpi", 1, 0)
+    cfg = load_config(None, ["run.backend=auto"])
+    rank = EnvWorld(rank=9, world_size=16, local_rank=1, master_addr="h", master_port=1, source="torchrun")
+    assert env_backend(cfg, rank, 8) == "nccl" and env_backend(cfg, rank, 0) == "gloo"
+    with pytest.raises(ConfigError, match="^rank 9 has local rank 1 but its node shows 1 GPU: start at most one"):
+        env_backend(cfg, rank, 1)
+
+
+def test_local_train_with_an_impossible_backend_fails_before_writing(tmp_path, capsys):
+    """`megatron-rl train run.backend=nccl` on a machine without CUDA: one line, exit 2, no run directory."""
+    import torch
+
+    from megatron_rl.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    rc = main(["train", "--launcher", "local", f"checkpoint.dir={tmp_path}", "run.name=x", "run.backend=nccl"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["megatron-rl: config error: the NCCL backend needs CUDA, which this process does not "
+                               "see"]
+    assert not (tmp_path / "x").exists()
+
+
+def test_run_local_without_a_time_limit():
+    """`megatron-rl train` runs as long as its steps need (the local launcher once killed jobs after an hour)."""
+    from megatron_rl.parallel.spawn import run_local
+
+    from parallel_workers import rank_and_world_worker
+
+    assert run_local(rank_and_world_worker, 2, timeout=None) == [(0, 2), (1, 2)]

@@ -1,6 +1,7 @@
 """How `megatron-rl train` gets its ranks: started here (local) or by torchrun / srun (env).
 
-    local  `run.train`: this process starts `world_size_needed` ranks on this machine (fork server, gloo).
+    local  `run.train`: this process starts `world_size_needed` ranks on this machine (gloo on CPUs; NCCL and one
+           GPU per rank where CUDA is present).
     env    this process *is* one rank of a world that torchrun or srun started: read the rank and world from the
            environment, check the world against the config, initialise the default process group, run the job.
     auto   env when WORLD_SIZE is set in the environment (torchrun sets it), else local.
@@ -168,14 +169,25 @@ def report_config_error(world: EnvWorld, line: str, wait_s: float = 60.0) -> int
     return 2
 
 
-def _backend(cfg: JobConfig) -> str:
-    import torch
+def env_backend(cfg: JobConfig, world: EnvWorld, cuda_devices: int) -> str:
+    """run.backend for one rank of a launched world: "auto" is NCCL where CUDA is present; NCCL gives each rank of a
+    node its own GPU (LOCAL_RANK), so a node must show at least as many GPUs as it runs ranks."""
+    from megatron_rl.parallel.spawn import LaunchError, resolve_backend
 
-    if cfg.run.backend != "auto":
-        if cfg.run.backend == "nccl" and not torch.cuda.is_available():
-            raise ConfigError("run.backend='nccl' needs CUDA, which this process does not see")
-        return cfg.run.backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        backend = resolve_backend(cfg.run.backend, 1, cuda_devices)
+    except LaunchError as e:
+        raise ConfigError(f"run.backend={cfg.run.backend!r}: {e}") from None
+    if backend == "nccl" and world.local_rank >= cuda_devices:
+        raise ConfigError(f"rank {world.rank} has local rank {world.local_rank} but its node shows {cuda_devices} "
+                          f"GPU{'s' if cuda_devices != 1 else ''}: start at most one rank per GPU")
+    return backend
+
+
+def dist_timeout_s() -> float:
+    """How long a rank waits in one collective or message before the job fails (both launchers): long enough for
+    a checkpoint save or an evaluation on another executor, short enough that a dead peer ends the job."""
+    return float(os.environ.get("MEGATRON_RL_DIST_TIMEOUT_S", 1800))
 
 
 def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optional[float] = None) -> Optional[dict]:
@@ -200,17 +212,18 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
     from megatron_rl.compat import activate
     from megatron_rl.controller.run import _job_worker
 
-    backend = _backend(cfg)
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = env_backend(cfg, world, cuda_devices)
     os.environ.update(MASTER_ADDR=world.master_addr, MASTER_PORT=str(world.master_port), RANK=str(world.rank),
                       WORLD_SIZE=str(world.world_size), LOCAL_RANK=str(world.local_rank))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
+    if cuda_devices:
+        torch.cuda.set_device(world.local_rank % cuda_devices)
     activate()  # a no-op when CUDA is present
     run_dir = run_dir_of(cfg)
     if world.rank == 0:
         prepare_run_dir(cfg)
     if timeout_s is None:
-        timeout_s = float(os.environ.get("MEGATRON_RL_DIST_TIMEOUT_S", 1800))
+        timeout_s = dist_timeout_s()
     t0 = time.perf_counter()
     dist.init_process_group(backend, rank=world.rank, world_size=world.world_size,
                             timeout=timedelta(seconds=timeout_s))

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 
-from megatron_rl.config import JobConfig, validate
+from megatron_rl.config import ConfigError, JobConfig, validate
 
 
 def _job_worker(rank: int, world_size: int, cfg: JobConfig, run_dir: str) -> dict:
@@ -55,17 +55,26 @@ def _job_worker(rank: int, world_size: int, cfg: JobConfig, run_dir: str) -> dic
 def train(cfg: JobConfig) -> dict:
     """Run the job on this machine with as many processes as its executors need; returns the summary.
     (`megatron_rl.controller.launcher` runs the same job in a world started by torchrun or srun.)"""
+    import torch
+
     from megatron_rl.checkpointing import initial
-    from megatron_rl.controller.launcher import prepare_run_dir, write_summary
-    from megatron_rl.parallel.spawn import run_local
+    from megatron_rl.controller.launcher import dist_timeout_s, prepare_run_dir, write_summary
+    from megatron_rl.parallel.spawn import LaunchError, resolve_backend, run_local
 
     world = cfg.world_size_needed
     validate(cfg, world)
+    try:  # before anything is written: a machine with too few GPUs fails in one line
+        backend = resolve_backend(cfg.run.backend, world, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    except LaunchError as e:
+        raise ConfigError(str(e)) from None
     run_dir = prepare_run_dir(cfg)
     cfg = initial.prepare(cfg, run_dir, log=lambda text: print(f"megatron-rl: {text}", file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    results = run_local(_job_worker, world, cfg, str(run_dir), timeout=3600)
-    return write_summary(cfg, results[0], run_dir, time.perf_counter() - t0)
+    # No time limit on the whole job (a run takes as long as its steps); a dead or hung rank still ends it through
+    # the process group's timeout.
+    results = run_local(_job_worker, world, cfg, str(run_dir), backend=backend, timeout=None,
+                        dist_timeout_s=dist_timeout_s())
+    return write_summary(cfg, results[0], run_dir, time.perf_counter() - t0, {"backend": backend})
 
 
 def config_dict(cfg: JobConfig) -> dict:

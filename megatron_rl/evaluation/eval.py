@@ -162,8 +162,6 @@ def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts:
     from megatron_rl.models import build_gpt_model
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
     g = build_topology([ExecutorPlacement("eval", ParallelLayout(tp=world_size))])["eval"]
     model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa")
     model = model.to(getattr(torch, dtype))
@@ -210,13 +208,14 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
     prompts = [encode_prompt(tok, t) for t in texts]
     max_len = min(cfg.max_position_embeddings, max(len(p) for p in prompts) + s.max_new_tokens)
 
-    import torch
+    from megatron_rl.parallel.spawn import LaunchError, run_local
 
-    from megatron_rl.parallel.spawn import run_local
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    results = run_local(_generate_worker, s.tp, cfg, str(ckpt / "model"), dtype, prompts, s.max_new_tokens,
-                        tuple(sorted(tok.stop_ids)), s.batch_size, max_len, backend=backend, timeout=24 * 3600)
+    try:
+        results = run_local(_generate_worker, s.tp, cfg, str(ckpt / "model"), dtype, prompts, s.max_new_tokens,
+                            tuple(sorted(tok.stop_ids)), s.batch_size, max_len, backend="auto", timeout=None,
+                            dist_timeout_s=1800.0)
+    except LaunchError as e:
+        raise EvalError(f"--tp={s.tp}: {e}") from None
     outs, stats = results[0]
     responses = [tok.decode(ids) for ids, _, _ in outs]
 
