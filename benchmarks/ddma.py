@@ -113,6 +113,8 @@ def gpu_case(preset: str, src: str, dst: str, steps: int) -> dict:
     dsts = {r + src_l.size: _params(cfg, dst_l, r, torch.bfloat16, dev, False) for r in range(dst_l.size)}
     job = InProcessReshard(plan, srcs, dsts)
     reshard = statistics.median(timed(job.run, steps, 2))
+    # The same copies in the parameters' own dtype (bf16 elements): what the wide-element views save.
+    narrow = statistics.median(timed(InProcessReshard(plan, srcs, dsts, wide=False).run, steps, 2))
     a = torch.empty(job.bytes // 2, dtype=torch.bfloat16, device=dev)
     b = torch.empty_like(a)
     copy = statistics.median(timed(lambda: b.copy_(a), steps, 2))
@@ -120,6 +122,7 @@ def gpu_case(preset: str, src: str, dst: str, steps: int) -> dict:
     torch.cuda.empty_cache()
     return {"preset": preset, "src": src, "dst": dst, "bytes": plan.network_elements * 2 + plan.local_elements * 2,
             "copies": len(plan.copies), "reshard_s": reshard, "d2d_copy_s": copy, "ratio": copy / reshard,
+            "reshard_bf16_elements_s": narrow, "ratio_bf16_elements": copy / narrow,
             "reshard_GBps_rw": 2 * (plan.network_elements + plan.local_elements) * 2 / reshard / 1e9}
 
 
@@ -175,7 +178,8 @@ def main(argv=None) -> int:
             g = gpu_case(preset, src, dst, args.steps)
             print(f"GPU {preset} {src} -> {dst}: reshard {g['reshard_s'] * 1e3:.2f} ms, d2d copy "
                   f"{g['d2d_copy_s'] * 1e3:.2f} ms for {g['bytes'] / 1e9:.2f} GB ({g['copies']} copies, ratio "
-                  f"{g['ratio']:.2f}, {g['reshard_GBps_rw']:.0f} GB/s read+write)", flush=True)
+                  f"{g['ratio']:.2f}, {g['reshard_GBps_rw']:.0f} GB/s read+write; as bf16 elements "
+                  f"{g['reshard_bf16_elements_s'] * 1e3:.2f} ms, ratio {g['ratio_bf16_elements']:.2f})", flush=True)
             result[key] = g
             result[f"{key}_ratio"] = g["ratio"]
     result["extrapolated"] = extrapolate()

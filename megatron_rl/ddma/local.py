@@ -2,10 +2,11 @@
 
 For a single GPU holding both layouts (benchmarks, single-device colocated jobs) there are no messages: every copy
 of the plan is a device-to-device copy. The views of all copies are bound once, and each run issues them with
-`torch._foreach_copy_`. Measured on an H100 (benchmarks/ddma.py): 1.9-2.0 TB/s counting reads and writes, about
-0.65 of one plain copy of the same bytes. Launches are not the cost (a Python loop of `copy_` or foreach over only
-the contiguous slices time the same); the column slices of row-parallel weights (`linear_proj`, `linear_fc2`,
-a third of the bytes) are strided copies, which PyTorch's copy kernel runs well below its contiguous speed.
+`torch._foreach_copy_`. Measured on an H100 (benchmarks/ddma.py) with copies in the parameters' own dtype:
+1.9-2.0 TB/s counting reads and writes, about 0.65 of one plain copy of the same bytes. Launches are not the cost
+(a Python loop of `copy_` or foreach over only the contiguous slices time the same); the column slices of
+row-parallel weights (`linear_proj`, `linear_fc2`, a third of the bytes) are strided copies, which PyTorch's copy
+kernel runs well below its contiguous speed. The views are therefore bound as wide elements (`wide_copy`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Mapping
 import torch
 
 from megatron_rl.ddma.planner import Box, ReshardPlan
+from megatron_rl.ddma.wide_copy import wide_views
 
 
 def _view(t: torch.Tensor, box: Box) -> torch.Tensor:
@@ -29,12 +31,20 @@ class InProcessReshard:
     """
 
     def __init__(self, plan: ReshardPlan, src: Mapping[int, Mapping[str, torch.Tensor]],
-                 dst: Mapping[int, Mapping[str, torch.Tensor]]):
+                 dst: Mapping[int, Mapping[str, torch.Tensor]], wide: bool = True):
         self.plan = plan
-        self._dst = [_view(dst[c.dst_rank][c.dst_param], c.dst_box) for c in plan.copies]
-        self._src = [_view(src[c.src_rank][c.src_param], c.src_box) for c in plan.copies]
+        pairs = [(_view(dst[c.dst_rank][c.dst_param], c.dst_box), _view(src[c.src_rank][c.src_param], c.src_box))
+                 for c in plan.copies]
+        self.bytes = sum(d.numel() * d.element_size() for d, _ in pairs)
+        if wide:  # wide=False: copies in the parameters' dtype (benchmarks/ddma.py compares the two)
+            widened = [wide_views(d, s) for d, s in pairs]
+            self.wide_copies = sum(1 for (d, _), (w, _) in zip(pairs, widened) if w.dtype != d.dtype)
+            pairs = widened
+        else:
+            self.wide_copies = 0
+        self._dst = [d for d, _ in pairs]
+        self._src = [s for _, s in pairs]
         self._zero = [_view(dst[z.rank][z.param], z.box) for z in plan.zero_fills]
-        self.bytes = sum(v.numel() * v.element_size() for v in self._dst)
 
     @torch.no_grad()
     def run(self) -> None:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron_rl.ddma.descriptors import logical_params
 from megatron_rl.ddma.planner import Box, Copy, ReshardPlan, RankPlan, box_numel
 from megatron_rl.ddma.quant import Int8Weight, is_quantized
+from megatron_rl.ddma.wide_copy import copy_slice
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -106,7 +107,7 @@ def _write(target, box: Box, values: torch.Tensor) -> None:
     if isinstance(target, Int8Weight):
         target.write(box, values)
     else:
-        _view(target, box).copy_(values)
+        copy_slice(_view(target, box), values)
 
 
 def _zero(target, box: Box) -> None:
@@ -369,7 +370,7 @@ def execute_plan(
         for peer, copies in _by_peer(sends, "dst_rank"):
             start = offset
             for c in copies:
-                slot(offset, c).copy_(_view(src_params[c.src_param], c.src_box))
+                copy_slice(slot(offset, c), _view(src_params[c.src_param], c.src_box))
                 offset += nbytes(c)
             ops.append(dist.P2POp(dist.isend, arena[start:offset], peer, tag=0))
             stats.bytes_sent += offset - start
