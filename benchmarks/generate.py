@@ -54,7 +54,7 @@ def measure_bandwidth() -> float:
 PROFILE = False
 
 
-def run_ours(cfg, full, batch, prompt_len, new, dtype, device, fusions="auto"):
+def run_ours(cfg, full, batch, prompt_len, new, dtype, device, fusions="auto", lookahead=None):
     import torch.distributed as dist
 
     from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
@@ -67,7 +67,8 @@ def run_ours(cfg, full, batch, prompt_len, new, dtype, device, fusions="auto"):
     if full is not None:
         load_full_state_dict(model, full, cfg, g.pgs)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch, max_len=prompt_len + new)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch, max_len=prompt_len + new,
+                    lookahead=lookahead)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     reqs = [GenerationRequest(p.tolist(), SamplingParams(temperature=0, max_new_tokens=new)) for p in prompts]
     gen.generate(reqs[:batch])  # warm-up: allocates the cache, captures the decode graph
@@ -146,6 +147,8 @@ def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None, 
     other = {}
     for alt in compare or ():  # the same case with other fusion settings, for before/after in one process
         other[alt] = run_ours(cfg, full, batch, prompt_len, new, dtype, device, alt)
+    if torch.cuda.is_available():  # before/after of launching each decode step before reading the previous one
+        other["no-lookahead"] = run_ours(cfg, full, batch, prompt_len, new, dtype, device, fusions, lookahead=False)
     del full
     gc.collect()
     agree = sum(a == b for a, b in zip(first, hf_first)) / max(len(first), 1)
@@ -156,19 +159,20 @@ def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None, 
     line = (f"{name}: batch {batch}, {prompt_len} + {new} tokens: ours {ours_tps:,.0f} tokens/s, "
             f"transformers {hf_tps:,.0f} tokens/s ({ours_tps / hf_tps:.1f}x)")
     for alt, (tps, _, alt_peak, alt_first, alt_graph) in other.items():
-        key = f"{name}_fusions_{alt.replace(',', '+')}"
+        key = f"{name}_no_lookahead" if alt == "no-lookahead" else f"{name}_fusions_{alt.replace(',', '+')}"
         r.update({f"{key}_tokens_per_s": round(tps, 1), f"{key}_vs_transformers_ratio": round(tps / hf_tps, 2),
                   f"{key}_cuda_graph": alt_graph,
                   f"{key}_greedy_agreement_with_ours": round(sum(a == b for a, b in zip(first, alt_first))
                                                              / max(len(first), 1), 3)})
-        line += f"; fusions={alt}: {tps:,.0f} tokens/s"
+        line += f"; {alt if alt == 'no-lookahead' else 'fusions=' + alt}: {tps:,.0f} tokens/s"
     if torch.cuda.is_available():
         bw = measure_bandwidth()
         roof = batch * bw / weight_bytes
         r.update({f"{name}_roofline_tokens_per_s": round(roof, 1), f"{name}_vs_roofline_ratio": round(ours_tps / roof, 3),
                   f"{name}_peak_mem_gib": round(peak, 2), "bandwidth_gb_s": round(bw / 1e9, 1)})
         for alt, (tps, *_rest) in other.items():
-            r[f"{name}_fusions_{alt.replace(',', '+')}_vs_roofline_ratio"] = round(tps / roof, 3)
+            key = f"{name}_no_lookahead" if alt == "no-lookahead" else f"{name}_fusions_{alt.replace(',', '+')}"
+            r[f"{key}_vs_roofline_ratio"] = round(tps / roof, 3)
         line += f"; roofline {roof:,.0f} tokens/s ({ours_tps / roof:.1%}), peak memory {peak:.1f} GiB"
     print(line, flush=True)
     return r

@@ -19,10 +19,24 @@ def _setup(cfg, full, tp):
     return g, model
 
 
-def generate_worker(rank, world_size, cfg, full, tp, requests, max_batch):
+def generate_worker(rank, world_size, cfg, full, tp, requests, max_batch, lookahead=None):
     g, model = _setup(cfg, full, tp)
-    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=max_batch, max_len=64)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=max_batch, max_len=64, lookahead=lookahead)
     return [(o.token_ids, o.logprobs, o.finish_reason, o.error) for o in gen.generate(requests)]
+
+
+def lookahead_worker(rank, world_size, cfg, full, tp, batches):
+    """Each (requests, max_batch) decoded reading each step's tokens at once, then one step late (lookahead)."""
+    g, model = _setup(cfg, full, tp)
+    out = []
+    for requests, max_batch in batches:
+        pair = []
+        for lookahead in (False, True):
+            gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=max_batch, max_len=64,
+                            lookahead=lookahead)
+            pair.append([(o.token_ids, o.logprobs, o.finish_reason) for o in gen.generate(requests)])
+        out.append(pair)
+    return out
 
 
 def parity_worker(rank, world_size, cfg, full, tp):

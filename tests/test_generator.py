@@ -5,7 +5,7 @@ import torch
 
 from megatron_rl.inference import GenerationRequest, SamplingParams
 from megatron_rl.parallel.spawn import run_local
-from gen_workers import generate_worker, parity_worker
+from gen_workers import generate_worker, lookahead_worker, parity_worker
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,3 +70,25 @@ def test_behaviour_logprobs_match_the_trainer_forward(tiny_hf):
     for tp in (1, 2):
         diffs = run_local(parity_worker, tp, cfg, full, tp)
         assert max(max(d) for d in diffs) < 1e-5, (tp, diffs)
+
+
+def test_lookahead_decoding_gives_the_same_outputs(tiny_hf):
+    """Launching step t + 1 before reading step t (the GPU default) changes no token: sequences that stop early,
+    hit their length or the context end, and slots handed on to waiting sequences, at TP=1 and TP=2."""
+    _, cfg, full = tiny_hf
+    sampled = lambda i, **kw: SamplingParams(temperature=1.0, top_p=0.95, seed=i, **kw)  # noqa: E731
+    at_context_end = GenerationRequest(list(range(1, 60)), sampled(7, max_new_tokens=20))  # 5 tokens to 64
+    mixed = [GenerationRequest(p, sampled(i, n=2, max_new_tokens=4 + 3 * i)) for i, p in enumerate(PROMPTS)]
+    mixed += [at_context_end, GenerationRequest([9, 9], SamplingParams(temperature=0, max_new_tokens=1))]
+    # A slot freed at the context end stays free while the other sequence runs on: its position must not run
+    # past the cache.
+    lone = [at_context_end, GenerationRequest([7], sampled(3, max_new_tokens=30))]
+    for tp in (1, 2):
+        for rank_out in run_local(lookahead_worker, tp, cfg, full, tp, [(mixed, 3), (lone, 2)]):
+            for read_at_once, one_step_late in rank_out:
+                assert [t for t, _, _ in one_step_late] == [t for t, _, _ in read_at_once]
+                assert [f for _, _, f in one_step_late] == [f for _, _, f in read_at_once]
+                assert max(abs(a - b) for (_, x, _), (_, y, _) in zip(read_at_once, one_step_late)
+                           for a, b in zip(x, y)) < 1e-5
+            lengths = [[len(t) for t, _, _ in mode[0]] for mode in rank_out]
+            assert lengths == [[4, 4, 7, 7, 10, 10, 13, 13, 5, 1], [5, 30]]

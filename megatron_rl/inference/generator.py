@@ -57,6 +57,14 @@ class _Seq:
     finish: Optional[str] = None
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device's queued work (a pageable copy to a GPU
+    synchronizes the stream, which would stall behind a step launched ahead)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class _DecodeStep:
     """One decode step for every cache slot (static shapes), optionally captured in a CUDA graph.
 
@@ -64,6 +72,10 @@ class _DecodeStep:
     one token per slot, gathers the vocabulary over TP and samples on the device. Free slots compute too (their
     results are ignored): a fixed batch is what makes the step capturable, and replaying a graph removes the
     per-kernel launch cost that dominates decoding small and medium models.
+
+    The step also advances its own inputs on the device (the sampled token becomes the next input, positions and
+    step counters move on; positions stop at the cache's end, where only finished or free slots get), so the
+    next step can start before the host has read this one's tokens: the host only writes the slots it admits.
     """
 
     def __init__(self, gen: "Generator", cache, device, filtering: bool, noise: bool, use_graph: bool):
@@ -87,8 +99,25 @@ class _DecodeStep:
         logits = self.gen.forward(self.tokens[:, None], self.positions[:, None], self.slots, self.cache,
                                   kv_len=self.cache.max_len, all_slots=True)
         full = self.gen._full_logits(logits[:, 0])
-        return sample(full, self.temperature, self.top_p, self.top_k, self.seeds, self.steps, self.filtering,
-                      self.noise)
+        tokens, logprobs = sample(full, self.temperature, self.top_p, self.top_k, self.seeds, self.steps,
+                                  self.filtering, self.noise)
+        self.tokens.copy_(tokens)
+        self.positions.add_(1).clamp_(max=self.cache.max_len - 1)
+        self.steps.add_(1)
+        return tokens, logprobs
+
+    def admit(self, seqs: list) -> None:
+        """Point the given slots at newly admitted sequences (their last prompt token, position, parameters)."""
+        if not seqs:
+            return
+        dev = self.tokens.device
+        idx = _to_device(torch.tensor([s.slot for s in seqs]), dev)
+        for buf, values in ((self.tokens, [s.prompt[-1] for s in seqs]),
+                            (self.positions, [len(s.prompt) - 1 for s in seqs]),
+                            (self.steps, [0] * len(seqs)), (self.seeds, [s.seed for s in seqs]),
+                            (self.temperature, [s.params.temperature for s in seqs]),
+                            (self.top_p, [s.params.top_p for s in seqs]), (self.top_k, [s.params.top_k for s in seqs])):
+            buf.index_copy_(0, idx, _to_device(torch.tensor(values, dtype=buf.dtype), dev))
 
     def _capture(self):
         self.top_p.fill_(1.0)
@@ -101,6 +130,8 @@ class _DecodeStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = self._body()
+        for buf in (self.tokens, self.positions, self.steps):  # the warm-up and capture advanced them
+            buf.zero_()
 
     def __call__(self):
         if self.graph is not None:
@@ -113,7 +144,8 @@ class Generator:
     """Batched sampling for one generator replica (all of its TP ranks call `generate` with the same requests)."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, tp_group, max_batch_size: int = 64,
-                 max_len: Optional[int] = None, tokenizer=None, cuda_graphs: Optional[bool] = None):
+                 max_len: Optional[int] = None, tokenizer=None, cuda_graphs: Optional[bool] = None,
+                 lookahead: Optional[bool] = None):
         self.model = model
         self.vocab_size = vocab_size
         self.tp_group = tp_group
@@ -122,6 +154,11 @@ class Generator:
         self.tokenizer = tokenizer
         self.forward = IncrementalForward(model, tp_group)
         self.cuda_graphs = torch.cuda.is_available() if cuda_graphs is None else cuda_graphs
+        # Launch step t + 1 before reading step t's tokens (on by default with CUDA, where it hides the host's
+        # bookkeeping behind the GPU's work; on a CPU there is nothing to overlap). A sequence that ends at step t
+        # then costs its slot one more (discarded) step, and its successor is admitted one step later; every
+        # sequence's tokens are the same either way.
+        self.lookahead = torch.cuda.is_available() if lookahead is None else lookahead
         self.weight_version = 0
         self.stats: dict = {}
         self._cache = None
@@ -217,7 +254,9 @@ class Generator:
         # query attends to them.
         pos = torch.arange(width).expand(len(prefill), width)
         slots = torch.tensor([s.slot for s in prefill])
-        self.forward(toks.to(device), pos.to(device), slots.to(device), cache)
+        # kv_len given: no device-to-host read, so a step launched ahead keeps running meanwhile.
+        self.forward(_to_device(toks, device), _to_device(pos, device), _to_device(slots, device), cache,
+                     kv_len=width)
 
     def _run(self, pending: list[_Seq], cache, device) -> None:
         filtering = any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in pending)
@@ -227,10 +266,16 @@ class Generator:
             use_graph = self.cuda_graphs and device.type == "cuda"
             self._steps[key] = _DecodeStep(self, cache, device, filtering, noise, use_graph)
         step = self._steps[key]
+        # Two host buffers (pinned on GPUs) for the tokens and log-probs of consecutive steps: step t's are read
+        # while step t + 1 copies into the other one.
+        host = [(torch.empty(cache.slots, dtype=torch.long, pin_memory=device.type == "cuda"),
+                 torch.empty(cache.slots, dtype=torch.float32, pin_memory=device.type == "cuda")) for _ in range(2)]
         waiting = list(pending)
-        by_slot: dict[int, _Seq] = {}
+        by_slot: dict[int, _Seq] = {}  # running sequences (not known to have finished)
         free = list(range(cache.slots))
-        while waiting or by_slot:
+        in_flight = None  # (tokens, logprobs, ready event or None, {slot: sequence} when launched)
+        launched = 0
+        while waiting or by_slot or in_flight:
             admitted = []
             while waiting and free:
                 seq = waiting.pop(0)
@@ -238,26 +283,32 @@ class Generator:
                 by_slot[seq.slot] = seq
                 admitted.append(seq)
             self._prefill(admitted, cache, device)
-            for s in admitted:
-                p = s.params
-                step.temperature[s.slot] = p.temperature
-                step.top_p[s.slot] = p.top_p
-                step.top_k[s.slot] = p.top_k
-                step.seeds[s.slot] = s.seed
-            last = [0] * cache.slots
-            position = [0] * cache.slots
-            steps = [0] * cache.slots
-            for slot, s in by_slot.items():
-                last[slot] = s.tokens[-1] if s.tokens else s.prompt[-1]
-                position[slot] = len(s.prompt) + len(s.tokens) - 1
-                steps[slot] = len(s.tokens)
-            step.tokens.copy_(torch.tensor(last))
-            step.positions.copy_(torch.tensor(position))
-            step.steps.copy_(torch.tensor(steps))
-            tokens, logprobs = step()
-            tokens, logprobs = tokens.tolist(), logprobs.tolist()
-            for slot in list(by_slot):
-                s = by_slot[slot]
+            step.admit(admitted)
+            current = None
+            if by_slot:
+                tokens, logprobs = step()
+                toks_h, lps_h = host[launched % 2]
+                launched += 1
+                toks_h.copy_(tokens, non_blocking=True)
+                lps_h.copy_(logprobs, non_blocking=True)
+                ready = None
+                if device.type == "cuda":
+                    ready = torch.cuda.Event()
+                    ready.record()
+                current = (toks_h, lps_h, ready, dict(by_slot))
+            if self.lookahead:
+                done, in_flight = in_flight, current
+            else:
+                done = current
+            if done is None:
+                continue
+            toks_h, lps_h, ready, slots = done
+            if ready is not None:
+                ready.synchronize()
+            tokens, logprobs = toks_h.tolist(), lps_h.tolist()
+            for slot, s in slots.items():
+                if s.finish is not None:  # ended at the previous step: this one ran ahead for nothing
+                    continue
                 s.tokens.append(tokens[slot])
                 s.logprobs.append(logprobs[slot])
                 s.finish = self._stopped(s, tokens[slot])
