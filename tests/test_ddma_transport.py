@@ -20,6 +20,8 @@ CASES = {
     "tp4_to_tp2pp2_tied": ({"num_query_groups": 4, "tie_word_embeddings": True}, dict(tp=4), dict(tp=2, pp=2),
                            4, 8, 1 << 20, None),
     "colocated_tp2_to_tp1dp2": ({}, dict(tp=2), dict(tp=1, dp=2), 0, 2, 16 << 10, None),
+    # columns of the trainer's row-parallel weights go whole into the generator's shards (received in place)
+    "tp1_to_tp2": ({}, dict(tp=1), dict(tp=2), 1, 3, 16 << 10, None),
 }
 
 
@@ -40,6 +42,13 @@ def test_reshard_is_bit_exact(case):
     stats = [s for o in out for s in o["stats"][:1]]
     # every rank's staging stays within the bucket
     assert max(s.peak_staging_bytes for s in stats) <= bucket
+    # A slice contiguous at one end is not staged there: trainer shards are sent from their storage when the
+    # generator's TP is lower, and the generator's shards received into theirs when it is higher.
+    staged = {r: out[r]["stats"][0].peak_staging_bytes for r in range(world)}
+    if case == "tp2pp2_to_tp1dp2":
+        assert all(staged[r] == 0 for r in range(4)) and all(staged[r] > 0 for r in generator_ranks)
+    if case == "tp1_to_tp2":
+        assert staged[0] > 0 and all(staged[r] == 0 for r in generator_ranks)
     if case == "colocated_tp2_to_tp1dp2":
         assert all(s.bytes_local > 0 for s in stats)  # half of each generator rank's weights are already there
     else:

@@ -13,7 +13,9 @@ Every participating rank runs `execute_plan` with the same plan and settings:
 3. Staged rounds: the other slices (columns of row-parallel weights, dtype casts, int8 quantize-on-receive) go
    through a staging arena. They are grouped into rounds (first fit, in plan order; slices larger than a bucket
    are first cut into row slices) such that on every rank the bytes it sends plus receives in a round fit in
-   `bucket_bytes`. Per round and peer, the slices that need packing travel as one flat message.
+   `bucket_bytes`. Per round and peer, the slices that need packing at both ends travel as one flat message; a
+   slice contiguous at one end travels alone, sent from the source storage or received into the destination
+   storage, so only its other end is copied through the arena.
 
 The round schedule is a deterministic function of (plan, bucket size, wire dtype), computed identically on every
 rank, and it counts every network slice (direct ones too), so which slices a pair moves directly (a fact both ends
@@ -323,6 +325,19 @@ def execute_plan(
     def nbytes(c: Copy) -> int:
         return _aligned(c.numel * _itemsize(wire_of(c)))
 
+    # A staged slice with one contiguous end still saves that end's copy: it travels as a message of its own, sent
+    # straight from the source storage or received straight into the destination storage (the TP column slices
+    # of row-parallel weights are whole source shards going into strided destination columns, or the reverse).
+    def from_storage(c: Copy) -> bool:
+        return wire is None and _end_contiguous(c, plan, "src")
+
+    def into_storage(c: Copy) -> bool:
+        return (wire is None and c.name not in quantized and _end_contiguous(c, plan, "dst")
+                and dst_dtype[c.dst_rank, c.dst_param] == src_dtype[c.src_rank, c.src_param])
+
+    def alone(c: Copy) -> bool:
+        return from_storage(c) or into_storage(c)
+
     def local_work() -> None:
         for c in rp.local:
             values = _view(src_params[c.src_param], c.src_box)
@@ -357,7 +372,9 @@ def execute_plan(
         recvs = [c for parent, c in pairs if c.dst_rank == rank and not direct(parent)]
         if sends or recvs:
             mine.append((sends, recvs))
-    arena_bytes = max((sum(nbytes(c) for c in s + r) for s, r in mine), default=0)
+    # Staging: what is sent from anything but the source storage, and received into anything but the destination's.
+    arena_bytes = max((sum(nbytes(c) for c in s if not from_storage(c)) + sum(nbytes(c) for c in r if not into_storage(c))
+                       for s, r in mine), default=0)
     arena = _staging(workspace, arena_bytes, device)
     stats.peak_staging_bytes = arena_bytes
 
@@ -365,24 +382,48 @@ def execute_plan(
         dt = wire_of(c)
         return arena[pos:pos + c.numel * _itemsize(dt)].view(dt).view(c.shape)
 
+    # Per round and peer, both ends post the same messages in the same order: the packed slices (tag 0), then
+    # each slice that travels alone (tags 1, 2, ...).
     for sends, recvs in mine:
         ops, unpack, offset = [], [], 0
         for peer, copies in _by_peer(sends, "dst_rank"):
             start = offset
             for c in copies:
-                copy_slice(slot(offset, c), _view(src_params[c.src_param], c.src_box))
-                offset += nbytes(c)
-            ops.append(dist.P2POp(dist.isend, arena[start:offset], peer, tag=0))
-            stats.bytes_sent += offset - start
-            stats.messages_sent += 1
+                if not alone(c):
+                    copy_slice(slot(offset, c), _view(src_params[c.src_param], c.src_box))
+                    offset += nbytes(c)
+            if offset > start:
+                ops.append(dist.P2POp(dist.isend, arena[start:offset], peer, tag=0))
+                stats.bytes_sent += offset - start
+            for tag, c in enumerate((c for c in copies if alone(c)), start=1):
+                if from_storage(c):
+                    buf = _view(src_params[c.src_param], c.src_box)
+                else:
+                    buf = slot(offset, c)
+                    copy_slice(buf, _view(src_params[c.src_param], c.src_box))
+                    offset += nbytes(c)
+                ops.append(dist.P2POp(dist.isend, buf, peer, tag=tag))
+                stats.bytes_sent += c.numel * _itemsize(wire_of(c))
+            stats.messages_sent += sum(1 for op in ops if op.peer == peer)
         for peer, copies in _by_peer(recvs, "src_rank"):
             start = offset
             for c in copies:
-                unpack.append((offset, c))
-                offset += nbytes(c)
-            ops.append(dist.P2POp(dist.irecv, arena[start:offset], peer, tag=0))
-            stats.bytes_received += offset - start
-        for req in dist.batch_isend_irecv(ops):
+                if not alone(c):
+                    unpack.append((offset, c))
+                    offset += nbytes(c)
+            if offset > start:
+                ops.append(dist.P2POp(dist.irecv, arena[start:offset], peer, tag=0))
+                stats.bytes_received += offset - start
+            for tag, c in enumerate((c for c in copies if alone(c)), start=1):
+                if into_storage(c):
+                    buf = _view(dst_params[c.dst_param], c.dst_box)
+                else:
+                    buf = slot(offset, c)
+                    unpack.append((offset, c))
+                    offset += nbytes(c)
+                ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
+                stats.bytes_received += c.numel * _itemsize(wire_of(c))
+        for req in dist.batch_isend_irecv(ops) if ops else []:
             req.wait()
         for pos, c in unpack:
             _write(dst_params[c.dst_param], c.dst_box, slot(pos, c))
@@ -453,12 +494,18 @@ def _staging(workspace: Optional[dict], nbytes: int, device: torch.device) -> to
 def _is_contiguous(c: Copy, plan: ReshardPlan) -> bool:
     """Whether both boxes of a copy are contiguous in their row-major local tensors (a pure function of the plan:
     both ends of a message get the same answer)."""
-    key = ("contiguous", c)
+    return _end_contiguous(c, plan, "src") and _end_contiguous(c, plan, "dst")
+
+
+def _end_contiguous(c: Copy, plan: ReshardPlan, end: str) -> bool:
+    """Whether one end's box ("src" or "dst") of a copy (or of a row slice of one) is contiguous in its local
+    tensor; pure, like `_is_contiguous`."""
+    key = ("contiguous", end, c)
     hit = plan._per_rank.get(key)
     if hit is None:
-        src_shape = _local_shape(plan.src, c.src_rank, c.src_param)
-        dst_shape = _local_shape(plan.dst, c.dst_rank, c.dst_param)
-        hit = plan._per_rank[key] = _box_contiguous(c.src_box, src_shape) and _box_contiguous(c.dst_box, dst_shape)
+        endpoint, rank, name, box = ((plan.src, c.src_rank, c.src_param, c.src_box) if end == "src"
+                                     else (plan.dst, c.dst_rank, c.dst_param, c.dst_box))
+        hit = plan._per_rank[key] = _box_contiguous(box, _local_shape(endpoint, rank, name))
     return hit
 
 
