@@ -132,3 +132,23 @@ def job_tokenizer(cfg):
     from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
 
     return load_checkpoint_tokenizer(ckpt)
+
+
+def tokenizer_entry(cfg, tok, ckpt: Optional[Path]) -> Optional[dict]:
+    """How a training checkpoint records the job's tokenizer `tok` (what `job_tokenizer` resolved; `ckpt` is the
+    resolved `model.checkpoint`): the byte tokenizer by name; any other one as the source it came from (`source`:
+    copied into the checkpoint)."""
+    import json
+
+    from megatron_rl.checkpointing.inspect import META
+    from megatron_rl.tokenizers import ByteTokenizer
+
+    if isinstance(tok, ByteTokenizer):
+        return {"type": "byte"}
+    if cfg.model.tokenizer:
+        return {"source": cfg.model.tokenizer}
+    entry = json.loads((ckpt / META).read_text()).get("tokenizer") or {}
+    if entry.get("type") in ("hf", "sentencepiece") and entry.get("path"):
+        path = Path(entry["path"])
+        return {"source": str(path if path.is_absolute() else ckpt / path)}
+    return entry or None

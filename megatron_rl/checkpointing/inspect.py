@@ -137,15 +137,19 @@ def list_run(root: Path) -> list[dict]:
 
 
 def read_latest(root: Path) -> Optional[str]:
-    pointer = root / LATEST
-    if not pointer.is_file():
+    """The checkpoint name `ROOT/latest` points at (None without a pointer), by the training checkpointer's own
+    rule; a pointer that names nothing usable is an InspectError."""
+    from megatron_rl.checkpointing.training import CheckpointError, read_latest as read_pointer
+
+    try:
+        target = read_pointer(root)
+    except CheckpointError as e:
+        raise InspectError(str(e)) from None
+    if target is None:
         return None
-    name = pointer.read_text().strip()
-    if not name or "/" in name or name in (".", ".."):
-        raise InspectError(f"{pointer}: does not name a checkpoint directory (content {name!r})")
-    if not (root / name).is_dir():
-        raise InspectError(f"{pointer}: names {name}, which does not exist")
-    return name
+    if not target.is_dir():
+        raise InspectError(f"{root / LATEST}: names {target.name}, which does not exist")
+    return target.name
 
 
 def resolve_checkpoint(path: Path) -> Path:

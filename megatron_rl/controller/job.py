@@ -277,28 +277,13 @@ class Job:
             rl_state = {"step": version, "weight_version": version, "pending": pending,
                         "nonfinite_total": self.trainer.engine.nonfinite_total if self.trainer else 0}
         engine = self.trainer.engine if self.trainer is not None else None
+        from megatron_rl.checkpointing.initial import tokenizer_entry
+
         self.ckpt.save(version, engine, layout=self.t.layout, model_cfg=self.model_cfg, rl_state=rl_state,
-                       tokenizer=self._tokenizer_entry(), extra={"run": self.cfg.run.name, "mode": self.cfg.rollout.mode,
-                                                          "staleness": s})
+                       tokenizer=tokenizer_entry(self.cfg, self.tok, self.initial),
+                       extra={"run": self.cfg.run.name, "mode": self.cfg.rollout.mode, "staleness": s})
         if self.rank == 0:
             self._log_line(f"checkpoint {step_dir_name(version)} saved ({self.ckpt.last_save_s:.1f} s)")
-
-    def _tokenizer_entry(self):
-        """How a training checkpoint records the job's tokenizer: the byte tokenizer by name; any other one as
-        the source it came from (`tokenizer_src`: copied into the checkpoint)."""
-        from megatron_rl.tokenizers import ByteTokenizer
-
-        if isinstance(self.tok, ByteTokenizer):
-            return {"type": "byte"}
-        if self.cfg.model.tokenizer:
-            return {"source": self.cfg.model.tokenizer}
-        import json as _json
-
-        entry = _json.loads((self.initial / "megatron_rl.json").read_text()).get("tokenizer") or {}
-        if entry.get("type") in ("hf", "sentencepiece") and entry.get("path"):
-            path = Path(entry["path"])
-            return {"source": str(path if path.is_absolute() else self.initial / path)}
-        return entry or None
 
     def _resume(self) -> int:
         """Restore the newest checkpoint if there is one; returns the number of trainer steps already done."""
