@@ -8,7 +8,8 @@ Memory: bytes of the weights one rank holds (parameters, plus int8 weights and t
 built in the compute dtype and one built by `build_int8_generator`; the reference is the ratio if every weight
 were int8 (1 byte against the dtype's size). The vocabulary tensors stay in the compute dtype, so models with
 large vocabularies save less. Speed: greedy decode tokens/s of the two on random weights (int8 dequantizes each
-layer in the forward, so it is expected to be slower). Ends with one JSON line.
+layer in the forward, so it is expected to be slower). On a GPU also the peak memory while building each
+(`torch.cuda.max_memory_allocated`; the int8 build must stay near its own weight bytes). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -29,14 +30,18 @@ def _build(cfg, g, dtype, int8: bool, fill: bool):
     from megatron_rl.inference.quantized import build_int8_generator, weight_bytes
     from megatron_rl.models import build_gpt_model
 
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     if int8:
         model, targets = build_int8_generator(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=dtype)
     else:  # no initialization: only the bytes and the speed matter here
         model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=dtype,
                                 config_overrides={"perform_initialization": False})
         targets = {}
+    # The most GPU memory the build ever held: the int8 build must never hold the full-precision matrices.
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     if not fill:  # memory only: the allocations are untouched, so even 8B fits a small machine's RAM
-        return model, targets, weight_bytes(model, targets)
+        return model, targets, weight_bytes(model, targets), peak
     with torch.no_grad():  # random weights of a sane scale (the same distribution for both)
         gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
         for p in model.parameters():
@@ -44,7 +49,7 @@ def _build(cfg, g, dtype, int8: bool, fill: bool):
         for w8 in targets.values():
             w8.qweight.copy_(torch.randint(-127, 128, w8.qweight.shape, generator=gen, device=w8.qweight.device))
             w8.scale.fill_(0.02 * 3 / 127)
-    return model, targets, weight_bytes(model, targets)
+    return model, targets, weight_bytes(model, targets), peak
 
 
 def _decode_tokens_per_s(model, cfg, g, batch: int, prompt: int, new: int) -> float:
@@ -95,9 +100,10 @@ def main(argv=None) -> int:
         row = {}
         for int8 in (False, True):
             speed = name in args.speed_cases.split(",")
-            model, targets, nbytes = _build(cfg, g, dtype, int8, fill=speed)
+            model, targets, nbytes, peak = _build(cfg, g, dtype, int8, fill=speed)
             key = "int8" if int8 else "dense"
             row[f"{key}_bytes"] = nbytes
+            row[f"{key}_build_peak"] = peak
             if speed:
                 row[f"{key}_tokens_per_s"] = _decode_tokens_per_s(model, cfg, g, args.batch, args.prompt, args.new)
             del model, targets
@@ -109,6 +115,13 @@ def main(argv=None) -> int:
               f"{row['int8_bytes'] / 2**20:.1f} MiB int8, ratio {ratio:.3f} (all-int8 reference {1 / dsize:.3f})")
         result[f"{name}_weight_ratio"] = round(ratio, 4)
         result[f"{name}_weight_bytes"] = [row["dense_bytes"], row["int8_bytes"]]
+        if row["dense_build_peak"]:
+            peak_ratio = row["int8_build_peak"] / row["dense_build_peak"]
+            print(f"{name}: peak GPU memory while building {row['dense_build_peak'] / 2**20:.0f} MiB "
+                  f"{result['dtype']}, {row['int8_build_peak'] / 2**20:.0f} MiB int8, ratio {peak_ratio:.3f} "
+                  f"(weights alone: {ratio:.3f})")
+            result[f"{name}_build_peak_bytes"] = [row["dense_build_peak"], row["int8_build_peak"]]
+            result[f"{name}_build_peak_ratio"] = round(peak_ratio, 4)
         if "int8_tokens_per_s" in row:
             speed = row["int8_tokens_per_s"] / row["dense_tokens_per_s"]
             print(f"{name}: decode {row['dense_tokens_per_s']:.0f} tok/s {result['dtype']}, "
