@@ -215,3 +215,18 @@ def test_run_local_without_a_time_limit():
     from parallel_workers import rank_and_world_worker
 
     assert run_local(rank_and_world_worker, 2, timeout=None) == [(0, 2), (1, 2)]
+
+
+def test_train_with_spawned_ranks_as_on_gpu_machines(tmp_path):
+    """`megatron-rl train` as a GPU machine starts it (ranks spawned as fresh interpreters, nothing inherited),
+    here on the CPU: the config, the job function and its arguments must survive the trip."""
+    env = dict(os.environ, MEGATRON_RL_START_METHOD="spawn", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    cfg = [o for o in TINY if not o.startswith("run.world_size")]
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--launcher", "local", *cfg,
+                          f"checkpoint.dir={tmp_path}", "run.name=spawned"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["backend"] == "gloo"
+    rows = [json.loads(line) for line in (tmp_path / "spawned" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]

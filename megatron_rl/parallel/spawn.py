@@ -88,10 +88,12 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
 
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = resolve_backend(backend, world_size, cuda)
-    if cuda:
-        ctx = mp.get_context("spawn")
-    else:
-        ctx = mp.get_context("forkserver")
+    # MEGATRON_RL_START_METHOD=spawn: the start method of GPU machines, on a CPU (the tests use it).
+    method = os.environ.get("MEGATRON_RL_START_METHOD") or ("spawn" if cuda else "forkserver")
+    if method not in ("spawn", "forkserver"):
+        raise LaunchError(f"MEGATRON_RL_START_METHOD={method!r} is not one of spawn, forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
     queue = ctx.Queue()
     port = free_port()
