@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from megatron_rl import quiet
+
+    quiet.install()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

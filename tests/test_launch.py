@@ -219,8 +219,10 @@ def test_run_local_without_a_time_limit():
 
 def test_train_with_spawned_ranks_as_on_gpu_machines(tmp_path):
     """`megatron-rl train` as a GPU machine starts it (ranks spawned as fresh interpreters, nothing inherited),
-    here on the CPU: the config, the job function and its arguments must survive the trip."""
-    env = dict(os.environ, MEGATRON_RL_START_METHOD="spawn", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    here on the CPU: the config, the job function and its arguments must survive the trip. Its output is the
+    banner, the progress bar and the summary: no dependency warnings (`megatron_rl.quiet`), in any process."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env.update(MEGATRON_RL_START_METHOD="spawn", OMP_NUM_THREADS="1")
     cfg = [o for o in TINY if not o.startswith("run.world_size")]
     out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--launcher", "local", *cfg,
                           f"checkpoint.dir={tmp_path}", "run.name=spawned"], env=env, cwd=tmp_path,
@@ -228,5 +230,6 @@ def test_train_with_spawned_ranks_as_on_gpu_machines(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["backend"] == "gloo"
+    assert "Warning" not in out.stderr, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "spawned" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

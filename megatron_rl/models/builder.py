@@ -101,6 +101,7 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        cuda_graph_scope=[],  # the whole layer, in the current spelling (the default "full" warns as deprecated)
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -18,7 +18,12 @@ from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
 
-_PRELOAD = ["torch", "megatron.core", "megatron_rl.compat"]
+from megatron_rl import quiet
+
+# Every process that imports this module (the fork server, spawned ranks: the worker function lives here) filters
+# the dependency warnings that say nothing on this machine, before Megatron-Core is imported.
+quiet.install()
+_PRELOAD = ["torch", "megatron_rl.parallel.spawn", "megatron.core", "megatron_rl.compat"]
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -211,21 +212,27 @@ class TrainEngine:
         """Run the pipeline schedule; returns the loss functions' outputs (last stage only, else [])."""
         return run_schedule(self.model, self.pgs, micro_batches, loss_fn, forward_only, self.needs_mask)
 
+    def _zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        with warnings.catch_warnings():
+            # Megatron-Core's distributed optimizer reads `.grad` of its non-leaf shard views while zeroing (its own
+            # source marks the line "throws grad-access warning"); harmless, and printed by every trainer rank.
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
+            self.optimizer.zero_grad()
+
     def step(self, micro_batches: list[dict], loss_fn: LossFn) -> dict:
         """One optimizer step over this rank's micro-batches. Returns metrics (loss, grad norm, lr, skipped).
 
         A non-finite loss or gradient anywhere in the executor skips the update (weights and optimizer state
         untouched) and is counted; `settings.max_nonfinite_steps` skips in a row stop the run.
         """
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self._zero_grad()
         outputs = self.forward_backward(micro_batches, loss_fn)
         loss = self._reduce_loss(outputs)
         if not (math.isfinite(loss) and self._grads_finite()):
             self.nonfinite_in_a_row += 1
             self.nonfinite_total += 1
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
+            self._zero_grad()
             if self.nonfinite_in_a_row >= self.settings.max_nonfinite_steps:
                 raise NonFiniteError(
                     f"{self.nonfinite_in_a_row} training steps in a row had a non-finite loss or gradient "
