@@ -212,7 +212,9 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
     from megatron_rl.compat import activate
     from megatron_rl.controller.run import _job_worker
 
-    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from megatron_rl.parallel.spawn import local_gpus
+
+    cuda_devices = local_gpus()
     backend = env_backend(cfg, world, cuda_devices)
     os.environ.update(MASTER_ADDR=world.master_addr, MASTER_PORT=str(world.master_port), RANK=str(world.rank),
                       WORLD_SIZE=str(world.world_size), LOCAL_RANK=str(world.local_rank))

@@ -55,16 +55,14 @@ def _job_worker(rank: int, world_size: int, cfg: JobConfig, run_dir: str) -> dic
 def train(cfg: JobConfig) -> dict:
     """Run the job on this machine with as many processes as its executors need; returns the summary.
     (`megatron_rl.controller.launcher` runs the same job in a world started by torchrun or srun.)"""
-    import torch
-
     from megatron_rl.checkpointing import initial
     from megatron_rl.controller.launcher import dist_timeout_s, prepare_run_dir, write_summary
-    from megatron_rl.parallel.spawn import LaunchError, resolve_backend, run_local
+    from megatron_rl.parallel.spawn import LaunchError, local_gpus, resolve_backend, run_local
 
     world = cfg.world_size_needed
     validate(cfg, world)
     try:  # before anything is written: a machine with too few GPUs fails in one line
-        backend = resolve_backend(cfg.run.backend, world, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        backend = resolve_backend(cfg.run.backend, world, local_gpus())
     except LaunchError as e:
         raise ConfigError(str(e)) from None
     run_dir = prepare_run_dir(cfg)

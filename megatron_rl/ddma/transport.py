@@ -373,8 +373,8 @@ def execute_plan(
         if sends or recvs:
             mine.append((sends, recvs))
     # Staging: what is sent from anything but the source storage, and received into anything but the destination's.
-    arena_bytes = max((sum(nbytes(c) for c in s if not from_storage(c)) + sum(nbytes(c) for c in r if not into_storage(c))
-                       for s, r in mine), default=0)
+    arena_bytes = max((sum(nbytes(c) for c in s if not from_storage(c))
+                       + sum(nbytes(c) for c in r if not into_storage(c)) for s, r in mine), default=0)
     arena = _staging(workspace, arena_bytes, device)
     stats.peak_staging_bytes = arena_bytes
 
@@ -382,47 +382,48 @@ def execute_plan(
         dt = wire_of(c)
         return arena[pos:pos + c.numel * _itemsize(dt)].view(dt).view(c.shape)
 
-    # Per round and peer, both ends post the same messages in the same order: the packed slices (tag 0), then
-    # each slice that travels alone (tags 1, 2, ...).
+    def messages(copies: list[Copy], at_storage, storage_view, offset: int) -> tuple[list, int]:
+        """One round's messages to or from one peer, in the order both ends post them: the slices packed at both
+        ends as one message (tag 0), then each slice that travels alone (tags 1, 2, ...), from or into storage
+        where `at_storage` says this end allows it. Returns ([(tag, buffer, [(arena offset, slice) staged in
+        it])], the next free arena offset)."""
+        out, start, packed = [], offset, []
+        for c in copies:
+            if not alone(c):
+                packed.append((offset, c))
+                offset += nbytes(c)
+        if packed:
+            out.append((0, arena[start:offset], packed))
+        for tag, c in enumerate((c for c in copies if alone(c)), start=1):
+            if at_storage(c):
+                out.append((tag, storage_view(c), []))
+            else:
+                out.append((tag, slot(offset, c), [(offset, c)]))
+                offset += nbytes(c)
+        return out, offset
+
+    def src_view(c: Copy) -> torch.Tensor:
+        return _view(src_params[c.src_param], c.src_box)
+
+    def dst_view(c: Copy) -> torch.Tensor:
+        return _view(dst_params[c.dst_param], c.dst_box)
+
     for sends, recvs in mine:
         ops, unpack, offset = [], [], 0
         for peer, copies in _by_peer(sends, "dst_rank"):
-            start = offset
-            for c in copies:
-                if not alone(c):
-                    copy_slice(slot(offset, c), _view(src_params[c.src_param], c.src_box))
-                    offset += nbytes(c)
-            if offset > start:
-                ops.append(dist.P2POp(dist.isend, arena[start:offset], peer, tag=0))
-                stats.bytes_sent += offset - start
-            for tag, c in enumerate((c for c in copies if alone(c)), start=1):
-                if from_storage(c):
-                    buf = _view(src_params[c.src_param], c.src_box)
-                else:
-                    buf = slot(offset, c)
-                    copy_slice(buf, _view(src_params[c.src_param], c.src_box))
-                    offset += nbytes(c)
+            out, offset = messages(copies, from_storage, src_view, offset)
+            for tag, buf, staged in out:
+                for pos, c in staged:
+                    copy_slice(slot(pos, c), src_view(c))
                 ops.append(dist.P2POp(dist.isend, buf, peer, tag=tag))
-                stats.bytes_sent += c.numel * _itemsize(wire_of(c))
-            stats.messages_sent += sum(1 for op in ops if op.peer == peer)
+                stats.bytes_sent += buf.numel() * buf.element_size()
+            stats.messages_sent += len(out)
         for peer, copies in _by_peer(recvs, "src_rank"):
-            start = offset
-            for c in copies:
-                if not alone(c):
-                    unpack.append((offset, c))
-                    offset += nbytes(c)
-            if offset > start:
-                ops.append(dist.P2POp(dist.irecv, arena[start:offset], peer, tag=0))
-                stats.bytes_received += offset - start
-            for tag, c in enumerate((c for c in copies if alone(c)), start=1):
-                if into_storage(c):
-                    buf = _view(dst_params[c.dst_param], c.dst_box)
-                else:
-                    buf = slot(offset, c)
-                    unpack.append((offset, c))
-                    offset += nbytes(c)
+            out, offset = messages(copies, into_storage, dst_view, offset)
+            for tag, buf, staged in out:
+                unpack.extend(staged)
                 ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
-                stats.bytes_received += c.numel * _itemsize(wire_of(c))
+                stats.bytes_received += buf.numel() * buf.element_size()
         for req in dist.batch_isend_irecv(ops) if ops else []:
             req.wait()
         for pos, c in unpack:

@@ -2,10 +2,11 @@
 
 Most of a reshard is slices whose rows are contiguous but whose rows are not adjacent: the column slices of
 row-parallel weights (`linear_proj`, `linear_fc2`) between TP degrees, a third of a Llama's bytes. PyTorch's copy
-kernel handles such a strided view element by element (an offset computation and a 2-byte load per bf16 element
-on GPUs), well below its contiguous speed (benchmarks/ddma.py measured the whole reshard at 0.62-0.67 of a plain
-device copy on an H100). Reinterpreting both views as 16-byte elements (complex128; 8 or 4 bytes when the row
-length or offsets do not allow 16) moves the same bytes with 8x fewer elements for bf16. The bytes are copied
+kernel handles a strided view element by element (an offset computation and, for bf16, a 2-byte access per
+element), and benchmarks/ddma.py measured the whole reshard at 0.62-0.67 of a plain device copy on an H100.
+Reinterpreting both views as 16-byte elements (complex128; 8 or 4 bytes when the row length or offsets do not
+allow 16) moves the same bytes with 8x fewer elements for bf16. Whether that closes the gap on a GPU is not
+measured yet (the benchmark reports both); on a CPU it changes nothing (docs/benchmarks.md). The bytes are copied
 unchanged, so the result is bit-identical to a copy in the original dtype; no arithmetic is done in the wide type.
 """
 

@@ -32,6 +32,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_gpus() -> int:
+    """GPUs this process sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 class LaunchError(RuntimeError):
     """The local machine cannot host the requested world (one line, before any process starts)."""
 
@@ -86,12 +93,12 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
 
     `fn` must be importable (a module-level function). `backend`: gloo, nccl, or auto (NCCL when CUDA is present).
     `timeout`: seconds for the whole run, None for no limit; `dist_timeout_s`: the process group's timeout for one
-    collective or message. Raises LaunchError when the machine cannot host the
-    world, RuntimeError with the failing ranks' tracebacks, TimeoutError past the timeout.
+    collective or message. Raises LaunchError when the machine cannot host the world, RuntimeError with the
+    failing ranks' tracebacks, TimeoutError past the timeout.
     """
     import torch
 
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = local_gpus()
     backend = resolve_backend(backend, world_size, cuda)
     # MEGATRON_RL_START_METHOD=spawn: the start method of GPU machines, on a CPU (the tests use it).
     method = os.environ.get("MEGATRON_RL_START_METHOD") or ("spawn" if cuda else "forkserver")
@@ -104,8 +111,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     port = free_port()
     # Not daemonic: ranks may start processes of their own (dist_checkpointing's writer does). The finally
     # clause below kills any rank left behind.
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, fn, args, queue), daemon=False)
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, fn, args, queue),
+                         daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
