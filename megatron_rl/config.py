@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -169,6 +170,23 @@ class CheckpointSection:
 
 
 @dataclass
+class WandbSection:
+    """Weights & Biases logging of the run (`pip install 'megatron-rl[wandb]'`): the scalars of metrics.jsonl, the
+    plot and sample rollouts. `mode`: "auto" logs when `project` is set, online with a W&B login (WANDB_API_KEY or
+    `wandb login`), else offline into the run directory (`wandb sync` uploads it); "online" and "offline" always
+    log (project "megatron-rl" unless set); "disabled" never does."""
+
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    name: Optional[str] = None  # the run's display name in W&B; run.name when unset
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode in ("online", "offline") or (self.mode == "auto" and self.project is not None)
+
+
+@dataclass
 class RunSection:
     name: str = "default"
     seed: int = 1234
@@ -177,6 +195,7 @@ class RunSection:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     log_interval: int = 1
     eval_interval: int = 20
+    wandb: WandbSection = field(default_factory=WandbSection)
 
 
 @dataclass
@@ -273,10 +292,18 @@ def _apply(cfg: JobConfig, path: str, value: Any) -> None:
     sections = {f.name: f for f in dataclasses.fields(JobConfig)}
     if parts[0] not in sections:
         raise ConfigError(f"unknown section {parts[0]!r} in {path!r}{_suggest(parts[0], sections)}")
-    if len(parts) != 2:
+    if len(parts) < 2 or (len(parts) > 2 and parts[0] == "model"):
         raise ConfigError(f"{path!r} must be SECTION.KEY (e.g. trainer.tp=2)")
-    section_name, key = parts
+    section_name, key = parts[0], parts[-1]
     section = getattr(cfg, section_name)
+    for i, name in enumerate(parts[1:-1], 1):  # a section inside a section: run.wandb.mode
+        names = [f.name for f in dataclasses.fields(section)]
+        if name not in names:
+            where = ".".join(parts[:i])
+            raise ConfigError(f"unknown key {where + '.' + name!r}{_suggest(name, names, where + '.')}")
+        if not dataclasses.is_dataclass(getattr(section, name)):
+            raise ConfigError(f"{path!r} must be SECTION.KEY (e.g. trainer.tp=2)")
+        section = getattr(section, name)
     if section_name == "model":
         if key == "preset":
             if value is not None and value not in PRESETS:
@@ -295,7 +322,13 @@ def _apply(cfg: JobConfig, path: str, value: Any) -> None:
         return
     fields_ = {f.name: f for f in dataclasses.fields(section)}
     if key not in fields_:
-        raise ConfigError(f"unknown key {path!r}{_suggest(key, fields_, section_name + '.')}")
+        raise ConfigError(f"unknown key {path!r}{_suggest(key, fields_, path.rpartition('.')[0] + '.')}")
+    if dataclasses.is_dataclass(getattr(section, key)):  # a nested section takes a mapping (YAML) of its keys
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}={value!r} must be a mapping of its keys (e.g. {path}.KEY=VALUE)")
+        for k, v in value.items():
+            _apply(cfg, f"{path}.{k}", v)
+        return
     hints = typing.get_type_hints(type(section))
     setattr(section, key, _coerce(path, value, hints[key]))
 
@@ -451,6 +484,10 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
                       "generator.attention to 'sdpa' or 'local' (not 'te')")
     if cfg.checkpoint.keep_last < 1:
         errors.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    if cfg.run.wandb.enabled and importlib.util.find_spec("wandb") is None:
+        w = cfg.run.wandb
+        setting = f"run.wandb.project={w.project!r}" if w.mode == "auto" else f"run.wandb.mode={w.mode!r}"
+        errors.append(f"{setting} needs the wandb package: pip install 'megatron-rl[wandb]'")
     if cfg.generator.colocated:
         if cfg.generator.tp * cfg.generator.pp * cfg.generator.dp != cfg.trainer.tp * cfg.trainer.pp * cfg.trainer.dp:
             errors.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp "

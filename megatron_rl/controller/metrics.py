@@ -1,11 +1,20 @@
-"""Metrics of a run: one JSON row per step in metrics.jsonl, TensorBoard scalars when available, a PNG summary."""
+"""Metrics of a run: one JSON row per step in metrics.jsonl, TensorBoard scalars when available, a PNG summary,
+and optionally a Weights & Biases run with the same scalars, the PNG and sample rollouts (`run.wandb`)."""
 
 from __future__ import annotations
 
 import json
 import math
+import netrc
+import os
+import secrets
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from megatron_rl.config import JobConfig, WandbSection
 
 
 class MetricsWriter:
@@ -16,7 +25,8 @@ class MetricsWriter:
     TensorBoard purges them the same way. A fresh run (start 0) starts an empty file.
     """
 
-    def __init__(self, run_dir: Path, start_step: int = 0):
+    def __init__(self, run_dir: Path, start_step: int = 0, wandb: Optional["WandbLogger"] = None):
+        self.wandb = wandb
         self.path = run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) < start_step] if self.path.exists() else []
@@ -36,14 +46,121 @@ class MetricsWriter:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, row["step"])
+            for k, v in scalars(row).items():
+                self._tb.add_scalar(k, v, row["step"])
+        if self.wandb is not None:
+            self.wandb.log(row)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self.wandb is not None:
+            self.wandb.finish(read_metrics(self.path))
+
+
+def open_metrics(cfg: "JobConfig", run_dir: Path, start_step: int, echo: Optional[Callable[[str], None]] = None
+                 ) -> MetricsWriter:
+    """The metrics writer of a job's rank 0, with a W&B run when `run.wandb` asks for one (`echo` tells the user
+    where it goes, around the progress bar). A W&B run that cannot start (no network for an online run, a bad
+    entity) costs one line, never the training run."""
+    echo = echo or (lambda text: print(text, file=sys.stderr, flush=True))
+    wandb = None
+    if cfg.run.wandb.enabled:
+        try:
+            wandb = WandbLogger(cfg.run.wandb, run_dir, start_step, cfg.to_dict(), cfg.run.name)
+            echo(f"megatron-rl: {wandb.where()}")
+        except Exception as e:  # noqa: BLE001 - W&B raises many kinds; the job goes on with its own files
+            echo(f"megatron-rl: W&B logging is off for this run: {type(e).__name__}: {e}")
+    return MetricsWriter(run_dir, start_step=start_step, wandb=wandb)
+
+
+def scalars(row: dict) -> dict[str, float]:
+    """The plottable values of a row (what TensorBoard and W&B get): finite numbers, not booleans or lists."""
+    return {k: v for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def wandb_logged_in(environ: Optional[dict] = None) -> bool:
+    """Whether W&B has credentials here without asking its server: WANDB_API_KEY, or the netrc entry that
+    `wandb login` writes for the W&B host (WANDB_BASE_URL, default api.wandb.ai)."""
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        return netrc.netrc(env.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_mode(mode: str, environ: Optional[dict] = None) -> str:
+    """`run.wandb.mode` as W&B's own mode: "auto" is WANDB_MODE when set, else online with a login, else offline."""
+    if mode != "auto":
+        return mode
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_MODE") in ("online", "offline", "disabled"):
+        return env["WANDB_MODE"]
+    return "online" if wandb_logged_in(env) else "offline"
+
+
+class WandbLogger:
+    """The run in Weights & Biases: each metrics row's scalars at its step, the rows' sample rollouts in one table
+    (step, sample, text) that grows with the run, and the run's PNG plot at the end.
+
+    One W&B run per run directory: its id is kept in `<run dir>/wandb_run_id`. A process that resumes the job
+    from a checkpoint (`start_step` > 0) continues that W&B run; a fresh start (step 0) begins a new one, as
+    metrics.jsonl does. Rows are logged at W&B step = the job's step: online, W&B ignores a step below the run's
+    last one, so the steps a resumed job runs again keep the values logged first. W&B's files go under
+    `<run dir>/wandb/`; offline, each process writes its own directory there, under the same run id, for
+    `wandb sync`. Runs in rank 0's process; `wandb` is imported only when a job asks for it.
+    """
+
+    ID_FILE = "wandb_run_id"
+
+    def __init__(self, settings: "WandbSection", run_dir: Path, start_step: int, config: dict, default_name: str):
+        import wandb
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        id_file = run_dir / self.ID_FILE
+        run_id = id_file.read_text().strip() if start_step > 0 and id_file.exists() else ""
+        if not run_id:
+            run_id = secrets.token_hex(6)  # W&B ids: letters, digits, - and _
+            tmp = id_file.with_suffix(".tmp")
+            tmp.write_text(run_id + "\n")
+            tmp.replace(id_file)
+        self.run_dir = run_dir
+        self.run = wandb.init(project=settings.project or "megatron-rl", entity=settings.entity,
+                              name=settings.name or default_name, id=run_id, resume="allow", dir=str(run_dir),
+                              mode=wandb_mode(settings.mode), config=config,
+                              settings=wandb.Settings(console="off", silent=True))
+        self._wandb = wandb
+        self._samples = wandb.Table(columns=["step", "sample", "text"], log_mode="INCREMENTAL")
+
+    def where(self) -> str:
+        """Where the run goes, for the user: its page, or the offline directory to upload."""
+        if self.run.settings.mode == "offline":
+            return f"W&B run {self.run.id} is offline; upload it with: wandb sync {Path(self.run.dir).parent}"
+        return f"W&B run {self.run.id}: {self.run.url}"
+
+    def log(self, row: dict) -> None:
+        data: dict[str, Any] = dict(scalars(row))
+        samples = row.get("samples") or []
+        for i, text in enumerate(samples):
+            self._samples.add_data(row["step"], i, text)
+        if samples:
+            data["samples"] = self._samples
+        self.run.log(data, step=row["step"])
+
+    def finish(self, rows: list[dict]) -> None:
+        """Log the plot of all the run's rows (those of earlier processes too) at the last step, and close."""
+        try:
+            if rows:
+                png = plot_run(rows, self.run_dir / "wandb" / "metrics.png")
+                if png is not None:
+                    self.run.log({"plot": self._wandb.Image(str(png))}, step=rows[-1]["step"])
+        finally:
+            self.run.finish()
 
 
 def read_metrics(path: Path) -> list[dict]:

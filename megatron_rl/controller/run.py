@@ -13,7 +13,7 @@ from megatron_rl.config import ConfigError, JobConfig, validate
 
 def _job_worker(rank: int, world_size: int, cfg: JobConfig, run_dir: str) -> dict:
     from megatron_rl.controller.job import Job
-    from megatron_rl.controller.metrics import MetricsWriter
+    from megatron_rl.controller.metrics import open_metrics
 
     job = Job(cfg, Path(run_dir))
     t0 = time.perf_counter()
@@ -39,7 +39,7 @@ def _job_worker(rank: int, world_size: int, cfg: JobConfig, run_dir: str) -> dic
     def on_row(row):
         nonlocal writer
         if writer is None:  # the first row: the start step is known (a resumed run drops later rows)
-            writer = MetricsWriter(Path(run_dir), start_step=job.start_step)
+            writer = open_metrics(cfg, Path(run_dir), job.start_step, echo)
         writer.write(row)
 
     try:
