@@ -28,12 +28,13 @@ def cmd_train(args) -> int:
     if resolve_launcher(args.launcher) == "env":
         return _train_env(args)
     cfg, model = _load(args)
+    from megatron_rl.models.precision import resolve_dtype_name
+
     print(f"megatron-rl train: model {cfg.model.name} ({model.num_parameters() / 1e6:.1f}M parameters), "
           f"trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator tp={cfg.generator.tp} "
           f"dp={cfg.generator.dp}{' (colocated)' if cfg.generator.colocated else ''}, "
           f"{'async rollouts (staleness %d)' % cfg.rollout.staleness if cfg.rollout.mode == 'async' else 'sync rollouts'}"
-          f"{', trainer bf16' if cfg.trainer.dtype == 'bf16' else ''}"
-          f"{', generator ' + cfg.generator.dtype if cfg.generator.dtype != 'fp32' else ''}"
+          f", trainer {resolve_dtype_name(cfg.trainer.dtype)}, generator {resolve_dtype_name(cfg.generator.dtype)}"
           f"{', int8 generator weights' if cfg.generator.quantization == 'int8' else ''}, "
           f"{cfg.world_size_needed} processes", flush=True)
     from megatron_rl.controller.run import train

@@ -88,7 +88,8 @@ class TrainerSection:
     adam_eps: float = 1e-8
     use_distributed_optimizer: bool = True
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    # "auto": bf16 where the hardware multiplies bf16 natively, else fp32 (megatron_rl.models.precision).
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
     max_nonfinite_steps: int = 3
 
 
@@ -101,7 +102,7 @@ class GeneratorSection:
     quantization: Literal["none", "int8", "fp8"] = "none"
     max_batch_size: int = 64
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
 
 
 @dataclass

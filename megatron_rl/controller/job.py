@@ -22,13 +22,11 @@ from megatron_rl.config import JobConfig, validate
 from megatron_rl.controller.channels import Outbox, recv_object
 from megatron_rl.controller.schedule import generation_version, push_after_step
 from megatron_rl.controller.tasks import build_task
+from megatron_rl.models.precision import resolve_dtype
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 from megatron_rl.rollout import RolloutBatch
 
 
-# trainer.dtype / generator.dtype: the dtype of the model's parameters. A bf16 trainer keeps fp32 main weights in
-# its optimizer (Megatron-Core's mixed-precision optimizer); DDMA sends the bf16 weights.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -119,7 +117,7 @@ class Job:
         model = None
         if self.t.is_member:
             model = build_gpt_model(m, self.t.layout, self.t.pgs, attention=cfg.trainer.attention, seed=cfg.run.seed,
-                                    params_dtype=DTYPES[cfg.trainer.dtype])
+                                    params_dtype=resolve_dtype(cfg.trainer.dtype))
         if self.initial is not None and not (cfg.checkpoint.resume and self.ckpt.find(cfg.checkpoint.fallback)):
             # Before the optimizer exists: its main parameters start as copies of these weights. (A run that
             # resumes restores its own weights instead.) Every rank takes part; generators get the weights by DDMA.
@@ -148,7 +146,7 @@ class Job:
             attention = cfg.generator.attention
             if cfg.generator.quantization == "int8" and attention == "auto":
                 attention = "sdpa"  # int8 layers are Megatron-Core's own linears, not transformer-engine's
-            build = dict(attention=attention, seed=cfg.run.seed + 1, params_dtype=DTYPES[cfg.generator.dtype])
+            build = dict(attention=attention, seed=cfg.run.seed + 1, params_dtype=resolve_dtype(cfg.generator.dtype))
             if cfg.generator.quantization == "int8":
                 from megatron_rl.inference.quantized import build_int8_generator
 
