@@ -44,6 +44,31 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """What `train` with the same arguments would need (memory per rank, weight sync, step times), without starting
+    it. Exit 0 when every executor fits, 1 when one does not, 2 (one line) for an input plan cannot use."""
+    from megatron_rl.planning.calibration import CalibrationError, load_calibration
+    from megatron_rl.planning.plan import PlanError, make_plan
+    from megatron_rl.planning.report import format_text
+
+    cfg, model = _load(args)
+    try:
+        gib = None
+        if args.gpu_memory is not None:
+            try:
+                gib = float(args.gpu_memory.removesuffix("GiB").removesuffix("G"))
+            except ValueError:
+                raise PlanError(f"--gpu-memory {args.gpu_memory!r} is not a device memory size: give GiB per GPU, "
+                                f"e.g. 80") from None
+        plan = make_plan(cfg, model, load_calibration(args.calibration), gpu_memory_gib=gib,
+                         checkpoint=args.checkpoint)
+    except (PlanError, CalibrationError) as e:
+        print(f"megatron-rl: plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict()) if args.json else format_text(plan))
+    return 0 if plan.fits else 1
+
+
 def _train_env(args) -> int:
     """One rank of a world started by torchrun or srun; rank 0 prints the banner, the summary and any config error."""
     from megatron_rl.controller.launcher import check_world, env_world, train_env
@@ -162,6 +187,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local: start the ranks on this machine; env: this process is one rank started by torchrun "
                         "or srun; auto (default): env when WORLD_SIZE is set, else local")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("plan", help="memory per rank, weight-sync and step time of the job `train` would start, "
+                                    "without starting it")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the report")
+    p.add_argument("--gpu-memory", default=None, metavar="GiB",
+                   help="device memory per GPU in GiB (default: the calibration's, 80 for H100)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="also check that this checkpoint (or run root) loads into the trainer layout")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="device rates, each with its source (default: megatron_rl/planning/h100.yaml)")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("config", help="print the resolved, validated configuration as YAML")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)

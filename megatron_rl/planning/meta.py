@@ -1,0 +1,318 @@
+"""One rank's modules, built on the meta device through the job's own builders, and the optimizer's view of them.
+
+The planner must know the bytes every rank will hold without any rank existing. It gets them from the real code:
+
+1. `build_gpt_model` (and, for an int8 generator, `build_gpt_model` under the int8 builder's meta hook followed by
+   `quantize_generator`, the two steps `build_int8_generator` takes) builds the stage a rank would build, with
+   `perform_initialization=False` and every tensor on the meta device: shapes, dtypes and Megatron's parameter
+   attributes are real, no storage is allocated, so a 405B stage costs nothing.
+2. The builder reads its process groups only through `size()` and `rank()` (`pgs.tp`, `pgs.pp`, and Megatron-Core's
+   `get_pg_size` / `get_pg_rank`, which also need `torch.distributed` to be initialized). A TP8 stage therefore
+   needs no group of 8 processes: `StandInGroup(size, rank)` answers those two questions for the rank being
+   planned, and a one-process gloo world (an in-memory store, no network) is started for the duration of the build
+   if none exists. `pgs.embd` is None: the embedding group is only used to copy initial weights between the first
+   and last stage, which a meta model has none of.
+3. Megatron-Core's own `_ParamAndGradBuffer` (what its DDP allocates: one buffer per (param dtype, grad dtype),
+   parameters in reverse order, 64-element alignment and DP padding with the distributed optimizer) is constructed
+   over these meta parameters, and its `DistributedOptimizer._build_gbuf_range_map` says which elements every DP
+   rank owns, hence its fp32 main weights and Adam moments. Nothing is re-derived by formula.
+
+The result is plain data (`RankModules`); no module outlives the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron_rl.models.presets import ModelConfig
+from megatron_rl.parallel.layout import ParallelLayout
+
+
+class StandInGroup:
+    """A process group as the model builders use it: only its size and this rank's place in it."""
+
+    def __init__(self, size: int, rank: int = 0):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} outside a group of {size}")
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __repr__(self) -> str:
+        return f"StandInGroup(size={self._size}, rank={self._rank})"
+
+
+def stand_in_groups(layout: ParallelLayout, tp_rank: int, pp_rank: int, dp_rank: int = 0):
+    """A `ProcessGroupCollection` of stand-in groups for one rank of `layout`, with the same members as
+    `megatron_rl.parallel.topology` builds (no context or expert parallelism: those groups have size 1)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    g = StandInGroup
+    pgs = ProcessGroupCollection()
+    pgs.tp = pgs.expt_tp = pgs.tp_ep = pgs.tp_cp = g(tp, tp_rank)
+    pgs.pp = g(pp, pp_rank)
+    pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = pgs.expt_dp = pgs.intra_expt_dp = g(dp, dp_rank)
+    pgs.cp = pgs.ep = g(1, 0)
+    pgs.mp = pgs.tp_ep_pp = g(tp * pp, tp_rank + tp * pp_rank)
+    pgs.tp_dp_cp = g(tp * dp, tp_rank + tp * dp_rank)
+    pgs.intra_dist_opt = g(layout.size, layout.local_rank(tp_rank, pp_rank, dp_rank))
+    pgs.inter_dist_opt = None
+    pgs.embd = None
+    pgs.pos_embd = None
+    return pgs
+
+
+class _OnMeta(TorchFunctionMode):
+    """Every tensor made under it lives on the meta device: explicit devices are rewritten, `.cuda()` / `.to(dev)`
+    of a meta tensor stay on meta (the builder moves its model to the GPU where one exists)."""
+
+    _META = torch.device("meta")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.pin_memory) and args[0].is_meta:
+            return args[0]
+        if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            rest = [a for a in args[1:] if not isinstance(a, (str, torch.device, int))]
+            kwargs.pop("device", None)
+            kwargs.pop("non_blocking", None)
+            return func(args[0], *rest, **kwargs) if rest or kwargs else args[0]
+        if "device" in kwargs:
+            kwargs["device"] = self._META
+        kwargs.pop("pin_memory", None)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _one_process_world() -> Iterator[None]:
+    """Megatron-Core treats every group as size 1 unless torch.distributed is initialized: start a one-process
+    gloo world on an in-memory store if there is none, and end it afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def meta_building() -> Iterator[None]:
+    """The context the planner builds modules in: CPU redirections where CUDA is absent (as every job has), a
+    one-process world, and the meta device."""
+    from megatron_rl import compat
+
+    compat.activate()
+    with _one_process_world(), torch.device("meta"), _OnMeta():
+        yield
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of a rank's module, as built."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = True
+    partition_dim: Optional[int] = None  # None: replicated over TP
+    shared_embedding: bool = False  # the tied embedding's copies on the first and last stage (own DDP bucket)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class OptimizerShard:
+    """What one DP rank's distributed optimizer (or a whole non-distributed one) holds for a stage.
+
+    param_buffer_bytes / grad_buffer_bytes: Megatron-Core DDP's contiguous buffers, padding included (with the
+    distributed optimizer, parameters are re-mapped into the param buffer; without it they stay where the module
+    put them and param_buffer_bytes is the parameters' own bytes).
+    main_elements: fp32 main-weight elements the optimizer allocates (shards of the 16-bit parameters; fp32
+    parameters are their own main weights). state_elements: elements each Adam moment covers (exp_avg and exp_avg_sq
+    each have this many fp32 elements). step_tensors: torch Adam's per-parameter `step` scalars (fp32).
+    """
+
+    param_buffer_bytes: int
+    grad_buffer_bytes: int
+    main_elements: int
+    state_elements: int
+    step_tensors: int
+
+    @property
+    def main_bytes(self) -> int:
+        return 4 * self.main_elements
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        return 2 * 4 * self.state_elements + 4 * self.step_tensors
+
+
+@dataclass(frozen=True)
+class RankModules:
+    """The modules one rank builds for an executor: its parameters (and int8 weights), plus whatever the planner
+    measured on them while they existed."""
+
+    params: tuple[ParamInfo, ...]
+    int8_bytes: int = 0  # int8 weights and their fp32 row scales (an int8 generator's projection matrices)
+    kv_cache_bytes: Optional[int] = None  # generator: the slot KV cache for the planned batch and context
+    optimizer: tuple[OptimizerShard, ...] = ()  # trainer: one entry per DP rank
+    checkpoint_keys: dict = field(default_factory=dict)  # stacked dist-checkpoint key -> (local name, layers)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params) + self.int8_bytes
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
+    out = []
+    for name, p in model.named_parameters():
+        sharded = bool(getattr(p, "tensor_model_parallel", False))
+        out.append(ParamInfo(name, tuple(p.shape), p.dtype, p.requires_grad,
+                             getattr(p, "partition_dim", None) if sharded else None,
+                             bool(getattr(p, "shared_embedding", False))))
+    return tuple(out)
+
+
+def _optimizer_shards(model: torch.nn.Module, dp: int, distributed: bool) -> tuple[OptimizerShard, ...]:
+    """Megatron-Core DDP's buffers over `model`'s parameters, grouped as its DDP groups them, and what each DP rank's
+    optimizer holds (the trainer's settings: fp32 gradient reduction, no overlap, hence one bucket per buffer)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=distributed)
+    groups: dict[tuple, list] = {}
+    names = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((p.dtype, torch.float32), []).append(p)
+            names[p] = name
+    dp_group = StandInGroup(dp, 0)
+    pgs = ProcessGroupCollection()
+    pgs.tp, pgs.dp_cp = StandInGroup(1, 0), dp_group
+    buffers = [_ParamAndGradBuffer(ddp_config, pdt, gdt, params, dp_group, None, names, 1.0,
+                                   list(range(len(params))), False, pgs)
+               for (pdt, gdt), params in groups.items()]
+    shards = []
+    for r in range(dp if distributed else 1):
+        dp_group._rank = r
+        param_bytes = grad_bytes = main = state = steps = 0
+        for buf in buffers:
+            grad_bytes += buf.numel * _itemsize(buf.grad_dtype)
+            if distributed:
+                param_bytes += buf.numel * _itemsize(buf.param_dtype)
+                ranges = DistributedOptimizer._build_gbuf_range_map(buf)[(buf.param_dtype, buf.grad_dtype)]
+                owned = [(p, m["param"].size) for bucket in ranges for p, m in bucket["param_map"].items()]
+            else:
+                param_bytes += sum(p.numel() * _itemsize(p.dtype) for p in buf.params)
+                owned = [(p, p.numel()) for p in buf.params]
+            for p, n in owned:
+                if p.dtype != torch.float32:
+                    main += n
+                state += n
+                steps += 1
+        shards.append(OptimizerShard(param_bytes, grad_bytes, main, state, steps))
+    return tuple(shards)
+
+
+def _checkpoint_keys(model: torch.nn.Module) -> dict:
+    """Stacked dist-checkpoint key of every parameter (Megatron's layer-spec key map applied, layer index dropped):
+    {key: (local parameter name, stacked over layers?)}."""
+    keys = {}
+    layer_maps = {}
+    decoder = getattr(model, "decoder", None)
+    for i, layer in enumerate(getattr(decoder, "layers", [])):
+        layer_maps[i] = getattr(getattr(layer, "submodules_config", None), "sharded_state_dict_keys_map", {}) or {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        if name.startswith("decoder.layers.") and parts[2].isdigit():
+            suffix = ".".join(parts[3:])
+            for old, new in layer_maps.get(int(parts[2]), {}).items():
+                if suffix.startswith(old):
+                    suffix = new + suffix[len(old):]
+                    break
+            keys.setdefault(f"decoder.layers.{suffix}", (name, True))
+        else:
+            keys[name] = (name, False)
+    return keys
+
+
+def build_rank_modules(model_cfg: ModelConfig, layout: ParallelLayout, *, tp_rank: int = 0, pp_rank: int = 0,
+                       params_dtype: torch.dtype = torch.float32, attention: str = "auto",
+                       int8: bool = False, optimizer: Optional[bool] = None,
+                       kv_cache: Optional[tuple[int, int]] = None) -> RankModules:
+    """Build the stage at (tp_rank, pp_rank) of `layout` on the meta device, as the job builds it.
+
+    optimizer: None (no optimizer), True / False: Megatron-Core DDP buffers and the (distributed when True)
+    optimizer's shards for every DP rank. kv_cache: (slots, max_len) to size the generator's slot KV cache with its
+    own allocator (`IncrementalForward.allocate_cache`). Cached: the same arguments return the same result.
+    """
+    return _build_cached(dataclasses.astuple(model_cfg), layout, tp_rank, pp_rank, params_dtype, attention, int8,
+                         optimizer, kv_cache)
+
+
+@functools.lru_cache(maxsize=64)
+def _build_cached(model_fields: tuple, layout: ParallelLayout, tp_rank: int, pp_rank: int,
+                  params_dtype: torch.dtype, attention: str, int8: bool, optimizer: Optional[bool],
+                  kv_cache: Optional[tuple[int, int]]) -> RankModules:
+    from megatron_rl.models.builder import build_gpt_model
+
+    model_cfg = ModelConfig(*model_fields)
+
+    build = dict(attention=attention, params_dtype=params_dtype, fusions="none",
+                 config_overrides={"perform_initialization": False, "use_cpu_initialization": True})
+    pgs = stand_in_groups(layout, tp_rank, pp_rank)
+    with meta_building():
+        if int8:
+            from megatron_rl.inference.quantized import _linear_weights_on_meta, quantize_generator
+
+            with _linear_weights_on_meta():
+                model = build_gpt_model(model_cfg, layout, pgs, **build)
+            targets = quantize_generator(model, model_cfg, layout, pp_rank, tp_rank, device=torch.device("meta"))
+            int8_bytes = sum(w.qweight.numel() * w.qweight.element_size() + w.scale.numel() * w.scale.element_size()
+                             for w in targets.values())
+        else:
+            model = build_gpt_model(model_cfg, layout, pgs, **build)
+            int8_bytes = 0
+        kv_bytes = None
+        if kv_cache is not None:
+            from megatron_rl.inference.kv_forward import IncrementalForward
+
+            kv_bytes = IncrementalForward(model, pgs.tp).allocate_cache(*kv_cache).nbytes()
+        shards = () if optimizer is None else _optimizer_shards(model, layout.dp, optimizer)
+        return RankModules(_param_infos(model), int8_bytes, kv_bytes, shards, _checkpoint_keys(model))

@@ -1,0 +1,347 @@
+"""`megatron-rl plan`: what the job `megatron-rl train` would start needs, before it starts.
+
+    plan = make_plan(cfg, model, load_calibration())      # cfg, model: load_config + validate, as `train` does
+    plan.to_dict()                                          # the JSON object; report.format_text(plan) the table
+
+For the configured layouts it builds every distinct rank's modules on the meta device (`planning.meta`), adds the
+memory model (`planning.memory`), plans the DDMA sync with the job's own planner (`ddma.planner`) and predicts the
+step time of both modes (`planning.steptime`) from a calibration (`planning.calibration`). With a checkpoint it
+says, from metadata alone (`checkpointing.inspect`), whether the trainer layout can load it and what each rank reads.
+
+The synchronous baseline is the paper's colocated one: the same GPUs (trainer and generator together) train with
+the trainer's TP x PP, and generate with that same layout in the generator's dtype, in the memory the trainer's
+resident state leaves. Ranks beyond a whole number of trainer replicas stay idle there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megatron_rl.config import JobConfig
+from megatron_rl.models.presets import ModelConfig
+from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.planning.calibration import Calibration
+from megatron_rl.planning.checkpoint import ReshardError, checkpoint_report
+from megatron_rl.planning.memory import RankMemory, activation_bytes, prefill_workspace_bytes
+from megatron_rl.planning.meta import RankModules, build_rank_modules
+from megatron_rl.planning.steptime import (
+    GeneratorShape,
+    ModelCost,
+    StepTimes,
+    TrainerShape,
+    Workload,
+    generation_time,
+    training_time,
+    weight_sync_time,
+)
+
+GIB = 1 << 30
+
+
+class PlanError(ValueError):
+    """An input `plan` cannot work with; the message is one line naming it."""
+
+
+@dataclass(frozen=True)
+class ExecutorMemory:
+    """Every distinct rank of one executor (the worst DP rank of each pipeline stage) against the device."""
+
+    name: str
+    layout: str
+    ranks: tuple[RankMemory, ...]
+    device_bytes: int
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.total <= self.device_bytes
+
+    def to_dict(self) -> dict:
+        w = self.worst
+        return {"layout": self.layout, "fits": self.fits, "peak_bytes": w.total, "peak_rank": w.rank,
+                "margin_bytes": w.margin(self.device_bytes),
+                "ranks": [{"rank": r.rank, "total_bytes": r.total, **{f"{k}_bytes": v for k, v in r.parts.items()}}
+                          for r in self.ranks]}
+
+
+@dataclass(frozen=True)
+class SyncEstimate:
+    """The DDMA plan for this layout pair: the busiest rank's bytes and the time at each link."""
+
+    senders: int
+    copies: int
+    network_bytes: int
+    max_sent_bytes: int
+    max_received_bytes: int
+    seconds: dict  # link name -> seconds
+
+    @property
+    def busiest_bytes(self) -> int:
+        return max(self.max_sent_bytes, self.max_received_bytes)
+
+    def to_dict(self) -> dict:
+        return {"senders": self.senders, "copies": self.copies, "network_bytes": self.network_bytes,
+                "max_sent_bytes": self.max_sent_bytes, "max_received_bytes": self.max_received_bytes,
+                "busiest_rank_bytes": self.busiest_bytes, "seconds": self.seconds}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `megatron-rl plan` reports."""
+
+    model: str
+    parameters: int
+    trainer: ExecutorMemory
+    generator: ExecutorMemory
+    colocated: bool
+    sync: SyncEstimate
+    steps: StepTimes
+    assumptions: dict
+    calibration: Calibration
+    checkpoint: Optional[dict] = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.trainer.fits and self.generator.fits
+
+    def to_dict(self) -> dict:
+        cal = self.calibration
+        return {"model": self.model, "parameters": self.parameters, "fits": self.fits,
+                "gpu_memory_bytes": self.trainer.device_bytes, "colocated": self.colocated,
+                "memory": {"trainer": self.trainer.to_dict(), "generator": self.generator.to_dict()},
+                "weight_sync": self.sync.to_dict(), "step_time": self.steps.to_dict(),
+                "assumptions": self.assumptions, "checkpoint": self.checkpoint, "notes": list(self.notes),
+                "calibration": {"device": cal.device, **{k: {"value": getattr(cal, k), "source": s}
+                                                         for k, s in cal.sources.items()}}}
+
+
+def _dtype(name: str, cal: Calibration) -> torch.dtype:
+    """An executor's parameter dtype. "auto" is resolved for the machine the job runs on: the calibrated GPU
+    (bf16 on every GPU the calibration files describe), or this machine when planning a CPU job."""
+    from megatron_rl.models.precision import DTYPES, resolve_dtype
+
+    return DTYPES["bf16"] if name == "auto" and cal.fused_kernels else resolve_dtype(name)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def model_cost(model: ModelConfig) -> ModelCost:
+    """Matmul weights per token from the logical parameters (every 2-D weight; the embedding counts once more as the
+    output layer when tied, since the logits multiply it)."""
+    from megatron_rl.ddma.descriptors import EMBEDDING, logical_params
+
+    n = sum(p.numel for p in logical_params(model) if len(p.shape) == 2 and p.name != EMBEDDING)
+    if model.tie_word_embeddings:
+        n += model.vocab_size * model.hidden_size
+    return ModelCost(n, model.num_layers, model.hidden_size)
+
+
+def workload(cfg: JobConfig) -> Workload:
+    r = cfg.rollout
+    return Workload(r.prompts_per_step * r.samples_per_prompt, r.max_prompt_length, r.max_new_tokens)
+
+
+def _trainer_batch(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
+    """(sequence length, rows per micro-batch, micro-batches) of one trainer DP rank, as `RLTrainer.step` pads."""
+    from megatron_rl.training.rl_trainer import micro_batch_rows
+
+    w = workload(cfg)
+    seq = -(-w.seq_len // 8) * 8
+    per_dp = -(-w.sequences // dp)
+    rows = micro_batch_rows(per_dp, cfg.trainer.micro_batch_size)
+    return seq, rows, -(-per_dp // rows)
+
+
+def _trainer_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration,
+                    stages: list[RankModules], staging: int) -> tuple[RankMemory, ...]:
+    dtype = _dtype(cfg.trainer.dtype, cal)
+    seq, rows, m = _trainer_batch(cfg, layout.dp)
+    ranks = []
+    for pp_rank, mods in enumerate(stages):
+        act = activation_bytes(model, layout.tp, layout.pp, pp_rank, rows, seq, m, _itemsize(dtype),
+                               cal.fused_kernels)
+        worst = max(range(len(mods.optimizer)), key=lambda d: (mods.optimizer[d].main_bytes
+                                                               + mods.optimizer[d].optimizer_state_bytes))
+        o = mods.optimizer[worst]
+        ranks.append(RankMemory("trainer", f"pp {pp_rank}, dp {worst}", {
+            "parameters": o.param_buffer_bytes, "gradients": o.grad_buffer_bytes, "main_weights": o.main_bytes,
+            "optimizer_state": o.optimizer_state_bytes, "activations": act, "ddma_staging": staging,
+            "reserve": int(cal.reserve_gib * GIB)}))
+    return tuple(ranks)
+
+
+def _generator_slots(cfg: JobConfig, replicas: int) -> int:
+    r = cfg.rollout
+    return min(cfg.generator.max_batch_size, -(-r.prompts_per_step // replicas) * r.samples_per_prompt)
+
+
+def _generator_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration,
+                      mods: RankModules, staging: int) -> RankMemory:
+    int8 = cfg.generator.quantization == "int8"
+    work = prefill_workspace_bytes(model, layout.tp, cfg.generator.max_batch_size, cfg.rollout.max_prompt_length,
+                                   _itemsize(_dtype(cfg.generator.dtype, cal)), int8)
+    return RankMemory("generator", "every rank", {
+        "weights": mods.weight_bytes, "kv_cache": mods.kv_cache_bytes, "prefill_workspace": work,
+        "ddma_staging": staging, "reserve": int(cal.reserve_gib * GIB)})
+
+
+def _sync_estimate(model: ModelConfig, trainer: ParallelLayout, generator: ParallelLayout, colocated: bool,
+                   stages: list[RankModules], cal: Calibration) -> SyncEstimate:
+    """Bytes per rank of the job's DDMA plan; every slice travels in its source parameter's dtype (the job's
+    TransportSettings: no wire dtype)."""
+    from megatron_rl.ddma.planner import plan_reshard
+
+    try:
+        plan = plan_reshard(model, trainer, generator, src_first_rank=0,
+                            dst_first_rank=0 if colocated else trainer.size)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    itemsize = [{p.name: _itemsize(p.dtype) for p in mods.params} for mods in stages]
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+    network = 0
+    for c in plan.copies:
+        if c.is_local:
+            continue
+        nbytes = c.numel * itemsize[plan.src.coords(c.src_rank)[1]][c.src_param]
+        sent[c.src_rank] = sent.get(c.src_rank, 0) + nbytes
+        received[c.dst_rank] = received.get(c.dst_rank, 0) + nbytes
+        network += nbytes
+    busiest = max(max(sent.values(), default=0), max(received.values(), default=0))
+    seconds = {"nvlink": weight_sync_time(busiest, cal.nvlink_gbps),
+               "infiniband": weight_sync_time(busiest, cal.infiniband_gbps)}
+    return SyncEstimate(len(sent), len(plan.copies), network, max(sent.values(), default=0),
+                        max(received.values(), default=0), seconds)
+
+
+def _build_trainer(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration) -> list[RankModules]:
+    return [build_rank_modules(model, layout, pp_rank=p, params_dtype=_dtype(cfg.trainer.dtype, cal),
+                               attention=cfg.trainer.attention,
+                               optimizer=cfg.trainer.use_distributed_optimizer) for p in range(layout.pp)]
+
+
+def _build_generator(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration) -> RankModules:
+    attention = cfg.generator.attention
+    if cfg.generator.quantization == "int8" and attention == "auto":
+        attention = "sdpa"  # as the job does: int8 layers are Megatron-Core's own linears, not TE's
+    max_len = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
+    return build_rank_modules(model, layout, params_dtype=_dtype(cfg.generator.dtype, cal), attention=attention,
+                              int8=cfg.generator.quantization == "int8",
+                              kv_cache=(cfg.generator.max_batch_size, max_len))
+
+
+def _colocated_baseline(cfg: JobConfig, model: ModelConfig, trainer: ParallelLayout, gpus: int,
+                        cal: Calibration, device_bytes: int, cost: ModelCost, w: Workload):
+    """The synchronous baseline on `gpus` GPUs: the trainer's TP x PP, as many DP replicas as fit, generating with
+    the same layout in the memory the trainer's state leaves (module docstring)."""
+    dp = gpus // (trainer.tp * trainer.pp)
+    if dp < 1:
+        raise PlanError(f"the synchronous baseline needs at least trainer.tp*pp={trainer.tp * trainer.pp} GPUs")
+    layout = ParallelLayout(trainer.tp, trainer.pp, dp)
+    stages = _build_trainer(cfg, model, layout, cal)
+    resident = max(max(o.param_buffer_bytes + o.grad_buffer_bytes + o.main_bytes + o.optimizer_state_bytes
+                       for o in s.optimizer) for s in stages)
+    gen = _build_generator(cfg, model, ParallelLayout(trainer.tp, 1, dp), cal)
+    weights = gen.weight_bytes / trainer.pp  # the stage's share of the layers (embedding/output: an average)
+    kv_token = gen.kv_cache_bytes / (cfg.generator.max_batch_size * w.seq_len) / trainer.pp
+    free = device_bytes - int(cal.reserve_gib * GIB) - resident - weights
+    memory_slots = int(free // (kv_token * w.seq_len)) if free > 0 else 0
+    if memory_slots < 1:
+        raise PlanError(f"the synchronous baseline cannot generate: the trainer's state leaves no room for a KV "
+                        f"cache on a {device_bytes / GIB:.0f} GiB GPU")
+    slots = min(_generator_slots(cfg, dp), memory_slots)  # the job's batch setting, where memory allows
+    seq, rows, _ = _trainer_batch(cfg, dp)
+    g = GeneratorShape(trainer.tp, trainer.pp, dp, slots, int(weights), kv_token)
+    t = TrainerShape(trainer.tp, trainer.pp, dp, rows)
+    detail = {"layout": str(layout), "gpus_used": layout.size, "resident_trainer_bytes": resident,
+              "kv_slots_memory_allows": memory_slots}
+    return (generation_time(w, cost, g, cal, cal.baseline_decode_efficiency), training_time(w, cost, t, cal),
+            detail)
+
+
+def predict_steps(cfg: JobConfig, model: ModelConfig, cal: Calibration, device_bytes: int, gen: RankModules,
+                  sync: SyncEstimate) -> tuple[StepTimes, dict, list]:
+    """Step times of both modes for the job `cfg`, given its generator's modules and its DDMA estimate; returns
+    (times, the assumptions they rest on, notes)."""
+    tl = ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp)
+    gl = ParallelLayout(cfg.generator.tp, cfg.generator.pp, cfg.generator.dp)
+    colocated = cfg.generator.colocated
+    w, cost = workload(cfg), model_cost(model)
+    gpus = tl.size if colocated else tl.size + gl.size
+    sync_gen, sync_train, baseline = _colocated_baseline(cfg, model, tl, gpus, cal, device_bytes, cost, w)
+    seq, rows, _ = _trainer_batch(cfg, tl.dp)
+    max_len = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
+    kv_token = gen.kv_cache_bytes / (cfg.generator.max_batch_size * max_len)
+    gshape = GeneratorShape(gl.tp, gl.pp, gl.dp, _generator_slots(cfg, gl.dp), gen.weight_bytes, kv_token)
+    async_gen = generation_time(w, cost, gshape, cal, cal.decode_efficiency)
+    async_train = training_time(w, cost, TrainerShape(tl.tp, tl.pp, tl.dp, rows), cal)
+    notes = []
+    if colocated:
+        # Executors on the same GPUs cannot overlap: the configured job's step is the sum of its phases.
+        link_s = sync.seconds["nvlink"]
+        async_gen = type(async_gen)(async_gen.seconds + async_train.seconds, async_gen.detail)
+        notes.append("colocated executors share their GPUs: the asynchronous step does not overlap generation "
+                     "and training")
+    else:
+        link_s = sync.seconds["infiniband"] if gpus > cal.gpus_per_node else sync.seconds["nvlink"]
+    steps = StepTimes(sync_gen, sync_train, async_gen, async_train, link_s)
+    assumptions = {
+        "workload": {"sequences": w.sequences, "prompt_tokens": w.prompt_tokens, "response_tokens": w.response_tokens,
+                     "responses": "every response runs to rollout.max_new_tokens"},
+        "gpus": gpus, "sync_baseline": baseline,
+        "weight_sync_link": "nvlink" if colocated or gpus <= cal.gpus_per_node else "infiniband",
+        "trainer_micro_batch": {"rows": rows, "seq_len": seq},
+        "activation_model": "fused" if cal.fused_kernels else "unfused",
+    }
+    return steps, assumptions, notes
+
+
+def make_plan(cfg: JobConfig, model: ModelConfig, calibration: Calibration, *,
+              gpu_memory_gib: Optional[float] = None, checkpoint: Optional[Path] = None) -> Plan:
+    """Plan the job `cfg` (already validated into `model`) on devices described by `calibration`."""
+    from megatron_rl.ddma.transport import TransportSettings
+
+    cal = calibration
+    gib = cal.gpu_memory_gib if gpu_memory_gib is None else gpu_memory_gib
+    if not (isinstance(gib, (int, float)) and math.isfinite(gib) and gib > 0):
+        raise PlanError(f"--gpu-memory {gib!r} is not a device memory size: give GiB per GPU, e.g. 80")
+    device_bytes = int(gib * GIB)
+    if cfg.generator.pp != 1:
+        raise PlanError(f"generator.pp={cfg.generator.pp}: the generator runs the whole model on each rank "
+                        f"(generator.pp must be 1)")
+    tl = ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp)
+    gl = ParallelLayout(cfg.generator.tp, cfg.generator.pp, cfg.generator.dp)
+    colocated = cfg.generator.colocated
+    staging = TransportSettings().bucket_bytes
+    stages = _build_trainer(cfg, model, tl, cal)
+    gen = _build_generator(cfg, model, gl, cal)
+    trainer_ranks = _trainer_memory(cfg, model, tl, cal, stages, staging)
+    gen_rank = _generator_memory(cfg, model, gl, cal, gen, staging)
+    if colocated:  # the same ranks hold both executors: each rank carries the generator's bytes too
+        shared = {f"generator_{k}": v for k, v in gen_rank.parts.items() if k != "reserve"}
+        trainer_ranks = tuple(RankMemory("trainer+generator", r.rank, {**r.parts, **shared})
+                              for r in trainer_ranks)
+    trainer_mem = ExecutorMemory("trainer", str(tl), trainer_ranks, device_bytes)
+    gen_mem = ExecutorMemory("generator", str(gl), (gen_rank,), device_bytes)
+    sync = _sync_estimate(model, tl, gl, colocated, stages, cal)
+
+    steps, assumptions, notes = predict_steps(cfg, model, cal, device_bytes, gen, sync)
+    ckpt = None
+    if checkpoint is not None:
+        try:
+            ckpt = checkpoint_report(Path(checkpoint), model, tl, stages)
+        except ReshardError as e:
+            raise PlanError(str(e)) from None
+    return Plan(model.name, model.num_parameters(), trainer_mem, gen_mem, colocated, sync, steps, assumptions,
+                cal, ckpt, notes)

@@ -1,0 +1,54 @@
+"""The readable `megatron-rl plan` report (the JSON object is `Plan.to_dict()`)."""
+
+from __future__ import annotations
+
+from megatron_rl.planning.plan import ExecutorMemory, Plan
+
+GIB = 1 << 30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _executor(e: ExecutorMemory) -> list[str]:
+    w = e.worst
+    verdict = "fits" if e.fits else "DOES NOT FIT"
+    lines = [f"{e.name} ({e.layout}): {verdict}, peak {_gib(w.total)} on {w.rank}, margin "
+             f"{_gib(w.margin(e.device_bytes))} of {_gib(e.device_bytes)}"]
+    for r in e.ranks:
+        parts = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in r.parts.items() if v)
+        lines.append(f"  {r.rank:<16} {_gib(r.total):>10}  ({parts})")
+    return lines
+
+
+def format_text(plan: Plan) -> str:
+    s, t, a = plan.sync, plan.steps, plan.assumptions
+    w = a["workload"]
+    lines = [f"model        {plan.model}, {plan.parameters / 1e9:.2f}B parameters; {a['gpus']} GPUs "
+             f"({plan.calibration.device}){', colocated executors' if plan.colocated else ''}", ""]
+    lines += ["memory per rank (exact: parameters, gradients, main weights, optimizer state, int8 weights, KV cache; "
+              f"modelled: activations ({a['activation_model']}), workspace, reserve)"]
+    lines += _executor(plan.trainer) + _executor(plan.generator) + [""]
+    lines.append(f"weight sync  DDMA: {s.senders} senders, {s.copies:,} copies; busiest rank sends "
+                 f"{_gib(s.max_sent_bytes)}, receives {_gib(s.max_received_bytes)}: "
+                 f"{s.seconds['nvlink']:.2f} s over NVLink, {s.seconds['infiniband']:.2f} s over InfiniBand")
+    lines.append("")
+    lines.append(f"step time    workload {w['sequences']} sequences x ({w['prompt_tokens']} + {w['response_tokens']}) "
+                 f"tokens; {w['responses']}")
+    lines.append(f"  sync  (colocated, {a['sync_baseline']['layout']}): {t.sync_s:.1f} s = generation "
+                 f"{t.sync_generation.seconds:.1f} s + training {t.sync_training.seconds:.1f} s")
+    lines.append(f"  async (dedicated executors): {t.async_s:.1f} s = max(generation {t.async_generation.seconds:.1f} s, "
+                 f"training {t.async_training.seconds:.1f} s) + weight sync {t.async_weight_sync_s:.2f} s "
+                 f"({a['weight_sync_link']})")
+    lines.append(f"  speed-up {t.speedup:.2f}x")
+    for note in plan.notes:
+        lines.append(f"  note: {note}")
+    if plan.checkpoint:
+        c = plan.checkpoint
+        reads = ", ".join(f"{k} {_gib(v)}" for k, v in c["read_bytes_per_rank"].items())
+        lines += ["", f"checkpoint   {c['path']}: loads into trainer {plan.trainer.layout} ({c['tensors']} tensors); "
+                      f"bytes read per rank: {reads}"]
+    lines += ["", "rates: " + "; ".join(f"{k} {getattr(plan.calibration, k)}" for k in plan.calibration.sources)
+              + " (sources: --json, or the calibration file)"]
+    return "\n".join(lines)

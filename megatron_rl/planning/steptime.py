@@ -1,0 +1,156 @@
+"""Time of one RL step, synchronous and asynchronous, from the workload, the model's FLOPs and bytes, and rates.
+
+The model (every rate comes from a `Calibration`, every size from the planned layout's real modules):
+
+generation, per generator replica (all replicas run in parallel on equal shares of the step's sequences):
+    seqs     = ceil(sequences / replicas),   slots = min(slots the batch and memory allow, seqs)
+    decode   = ceil(seqs / slots) x response_tokens steps; each step reads every weight of a GPU once and the KV
+               cache of its slots at the mean context (prompt + response / 2), at hbm_bandwidth x decode_efficiency
+               (baseline_decode_efficiency for the synchronous baseline's engine);
+               a replica with pp stages runs them one after another for every token (x pp)
+    prefill  = 2 x matmul parameters x prompt tokens (+ attention) at prefill_mfu of the replica's tp GPUs
+    Every response is taken to run to `response_tokens` (the cap), so a wave lasts as long as its longest member.
+training:
+    FLOPs    = 3 x (2 x matmul parameters + 2 x layers x hidden x seq) per token (forward + backward; causal
+               attention at its mean length) over sequences x (prompt + response) tokens
+    time     = FLOPs / (trainer GPUs x peak x train_mfu) x (m + pp - 1) / m      (1F1B bubble, m micro-batches)
+weight sync: the DDMA plan's busiest rank bytes (sent or received) over the link between the executors
+    (InfiniBand per GPU when they sit on different nodes, none when colocated on the same ranks).
+
+synchronous (the paper's DeepSpeed-Chat-like baseline): one set of GPUs generates, then trains:
+    step = generation + training, with the colocated generator's layout and the KV cache the trainer's
+    resident state leaves room for.
+asynchronous (LlamaRL): dedicated executors overlap batch k's training with batch k+1's generation:
+    step = max(generation, training) + weight sync (the generator waits for the new weights once per step).
+
+Left out: reward computation, the controller's host work, data movement of rollouts, stragglers across replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_rl.planning.calibration import Calibration
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step's work: `sequences` = prompts x samples, each prompt_tokens + response_tokens long."""
+
+    sequences: int
+    prompt_tokens: int
+    response_tokens: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one token costs: matmul weights it multiplies (every 2-D weight but the embedding lookup, i.e. the
+    linear layers and the output layer), and the shape attention FLOPs depend on."""
+
+    matmul_params: int
+    num_layers: int
+    hidden_size: int
+
+    def forward_flops_per_token(self, context: float) -> float:
+        """2 FLOPs per weight, plus QK^T and AV against `context` earlier tokens."""
+        return 2.0 * self.matmul_params + 4.0 * self.num_layers * self.hidden_size * context
+
+
+@dataclass(frozen=True)
+class GeneratorShape:
+    """A generator executor as the step model sees it."""
+
+    tp: int
+    pp: int
+    replicas: int
+    slots: int  # sequences decoded together per replica (the KV cache slots)
+    weight_bytes_per_gpu: int
+    kv_bytes_per_token_per_gpu: float
+
+
+@dataclass(frozen=True)
+class TrainerShape:
+    """A trainer executor as the step model sees it."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_rows: int  # sequences per micro-batch
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Seconds of one phase and what they are made of."""
+
+    seconds: float
+    detail: dict
+
+
+def generation_time(w: Workload, cost: ModelCost, g: GeneratorShape, cal: Calibration,
+                    decode_efficiency: float) -> Phase:
+    seqs = math.ceil(w.sequences / g.replicas)
+    slots = max(1, min(g.slots, seqs))
+    waves = math.ceil(seqs / slots)
+    steps = waves * w.response_tokens
+    context = w.prompt_tokens + w.response_tokens / 2
+    step_bytes = g.weight_bytes_per_gpu + slots * context * g.kv_bytes_per_token_per_gpu
+    decode = steps * step_bytes / (cal.hbm_bandwidth_gbps * 1e9 * decode_efficiency) * g.pp
+    prefill_flops = seqs * w.prompt_tokens * cost.forward_flops_per_token(w.prompt_tokens / 2)
+    prefill = prefill_flops / (g.tp * cal.peak_tflops * 1e12 * cal.prefill_mfu)
+    return Phase(decode + prefill, {"decode_s": decode, "prefill_s": prefill, "sequences_per_replica": seqs,
+                                    "slots": slots, "waves": waves, "decode_steps": steps,
+                                    "bytes_per_decode_step": step_bytes})
+
+
+def training_time(w: Workload, cost: ModelCost, t: TrainerShape, cal: Calibration) -> Phase:
+    tokens = w.sequences * w.seq_len
+    flops = 3.0 * tokens * cost.forward_flops_per_token(w.seq_len / 2)
+    per_dp = math.ceil(w.sequences / t.dp)
+    m = math.ceil(per_dp / max(t.micro_batch_rows, 1))
+    bubble = (m + t.pp - 1) / m
+    seconds = flops / (t.gpus * cal.peak_tflops * 1e12 * cal.train_mfu) * bubble
+    return Phase(seconds, {"flops": flops, "micro_batches": m, "pipeline_bubble": bubble})
+
+
+def weight_sync_time(busiest_rank_bytes: int, link_gbps: float) -> float:
+    return busiest_rank_bytes / (link_gbps * 1e9) if busiest_rank_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Predicted seconds per RL step in both modes, with their parts."""
+
+    sync_generation: Phase
+    sync_training: Phase
+    async_generation: Phase
+    async_training: Phase
+    async_weight_sync_s: float
+
+    @property
+    def sync_s(self) -> float:
+        return self.sync_generation.seconds + self.sync_training.seconds
+
+    @property
+    def async_s(self) -> float:
+        return max(self.async_generation.seconds, self.async_training.seconds) + self.async_weight_sync_s
+
+    @property
+    def speedup(self) -> float:
+        return self.sync_s / self.async_s
+
+    def to_dict(self) -> dict:
+        return {"sync_s": self.sync_s, "async_s": self.async_s, "speedup": self.speedup,
+                "sync": {"generation_s": self.sync_generation.seconds, "training_s": self.sync_training.seconds,
+                         "generation": self.sync_generation.detail, "training": self.sync_training.detail},
+                "async": {"generation_s": self.async_generation.seconds,
+                          "training_s": self.async_training.seconds, "weight_sync_s": self.async_weight_sync_s,
+                          "generation": self.async_generation.detail, "training": self.async_training.detail}}

@@ -1,0 +1,199 @@
+"""`megatron-rl plan`: exact bytes against a real CPU job, the activation model against autograd, the recipes fit on
+80 GiB, the paper's step-time table, the 405B plan's cost, and one-line errors for bad inputs."""
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.config import load_config, validate
+from megatron_rl.parallel.spawn import run_local
+from megatron_rl.planning.calibration import load_calibration
+from megatron_rl.planning.plan import make_plan
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+GIB = 1 << 30
+
+JOBS = {
+    # tied embeddings absent, PP x DP sharding with padding, bf16 weights with fp32 norms, an int8 generator
+    "tiny-tp2pp2dp2-bf16-int8": ["trainer.tp=2", "trainer.pp=2", "trainer.dp=2", "trainer.dtype=bf16",
+                                 "generator.tp=2", "generator.dtype=bf16", "generator.quantization=int8",
+                                 "trainer.warmup_steps_sft=0"],
+    # tied embeddings split over two stages (their own DDP bucket), fp32 trainer, a TP3 bf16 generator
+    "smollm2-pp2-fp32": ["model.preset=smollm2-135m", "trainer.tp=1", "trainer.pp=2", "trainer.dp=1",
+                         "trainer.dtype=fp32", "generator.tp=3", "generator.dtype=bf16", "trainer.warmup_steps_sft=0"],
+}
+
+
+@pytest.mark.parametrize("overrides", list(JOBS.values()), ids=list(JOBS))
+def test_planned_bytes_equal_what_the_job_allocates(overrides, tmp_path):
+    from megatron_rl.planning.plan import _build_trainer
+    from megatron_rl.parallel.layout import ParallelLayout
+    from plan_workers import allocated_worker
+
+    cfg = load_config(None, overrides)
+    model = validate(cfg)
+    cal = load_calibration()
+    measured = run_local(allocated_worker, cfg.world_size_needed, cfg, str(tmp_path))
+    plan = make_plan(cfg, model, cal)
+    stages = _build_trainer(cfg, model, ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp), cal)
+    trainers = [m["trainer"] for m in measured if "trainer" in m]
+    assert len(trainers) == cfg.trainer.tp * cfg.trainer.pp * cfg.trainer.dp
+    for t in trainers:
+        o = stages[t["pp"]].optimizer[t["dp"]]
+        assert (t["parameters"], t["gradients"], t["main_weights"], t["optimizer_state"]) == (
+            o.param_buffer_bytes, o.grad_buffer_bytes, o.main_bytes, o.optimizer_state_bytes), t
+    for r in plan.trainer.ranks:  # the report's rows are those of real ranks
+        pp, dp = (int(x.split()[1]) for x in r.rank.split(", "))
+        t = next(t for t in trainers if (t["pp"], t["dp"]) == (pp, dp))
+        assert {k: r.parts[k] for k in ("parameters", "gradients", "main_weights", "optimizer_state")} == {
+            k: t[k] for k in ("parameters", "gradients", "main_weights", "optimizer_state")}
+    weights = {m["generator"]["weights"] for m in measured if "generator" in m}
+    assert weights == {plan.generator.ranks[0].parts["weights"]}
+
+
+def test_activation_model_bounds_what_autograd_keeps():
+    """The unfused (CPU) activation model is never below the tensors autograd saves, and at most 15% above."""
+    from megatron_rl.models import get_preset
+    from megatron_rl.planning.memory import activation_bytes
+    from plan_workers import saved_activations_worker
+
+    for preset, tp, dtype in (("tiny", 1, "fp32"), ("tiny", 2, "bf16"), ("smollm2-135m", 1, "bf16")):
+        saved = run_local(saved_activations_worker, tp, preset, dtype, 4, 128)[0]
+        predicted = activation_bytes(get_preset(preset), tp, 1, 0, 4, 128, 1, 4 if dtype == "fp32" else 2,
+                                     fused=False)
+        assert saved <= predicted <= 1.15 * saved, (preset, tp, dtype, saved, predicted)
+
+
+@pytest.fixture(scope="module")
+def recipe_plans():
+    cal = load_calibration()
+    plans = {}
+    for name in ("llama3-8b", "llama3-70b"):
+        cfg = load_config(CONFIGS / f"{name}.yaml")
+        plans[name] = (cfg, make_plan(cfg, validate(cfg, cfg.run.world_size), cal))
+    return plans
+
+
+def test_8b_and_70b_recipes_fit_on_80_gib(recipe_plans):
+    for name, (cfg, plan) in recipe_plans.items():
+        assert plan.trainer.device_bytes == 80 * GIB
+        assert plan.trainer.fits and plan.generator.fits, (name, plan.trainer.worst, plan.generator.worst)
+    # An independent count: a bf16 generator at TP1 holds 2 bytes per parameter of the preset's formula, and 2 more
+    # per norm weight (Megatron-Core's local spec keeps RMSNorm weights in fp32).
+    cfg, plan = recipe_plans["llama3-8b"]
+    m = validate(cfg)
+    norms = (2 * m.num_layers + 1) * m.hidden_size
+    assert plan.generator.ranks[0].parts["weights"] == 2 * m.num_parameters(tp=1) + 2 * norms
+    assert plan.sync.senders == cfg.trainer.tp * cfg.trainer.dp  # every trainer rank sends
+
+
+def test_405b_plan_runs_in_a_minute_and_4_gib_and_fits():
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "plan", "-c", str(CONFIGS / "llama3-405b.yaml"),
+                           "--json"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    wall = time.perf_counter() - t0
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout)
+    assert wall < 60, wall
+    assert max(peak_kib, before) < 4 * (1 << 20), peak_kib  # KiB
+    assert plan["fits"] and plan["memory"]["trainer"]["fits"] and plan["memory"]["generator"]["fits"]
+    assert plan["weight_sync"]["senders"] == 448 and plan["weight_sync"]["seconds"]["infiniband"] > 0
+    assert plan["step_time"]["sync_s"] > plan["step_time"]["async_s"] > 0
+    assert all(entry["source"] for key, entry in plan["calibration"].items() if key != "device")
+
+
+@pytest.fixture(scope="module")
+def paper_rows():
+    from megatron_rl.planning.paper import reproduce_paper
+
+    return {r.model: r for r in reproduce_paper(CONFIGS, load_calibration())}
+
+
+@pytest.mark.parametrize("model,mode", [("llama3-8b", "sync"), ("llama3-8b", "async"), ("llama3-70b", "sync"),
+                                        ("llama3-70b", "async"), ("llama3-405b", "sync")])
+def test_paper_step_time_within_25_percent(paper_rows, model, mode):
+    row = paper_rows[model]
+    error = row.sync_error if mode == "sync" else row.async_error
+    assert abs(error) <= 0.25, (model, mode, row)
+
+
+@pytest.mark.xfail(strict=True, reason="known miss (docs/benchmarks.md, Planner): the 405B generator of our recipe "
+                                       "(72 int8 replicas) is predicted 39% faster than the paper's LlamaRL step")
+def test_paper_405b_async_step_time_within_25_percent(paper_rows):
+    assert abs(paper_rows["llama3-405b"].async_error) <= 0.25
+
+
+def _write_checkpoint(root: Path, shapes: dict, model: dict) -> Path:
+    """A conversion-format checkpoint holding zeros of the given global shapes (metadata is what plan reads)."""
+    import torch.distributed.checkpoint as dcp
+
+    d = root / "ckpt"
+    (d / "model").mkdir(parents=True)
+    dcp.save({k: torch.zeros(v) for k, v in shapes.items()}, checkpoint_id=str(d / "model"), no_dist=True)
+    (d / "megatron_rl.json").write_text(json.dumps({"format": "megatron-rl/dist_checkpointing", "model": model}))
+    return d
+
+
+def _tiny_shapes(L=4, h=64, f=176, heads=4, groups=2, vocab=384):
+    d = h // heads
+    return {"embedding.word_embeddings.weight": [vocab, h],
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight": [L, h],
+            "decoder.layers.self_attention.linear_qkv.weight": [L, (heads + 2 * groups) * d, h],
+            "decoder.layers.self_attention.linear_proj.weight": [L, h, heads * d],
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight": [L, h],
+            "decoder.layers.mlp.linear_fc1.weight": [L, 2 * f, h],
+            "decoder.layers.mlp.linear_fc2.weight": [L, h, f],
+            "decoder.final_layernorm.weight": [h],
+            "output_layer.weight": [vocab, h]}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_reshards_from_metadata(tmp_path, capsys):
+    from megatron_rl import cli
+
+    ckpt = _write_checkpoint(tmp_path, _tiny_shapes(vocab=512), {"name": "tiny"})  # written at TP2: 512 rows
+    assert cli.main(["plan", "trainer.tp=1", "trainer.pp=2", "--checkpoint", str(ckpt), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["checkpoint"]
+    assert report["loads"] and report["tensors"] == 9
+    # Stage 0 reads the embedding (300 real rows are used, but the rank reads its padded 384) and layers 0-1.
+    stage0 = 4 * (384 * 64 + 2 * (64 + 128 * 64 + 64 * 64 + 64 + 352 * 64 + 64 * 176))
+    assert report["read_bytes_per_rank"]["pp 0"] == stage0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["-c", str(CONFIGS / "llama3-8b.yaml"), "trainer.tp=3"], "trainer.tp=3 does not divide"),
+    (["--gpu-memory", "lots"], "--gpu-memory 'lots' is not a device memory size"),
+    (["--gpu-memory", "0"], "--gpu-memory 0.0 is not a device memory size"),
+    (["generator.pp=2"], "generator.pp=2"),
+])
+def test_bad_inputs_get_one_line(args, needle, capsys):
+    from megatron_rl import cli
+
+    assert cli.main(["plan", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err, err
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_of_another_model_and_unsourced_calibration_get_one_line(tmp_path, capsys):
+    from megatron_rl import cli
+
+    ckpt = _write_checkpoint(tmp_path, _tiny_shapes(h=32, f=96), {"name": "tiny"})
+    assert cli.main(["plan", "--checkpoint", str(ckpt)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds another model" in err and "\n" not in err, err
+    text = (Path(__file__).resolve().parents[1] / "megatron_rl/planning/h100.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace('source: "H100 SXM datasheet: 989', 'source: "" # 989'))
+    assert cli.main(["plan", "--calibration", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "peak_tflops has no source" in err and "\n" not in err, err
