@@ -96,8 +96,11 @@ class _DecodeStep:
                 self.graph = None
 
     def _body(self):
+        # A captured graph needs a fixed shape: the whole cache. Eagerly, attention reads up to the furthest
+        # position of any slot (on a CPU reading it back costs nothing).
+        kv_len = self.cache.max_len if self.positions.is_cuda else int(self.positions.max()) + 1
         logits = self.gen.forward(self.tokens[:, None], self.positions[:, None], self.slots, self.cache,
-                                  kv_len=self.cache.max_len, all_slots=True)
+                                  kv_len=kv_len, all_slots=True)
         full = self.gen._full_logits(logits[:, 0])
         tokens, logprobs = sample(full, self.temperature, self.top_p, self.top_k, self.seeds, self.steps,
                                   self.filtering, self.noise)
@@ -256,7 +259,7 @@ class Generator:
         slots = torch.tensor([s.slot for s in prefill])
         # kv_len given: no device-to-host read, so a step launched ahead keeps running meanwhile.
         self.forward(_to_device(toks, device), _to_device(pos, device), _to_device(slots, device), cache,
-                     kv_len=width)
+                     kv_len=width, logits=False)
 
     def _run(self, pending: list[_Seq], cache, device) -> None:
         filtering = any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in pending)

@@ -19,10 +19,19 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_rl.models.fused import apply_rope
+
+
+def _rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [s, b, heads, d] with precomputed cos/sin [s, b, 1, d] (the non-interleaved layout Megatron-Core's
+    `_apply_rotary_pos_emb_bshd` uses: the two halves of each head are rotated as pairs)."""
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 @dataclass
@@ -66,6 +75,12 @@ class IncrementalForward:
         self.scale = 1.0 / self.head_dim ** 0.5
         self.layers = list(model.decoder.layers)
         self._rope = None
+        # The lean path needs Megatron-Core's own linears (the int8 generator's subclasses only change where the
+        # weight comes from); transformer-engine's fold the norms into them.
+        local = (ColumnParallelLinear, RowParallelLinear)
+        self._lean = all(isinstance(m.self_attention.linear_qkv, local) and isinstance(m.self_attention.linear_proj, local)
+                         and isinstance(m.mlp.linear_fc1, local) and isinstance(m.mlp.linear_fc2, local)
+                         for m in self.layers)
         fusions = getattr(model, "megatron_rl_fusions", frozenset())
         self._rotate = apply_rope if "rope" in fusions else _apply_rotary_pos_emb_bshd
 
@@ -82,15 +97,55 @@ class IncrementalForward:
             self._rope = self.model.rotary_pos_emb(max_len)  # [max_len, 1, 1, head_dim] angles
         return self._rope
 
+    def _linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel linear's output (full for a row-parallel one, this rank's columns for a
+        column-parallel one). On CPUs, Megatron-Core's local linears are called as the matmul they are plus the
+        row-parallel all-reduce: their autograd-function wrapper costs about a fifth of a decode-sized matmul."""
+        if not self._lean or x.is_cuda or getattr(module, "gather_output", False):
+            return module(x)[0]
+        out = F.linear(x, module.weight, module.bias if not module.skip_bias_add else None)
+        if isinstance(module, RowParallelLinear) and self.tp_group.size() > 1:
+            dist.all_reduce(out, group=self.tp_group)
+        return out
+
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU MLP: through `_linear` on CPUs (Megatron-Core's gated MLP: silu(first half) * second half)."""
+        if not self._lean or x.is_cuda or not mlp.config.gated_linear_unit:
+            return mlp(x)[0]
+        gate, up = torch.chunk(self._linear(mlp.linear_fc1, x), 2, dim=-1)
+        return self._linear(mlp.linear_fc2, F.silu(gate) * up)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                attend: torch.Tensor) -> torch.Tensor:
+        """q [b, heads, s, d], keys/values [b, groups, kv, d], attend [b, 1, s, kv] -> context [s, b, heads * d].
+
+        On GPUs, SDPA. On CPUs, SDPA's masked kernel is built for long queries and costs about ten times two
+        batched matmuls around a softmax at decode shapes (`benchmarks/generate.py --profile`), so each group's
+        query heads are folded into the query length and attention is written out (softmax in fp32)."""
+        b, heads, s, d = q.shape
+        g = keys.shape[1]
+        if q.is_cuda:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, scale=self.scale,
+                                                 enable_gqa=g != heads)
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        per = heads // g
+        scores = torch.matmul(q.reshape(b, g, per * s, d), keys.transpose(-1, -2)).float() * self.scale
+        scores = scores.view(b, g, per, s, -1).masked_fill_(~attend[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, -1).to(values.dtype).view(b, g, per * s, -1)
+        out = torch.matmul(probs, values).view(b, heads, s, d)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 cache: KVCache, kv_len: Optional[int] = None, all_slots: bool = False) -> torch.Tensor:
+                 cache: KVCache, kv_len: Optional[int] = None, all_slots: bool = False,
+                 logits: bool = True) -> Optional[torch.Tensor]:
         """tokens, positions [b, s] (right-padded chunks are fine: padding positions write cache entries that are
         overwritten before they are attended to); slots [b]. Returns logits [b, s, vocab / tp].
 
         `kv_len` bounds the cache prefix attention reads (default: the largest position + 1, which costs a
         device-to-host sync; CUDA-graph decoding passes the cache length instead). `all_slots` says that `slots`
-        is every slot in order (the decode step), so attention reads the cache in place."""
+        is every slot in order (the decode step), so attention reads the cache in place. `logits=False` only
+        fills the cache (a prefill, whose logits nobody reads) and skips the output layer."""
         b, s = tokens.shape
         angles = self._rope_angles(cache.max_len)[positions.T.reshape(-1)].view(s, b, 1, -1)
         # Keys a query may attend to: the cache prefix of its own slot up to its own position.
@@ -100,16 +155,22 @@ class IncrementalForward:
         attend = cols[None, None, :] <= positions[:, :, None]  # [b, s, kv_len]
         attend = attend[:, None]  # [b, 1, s, kv_len]
         hidden = self.model.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
+        # On CPUs the rotation's cos/sin are computed once per forward, not twice per layer.
+        rope = None
+        if self._lean and not tokens.is_cuda and self._rotate is _apply_rotary_pos_emb_bshd:
+            rope = (angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype))
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
         for i, layer in enumerate(self.layers):
             attn = layer.self_attention
             x = layer.input_layernorm(hidden)
-            qkv, _ = attn.linear_qkv(x)
+            qkv = self._linear(attn.linear_qkv, x)
             qkv = qkv.view(s, b, g, (per + 2) * d)
             q, k, v = torch.split(qkv, [per * d, d, d], dim=3)
             q = q.reshape(s, b, g * per, d)
-            q = self._rotate(q, angles)
-            k = self._rotate(k, angles)
+            if rope is not None:
+                q, k = _rotate_half_pairs(q, *rope), _rotate_half_pairs(k, *rope)
+            else:
+                q, k = self._rotate(q, angles), self._rotate(k, angles)
             # Write this chunk's keys/values into each sequence's slot at its positions.
             kc, vc = cache.keys[i], cache.values[i]
             slot_idx = slots[:, None].expand(b, s)
@@ -119,14 +180,11 @@ class IncrementalForward:
                 keys, values = kc[:, :, :kv_len], vc[:, :, :kv_len]
             else:
                 keys, values = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
-            out = F.scaled_dot_product_attention(
-                q.permute(1, 2, 0, 3), keys, values, attn_mask=attend, scale=self.scale,
-                enable_gqa=g != g * per)
-            context = out.permute(2, 0, 1, 3).reshape(s, b, -1)
-            proj, _ = attn.linear_proj(context)
-            hidden = hidden + proj
-            mlp_out, _ = layer.mlp(layer.pre_mlp_layernorm(hidden))
-            hidden = hidden + mlp_out
+            context = self._attend(q.permute(1, 2, 0, 3), keys, values, attend)
+            hidden = hidden + self._linear(attn.linear_proj, context)
+            hidden = hidden + self._mlp(layer.mlp, layer.pre_mlp_layernorm(hidden))
+        if not logits:
+            return None
         hidden = self.model.decoder.final_layernorm(hidden)
         weight = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights \
             else None

@@ -1,9 +1,10 @@
 """Batched sampling on the device: temperature, top-k, top-p, greedy; seeded per sequence.
 
-Each sequence's randomness is a counter-based hash of (its seed, its step, the vocabulary index), so the same
-seed gives the same tokens whatever else shares the batch, on CPU and GPU alike, with no per-sequence generator
-objects and no host round trip. Sampling is the Gumbel-max trick: argmax(log-probs + Gumbel noise) is a draw
-from the softmax.
+Each draw is inverse-CDF sampling: one uniform per sequence and step, a counter-based hash of (its seed, its step),
+is located in the cumulative distribution of the (filtered) softmax. The same seed gives the same tokens whatever
+else shares the batch, with no per-sequence generator objects and no host round trip. One uniform per row and a
+cumulative sum cost a few passes over the vocabulary, where Gumbel-max noise hashed every vocabulary entry (on a
+CPU, with a 49K vocabulary, that hash was most of a decode step).
 
 The recorded log-prob is log softmax(logits / T)[token] over the whole vocabulary: the quantity the trainer
 computes from its own logits (top-k / top-p truncation is a sampling device the trainer cannot see; with them
@@ -56,12 +57,19 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[b, vocab] float32 uniforms in (0, 1), a pure function of (seed, step, index)."""
-    row = _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B9 + 0x632BE5AB))
-    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = _hash32(row[:, None] ^ _hash32(idx * 0x85EBCA6B + 0x27D4EB2F)[None, :])
+def uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[b] float32 uniforms in (0, 1), a pure function of (seed, step)."""
+    x = _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B9 + 0x632BE5AB))
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative probability exceeds u times the row's total (entries of
+    probability 0 are never drawn: the cumulative sum does not rise over them)."""
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
@@ -70,25 +78,23 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     """Tokens [b] and their log-probs [b] from fp32 logits [b, vocab]; per-row parameters [b].
 
     temperature 0 is greedy (its log-prob is then under T = 1). `filtering=False` skips the top-k / top-p sort
-    when no row uses them; `noise=False` skips the random draws when every row is greedy.
+    when no row uses them; `noise=False` skips the random draw when every row is greedy.
     """
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits / t[:, None]
-    logp = torch.log_softmax(scaled, -1)
-    candidates = scaled
-    if filtering:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, scaled.shape[-1]))
-        probs = torch.softmax(sorted_logits, -1)
-        keep = (rank < k[:, None]) & ((probs.cumsum(-1) - probs) < top_p[:, None])
-        kept_sorted = torch.where(keep, sorted_logits, torch.full_like(sorted_logits, float("-inf")))
-        candidates = torch.empty_like(scaled).scatter_(1, order, kept_sorted)
+    logp = torch.log_softmax(logits / t[:, None], -1)
+    tokens = torch.argmax(logits, dim=-1)
     if noise:
-        u = uniform_noise(seeds, steps, scaled.shape[-1])
-        noisy = torch.where(greedy[:, None], scaled, candidates - torch.log(-torch.log(u)))
-    else:
-        noisy = scaled
-    tokens = torch.argmax(noisy, dim=-1)
+        u = uniform(seeds, steps)
+        if filtering:
+            sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
+            probs = sorted_logp.exp()
+            rank = torch.arange(logp.shape[-1], device=logp.device)[None, :]
+            k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logp.shape[-1]))
+            # Keep the k most likely tokens, and of those the smallest prefix whose mass reaches top_p.
+            keep = (rank < k[:, None]) & ((probs.cumsum(-1) - probs) < top_p[:, None])
+            drawn = order.gather(1, _draw(probs * keep, u)[:, None]).squeeze(1)
+        else:
+            drawn = _draw(logp.exp(), u)
+        tokens = torch.where(greedy, tokens, drawn)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
