@@ -41,7 +41,13 @@ def _tp_worker(rank, world_size, vocab):
     shard = full.chunk(world_size, -1)[rank].clone().requires_grad_(True)
     lp = vocab_parallel_logprobs(shard, target, group, vocab_size=vocab, temperature=1.3)
     (lp * w).sum().backward()
-    return full, target, w, lp.detach(), shard.grad
+    mask = target % 2 == 0  # the same on both ranks
+    masked = shard.detach().clone().requires_grad_(True)
+    from megatron_rl.training.logprobs import vocab_parallel_logprobs_and_entropy
+
+    lp_m = vocab_parallel_logprobs_and_entropy(masked, target, group, vocab, 1.3, mask)[0]
+    (lp_m * w).sum().backward()
+    return full, target, w, lp.detach(), shard.grad, mask, lp_m.detach(), masked.grad
 
 
 # 50 real columns of 64: padding at the end of shard 1; 16 of 64: shard 1 is all padding (a small vocabulary at TP 2).
@@ -56,6 +62,15 @@ def test_tensor_parallel_matches_gathered_log_softmax(vocab):
     for r in results:
         torch.testing.assert_close(r[3].double(), ref.detach(), atol=1e-6, rtol=0)
     torch.testing.assert_close(grads.double(), ref_logits.grad.double(), atol=1e-6, rtol=0)
+    # With a mask: the selected positions' values, and the gradient of their sum only.
+    mask = results[0][5]
+    masked_ref = full.clone().requires_grad_(True)
+    (_reference(masked_ref, target, vocab, 1.3) * w.double() * mask).sum().backward()
+    for r in results:
+        torch.testing.assert_close(r[6][mask].double(), ref.detach()[mask], atol=1e-6, rtol=0)
+        assert torch.all(r[6][~mask] == 0)
+    torch.testing.assert_close(torch.cat([r[7] for r in results], -1).double(), masked_ref.grad.double(),
+                               atol=1e-6, rtol=0)
 
 
 def test_chunked_entropy_matches_reference_values_and_gradients(monkeypatch):
@@ -74,3 +89,28 @@ def test_chunked_entropy_matches_reference_values_and_gradients(monkeypatch):
     (ent * w).sum().backward()
     (ref * w).sum().backward()
     torch.testing.assert_close(logits.grad, ref_logits.grad, atol=1e-6, rtol=0)
+
+
+
+def test_a_mask_computes_only_its_positions_with_the_same_values_and_gradients(monkeypatch):
+    from megatron_rl.training import logprobs as lp_mod
+    from megatron_rl.training.logprobs import vocab_parallel_logprobs_and_entropy
+
+    monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 4 * 20 * 3)  # 3 selected tokens per chunk
+    torch.manual_seed(2)
+    full = torch.randn(3, 8, 40, dtype=torch.float64)
+    target = torch.randint(0, 37, (3, 8))
+    mask = torch.rand(3, 8) < 0.5
+    w_lp, w_ent = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    out = {}
+    for masked in (False, True):
+        logits = full.clone().requires_grad_(True)
+        lp, ent = vocab_parallel_logprobs_and_entropy(logits, target, None, 37, 1.3, mask if masked else None)
+        ((lp * w_lp + ent * w_ent) * mask).sum().backward()
+        out[masked] = (lp.detach(), ent.detach(), logits.grad)
+    (lp_all, ent_all, g_all), (lp_m, ent_m, g_m) = out[False], out[True]
+    torch.testing.assert_close(lp_m[mask], lp_all[mask], atol=1e-9, rtol=0)
+    torch.testing.assert_close(ent_m[mask], ent_all[mask], atol=1e-9, rtol=0)
+    assert torch.all(lp_m[~mask] == 0) and torch.all(ent_m[~mask] == 0)
+    torch.testing.assert_close(g_m, g_all, atol=1e-9, rtol=0)
+    assert torch.all(g_m[~mask] == 0)

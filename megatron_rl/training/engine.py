@@ -250,10 +250,13 @@ class TrainEngine:
                 "nonfinite_total": self.nonfinite_total}
 
     def _grads_finite(self) -> bool:
-        """True when every gradient of every rank of the executor is finite."""
+        """True when every gradient of every rank of the executor is finite. Checked as the buffer's sum, which is
+        non-finite when any value is (or when the gradients are so large, about 1e30, that the sum overflows: a
+        step worth skipping too); one read of the buffer, where `isfinite(...).all()` costs four passes and two
+        temporaries (a second per step on a CPU for a 135M model)."""
         bad = torch.zeros(1, device=_device())
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-            if not torch.isfinite(buffer.grad_data).all():
+            if not torch.isfinite(buffer.grad_data.sum()):
                 bad.fill_(1.0)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.pgs.intra_dist_opt)
         return bad.item() == 0

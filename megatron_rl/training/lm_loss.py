@@ -15,9 +15,10 @@ def make_lm_loss(tp_group, vocab_size: int):
     """
 
     def loss_fn(logits: torch.Tensor, batch: dict):
-        logp = target_logprobs(logits, batch["tokens"], tp_group, vocab_size)
-        mask = batch["loss_mask"].to(logp.dtype)
+        mask = batch["loss_mask"].clone()
         mask[:, 0] = 0  # position 0 is never a target
+        logp = target_logprobs(logits, batch["tokens"], tp_group, vocab_size, mask=mask)
+        mask = mask.to(logp.dtype)
         loss_sum = -(logp * mask).sum()
         num_tokens = mask.sum().to(torch.int64)
         return loss_sum, num_tokens, {"loss": torch.stack([loss_sum.detach(), num_tokens.to(loss_sum.dtype)])}

@@ -11,6 +11,8 @@ difference between several fp32 copies of the logits (8 GB each at 16K tokens) a
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -39,60 +41,75 @@ def _maybe_compile(fn):
     return run
 
 
-def _scaled(chunk: torch.Tensor, temperature: float, first_pad: int) -> torch.Tensor:
-    """fp32 logits / T with the padded vocabulary columns at -inf."""
-    x = chunk.float() / temperature
-    if first_pad < x.shape[-1]:
-        cols = torch.arange(x.shape[-1], device=x.device)
-        x = torch.where(cols < first_pad, x, torch.full_like(x, float("-inf")))
-    return x
-
-
 @_maybe_compile
 def _forward_chunk(chunk, idx, temperature: float, first_pad: int):
-    """Per token, local to this vocabulary shard: max m, sum exp(x - m), sum exp(x - m)(x - m), x[target]."""
-    x = _scaled(chunk, temperature, first_pad)
-    # A shard of vocabulary padding only (small vocabularies at TP > 1) has max -inf; the most negative finite
-    # value instead keeps its sums exact zeros (no inf - inf), and the other shards set the global max.
-    m = x.amax(-1).clamp(min=torch.finfo(x.dtype).min)
-    xs = x - m[:, None]
+    """Per token, local to this vocabulary shard: max m, sum exp(x - m), sum exp(x - m)(x - m), x[target], with
+    x = logits / T over the shard's real columns (the padded ones, from `first_pad` on, are left out).
+
+    Written as few passes over the chunk as eager mode allows (in-place where the value is not needed again):
+    on CPUs, where nothing fuses them, each pass over a [tokens, vocab] fp32 block costs as much as a matmul."""
+    n = chunk.shape[0]
+    if first_pad == 0:
+        # A shard of vocabulary padding only (small vocabularies at TP > 1): the most negative finite max keeps
+        # its sums exact zeros (no inf - inf), and the other shards set the global max.
+        m = torch.full((n,), torch.finfo(torch.float32).min, device=chunk.device)
+        zero = torch.zeros(n, device=chunk.device)
+        return m, zero, zero.clone(), zero.clone()
+    x = chunk[:, :first_pad].to(torch.float32, copy=True)  # a copy even of fp32 logits: they stay untouched
+    if temperature != 1.0:
+        x.div_(temperature)
+    picked = x.gather(1, idx.clamp(max=first_pad - 1)[:, None]).squeeze(1)
+    m = x.amax(-1)
+    xs = x.sub_(m[:, None])
     e = torch.exp(xs)
     z = e.sum(-1)
-    s = torch.where(e > 0, e * xs, torch.zeros_like(e)).sum(-1)
-    picked = x.gather(1, idx[:, None]).squeeze(1)
+    s = torch.linalg.vecdot(e, xs)
     return m, z, s, picked
 
 
 @_maybe_compile
 def _backward_chunk(chunk, idx, local, m, z, mean_xs, g_lp, g_ent, temperature: float, first_pad: int):
-    """d/dx of g_lp * logp(target) + g_ent * H, divided by T: (onehot - p) g_lp - p (x - m - mean_xs) g_ent."""
-    x = _scaled(chunk, temperature, first_pad)
-    xs = x - m[:, None]
-    p = torch.exp(xs) / z[:, None]
-    cols = torch.arange(x.shape[-1], device=x.device)
-    onehot = ((cols[None, :] == idx[:, None]) & local[:, None]).float()
-    d = (onehot - p) * g_lp[:, None]
-    d = d - torch.where(p > 0, p * (xs - mean_xs[:, None]), torch.zeros_like(p)) * g_ent[:, None]
-    return (d / temperature).to(chunk.dtype)
+    """d/dx of g_lp * logp(target) + g_ent * H, divided by T: (onehot - p) g_lp - p (x - m - mean_xs) g_ent,
+    i.e. -p (g_lp + g_ent (x - m - mean_xs)) plus g_lp at the target. Padded columns get 0."""
+    grad = torch.zeros(chunk.shape, dtype=chunk.dtype, device=chunk.device)
+    if first_pad == 0:
+        return grad
+    x = chunk[:, :first_pad].to(torch.float32, copy=True)  # a copy even of fp32 logits: they stay untouched
+    if temperature != 1.0:
+        x.div_(temperature)
+    xs = x.sub_(m[:, None])
+    p = torch.exp(xs).div_(z[:, None])
+    weight = xs.sub_(mean_xs[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None])
+    d = p.mul_(weight).neg_()
+    rows = torch.arange(d.shape[0], device=d.device)
+    d.index_put_((rows, idx.clamp(max=first_pad - 1)), torch.where(local, g_lp, torch.zeros_like(g_lp)),
+                 accumulate=True)
+    if temperature != 1.0:
+        d.div_(temperature)
+    grad[:, :first_pad] = d
+    return grad
 
 
 class _LogProbEntropy(torch.autograd.Function):
     """(log softmax(x)[target], entropy(softmax(x))) with x = logits / T over the real vocabulary."""
 
     @staticmethod
-    def forward(ctx, logits, target, tp_group, vocab_size: int, temperature: float):
+    def forward(ctx, logits, target, tp_group, vocab_size: int, temperature: float, mask):
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         v = logits.shape[-1]
         start = tp_rank * v
         first_pad = min(max(vocab_size - start, 0), v)
         logits2d = logits.reshape(-1, v)
-        t = target.reshape(-1)
+        # The positions computed: all, or those `mask` selects (the others get 0 and no gradient).
+        rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)
+        t = target.reshape(-1) if rows is None else target.reshape(-1)[rows]
         local = (t >= start) & (t < start + first_pad)
         idx = torch.where(local, t - start, torch.zeros_like(t))
-        n = logits2d.shape[0]
+        n = t.shape[0]
         m, z, s, picked = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(4))
         for sl in _chunks(n, v):
-            m[sl], z[sl], s[sl], picked[sl] = _forward_chunk(logits2d[sl], idx[sl], temperature, first_pad)
+            chunk = logits2d[sl] if rows is None else logits2d[rows[sl]]
+            m[sl], z[sl], s[sl], picked[sl] = _forward_chunk(chunk, idx[sl], temperature, first_pad)
         picked = torch.where(local, picked, torch.zeros_like(picked))
         if tp_group is not None and tp_group.size() > 1:
             # Combine shards: rescale each shard's sums to the global max M.
@@ -105,36 +122,51 @@ class _LogProbEntropy(torch.autograd.Function):
         mean_xs = s / z  # E_p[x - m]
         logprob = picked - m - torch.log(z)
         entropy = torch.log(z) - mean_xs
-        ctx.save_for_backward(logits, idx, local, m, z, mean_xs)
+        if rows is not None:
+            logprob = torch.zeros(target.numel(), device=logits.device).index_copy_(0, rows, logprob)
+            entropy = torch.zeros(target.numel(), device=logits.device).index_copy_(0, rows, entropy)
+        ctx.save_for_backward(logits, idx, local, m, z, mean_xs, rows)
         ctx.temperature, ctx.first_pad = temperature, first_pad
         return logprob.view(target.shape), entropy.view(target.shape)
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        logits, idx, local, m, z, mean_xs = ctx.saved_tensors
+        logits, idx, local, m, z, mean_xs, rows = ctx.saved_tensors
         v = logits.shape[-1]
         logits2d = logits.reshape(-1, v)
-        n = logits2d.shape[0]
-        g_lp = g_lp.reshape(-1).float() if g_lp is not None else torch.zeros(n, device=logits.device)
-        g_ent = g_ent.reshape(-1).float() if g_ent is not None else torch.zeros(n, device=logits.device)
-        grad = torch.empty_like(logits2d)
+        n = idx.shape[0]
+        pick = (lambda g: g.reshape(-1).float()) if rows is None else (lambda g: g.reshape(-1)[rows].float())
+        g_lp = pick(g_lp) if g_lp is not None else torch.zeros(n, device=logits.device)
+        g_ent = pick(g_ent) if g_ent is not None else torch.zeros(n, device=logits.device)
+        grad = torch.empty_like(logits2d) if rows is None else torch.zeros_like(logits2d)
         for sl in _chunks(n, v):
-            grad[sl] = _backward_chunk(logits2d[sl], idx[sl], local[sl], m[sl], z[sl], mean_xs[sl], g_lp[sl],
-                                       g_ent[sl], ctx.temperature, ctx.first_pad)
-        return grad.view_as(logits), None, None, None, None
+            chunk = logits2d[sl] if rows is None else logits2d[rows[sl]]
+            d = _backward_chunk(chunk, idx[sl], local[sl], m[sl], z[sl], mean_xs[sl], g_lp[sl], g_ent[sl],
+                                ctx.temperature, ctx.first_pad)
+            if rows is None:
+                grad[sl] = d
+            else:
+                grad[rows[sl]] = d
+        return grad.view_as(logits), None, None, None, None, None
 
 
 def vocab_parallel_logprobs_and_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group, vocab_size: int,
-                                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                                        temperature: float = 1.0,
+                                        mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / T)[target] and the entropy of softmax(logits / T), over the real (unpadded)
     vocabulary, as float32 [...]; one pass over the logits, both differentiable.
 
     `logits` is this rank's vocabulary shard [..., padded_vocab / tp]; `target` holds global token ids [...].
-    The logits are not modified.
+    The logits are not modified. `mask` [...] (bool) limits the work to the positions it selects (a loss over
+    response tokens needs no prompt position): the others hold 0 and get no gradient. Every TP rank must pass
+    the same mask.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return _LogProbEntropy.apply(logits, target, tp_group, vocab_size, float(temperature))
+    if mask is not None and mask.shape != target.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} differs from target shape {tuple(target.shape)}")
+    return _LogProbEntropy.apply(logits, target, tp_group, vocab_size, float(temperature),
+                                 None if mask is None else mask.bool())
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, tp_group, vocab_size: int,
@@ -150,20 +182,25 @@ def vocab_parallel_entropy(logits: torch.Tensor, tp_group, vocab_size: int, temp
 
 
 def target_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tp_group, vocab_size: int,
-                                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                                temperature: float = 1.0,
+                                mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[b, s] log-probs and entropies aligned with `tokens`: position t holds log p(tokens[t] | tokens[<t]) and
-    the entropy of that distribution (computed from the logits at t - 1); position 0 holds 0.
+    the entropy of that distribution (computed from the logits at t - 1); position 0 holds 0, and so does every
+    position outside `mask` when one is given.
 
     The logits are used whole (no slicing, which would copy a [b, s, vocab] block): the last position scores a
     dummy target and is dropped.
     """
     next_tokens = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
-    lp, ent = vocab_parallel_logprobs_and_entropy(logits, next_tokens, tp_group, vocab_size, temperature)
+    # `mask` is aligned with tokens (position t: is log p(tokens[t]) needed?), computed from the logits at t - 1.
+    next_mask = None if mask is None else torch.nn.functional.pad(mask[:, 1:].bool(), (0, 1))
+    lp, ent = vocab_parallel_logprobs_and_entropy(logits, next_tokens, tp_group, vocab_size, temperature,
+                                                  next_mask)
     shift = lambda t: torch.nn.functional.pad(t[:, :-1], (1, 0))  # noqa: E731
     return shift(lp), shift(ent)
 
 
 def target_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tp_group, vocab_size: int,
-                    temperature: float = 1.0) -> torch.Tensor:
+                    temperature: float = 1.0, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The log-probs of `target_logprobs_and_entropy`."""
-    return target_logprobs_and_entropy(logits, tokens, tp_group, vocab_size, temperature)[0]
+    return target_logprobs_and_entropy(logits, tokens, tp_group, vocab_size, temperature, mask)[0]

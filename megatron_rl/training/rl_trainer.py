@@ -86,7 +86,8 @@ def aipo_microbatch_loss(logits: torch.Tensor, mb: dict, tp_group, vocab_size: i
     """
     s = settings
     # One pass over the vocabulary gives both; the entropy only carries gradient when it is in the loss.
-    logp_pi, entropy = target_logprobs_and_entropy(logits, mb["tokens"], tp_group, vocab_size, s.temperature)
+    logp_pi, entropy = target_logprobs_and_entropy(logits, mb["tokens"], tp_group, vocab_size, s.temperature,
+                                                   mask=mb["loss_mask"])
     if not s.aipo.entropy_coef:
         entropy = entropy.detach() if s.log_entropy else None
     mask = mb["loss_mask"]
@@ -131,7 +132,7 @@ class RLTrainer:
     def _reference_logprobs(self, micro_batches: list[dict]) -> None:
         def loss_fn(logits, mb):
             mb["logp_ref"] = target_logprobs(logits, mb["tokens"], self.pgs.tp, self.cfg.vocab_size,
-                                             self.settings.temperature).detach()
+                                             self.settings.temperature, mask=mb["loss_mask"]).detach()
             zero = logits.new_zeros(())
             return zero, torch.ones((), dtype=torch.int64, device=zero.device), {}
 
