@@ -114,6 +114,9 @@ class AlgorithmSection:
     ppo_clip: Optional[float] = None
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    # false: ignore the behaviour policy (weights of 1, as if every sample were on-policy): the uncorrected
+    # baseline of the staleness study, not a setting to train with.
+    importance_weights: bool = True
 
 
 @dataclass
@@ -434,6 +437,8 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
         errors.append(f"algorithm.rho={a.rho} must be >= 1 (importance weights are truncated at rho)")
     if a.ppo_clip is not None and a.ppo_clip <= 0:
         errors.append(f"algorithm.ppo_clip={a.ppo_clip} must be > 0 or null")
+    if a.ppo_clip is not None and not a.importance_weights:
+        errors.append("algorithm.ppo_clip needs algorithm.importance_weights=true (its ratio is pi / mu)")
     if cfg.trainer.lr <= 0:
         errors.append(f"trainer.lr={cfg.trainer.lr} must be > 0")
     d = cfg.data

@@ -35,6 +35,23 @@ def test_gradient_equals_closed_form_with_truncation():
     torch.testing.assert_close(stats["ratio"], w_true)
 
 
+def test_without_importance_weights_the_behaviour_policy_is_ignored():
+    """The uncorrected baseline: grad = -mean(A * grad logp_pi) whatever mu was; the statistics still report the
+    trainer-generator gap |logp_pi - logp_mu|."""
+    theta = torch.tensor([0.3, -1.0, 0.5, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 3, 2])
+    adv = torch.tensor([1.5, -0.5, 2.0], dtype=torch.float64)
+    logp_pi = _policy(theta, y)
+    logp_mu = logp_pi.detach() - torch.log(torch.tensor([0.5, 3.0, 8.0], dtype=torch.float64))
+    loss, stats = aipo_token_loss(logp_pi, logp_mu, adv, AIPOSettings(importance_weights=False))
+    loss.mean().backward()
+    expected = -sum(adv[i] * _grad_logp(theta, y[i]) for i in range(3)) / 3
+    torch.testing.assert_close(theta.grad, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats["abs_log_ratio"], torch.log(torch.tensor([2.0, 3.0, 8.0], dtype=torch.float64)))
+    with pytest.raises(ValueError, match="ppo_clip needs importance weights"):
+        AIPOSettings(importance_weights=False, ppo_clip=0.2)
+
+
 def test_on_policy_reduces_to_reinforce_with_baseline():
     theta = torch.randn(5, dtype=torch.float64, requires_grad=True)
     y = torch.tensor([1, 4, 4, 0, 2, 3])

@@ -1,5 +1,7 @@
 """The trainer executor's AIPO step under TP/PP/DP equals a single-process step; non-finite steps are skipped."""
 
+import math
+
 import pytest
 import torch
 
@@ -29,8 +31,11 @@ def test_parallel_rl_step_matches_single_process(state_path, name, layout, aipo)
     assert max((ref["params"][k] - full0[k]).abs().max().item() for k in full0) > 1e-4
     m = ref["metrics"]
     assert 0 < m["is_truncated_frac"] < 1 and m["is_weight_max"] > 2.0  # the batch exercises truncation
+    # |logp_pi - logp_mu|: the largest is the log of the largest weight (the largest gap is an overshoot here).
+    assert m["logp_diff_max"] >= math.log(m["is_weight_max"]) - 1e-6 and 0 < m["logp_diff_mean"] < m["logp_diff_max"]
     for r in out:
-        for key in ("loss", "grad_norm", "is_weight_mean", "is_truncated_frac", "kl_mu_pi", "entropy", "kl_ref"):
+        for key in ("loss", "grad_norm", "is_weight_mean", "is_weight_max", "is_truncated_frac", "kl_mu_pi",
+                    "entropy", "kl_ref", "logp_diff_mean", "logp_diff_max"):
             assert r["metrics"][key] == pytest.approx(m[key], rel=1e-5, abs=1e-7), key
         for k, v in ref["params"].items():
             torch.testing.assert_close(r["params"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")

@@ -5,7 +5,9 @@ Per response token t, with pi the trainer policy and mu the generator that sampl
     w_t = min(exp(logp_pi - logp_mu), rho)            (truncated importance weight, one-sided)
     L   = - mean( stopgrad(w_t) * A * logp_pi )
 
-so grad L = - mean( min(w_t, rho) * A * grad logp_pi ). Options, off by default:
+so grad L = - mean( min(w_t, rho) * A * grad logp_pi ). `importance_weights=False` sets w_t = 1: the plain
+on-policy gradient applied to off-policy samples, the uncorrected baseline that AIPO is measured against.
+Options, off by default:
 - `ppo_clip=eps`: replace the weighted term by PPO's clipped surrogate of the ratio pi/mu,
   -min(r A, clip(r, 1 - eps, 1 + eps) A);
 - `kl_coef`: + kl_coef * KL(pi || ref) per token, the k3 estimator exp(ref - pi) - (ref - pi) - 1;
@@ -31,6 +33,7 @@ class AIPOSettings:
     ppo_clip: Optional[float] = None
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    importance_weights: bool = True
 
     def __post_init__(self):
         if self.rho < 1:
@@ -39,6 +42,8 @@ class AIPOSettings:
             raise ValueError(f"normalization={self.normalization!r} must be 'token' or 'sequence'")
         if self.ppo_clip is not None and self.ppo_clip <= 0:
             raise ValueError(f"ppo_clip={self.ppo_clip} must be > 0 or None")
+        if self.ppo_clip is not None and not self.importance_weights:
+            raise ValueError("ppo_clip needs importance weights (its ratio is pi / mu)")
 
 
 def aipo_token_loss(logp_pi: torch.Tensor, logp_mu: torch.Tensor, advantages: torch.Tensor,
@@ -48,14 +53,16 @@ def aipo_token_loss(logp_pi: torch.Tensor, logp_mu: torch.Tensor, advantages: to
     log_ratio = logp_pi.detach() - logp_mu
     ratio = torch.exp(log_ratio)
     truncated = torch.clamp(ratio, max=settings.rho)
-    if settings.ppo_clip is None:
+    if not settings.importance_weights:
+        loss = -advantages * logp_pi
+    elif settings.ppo_clip is None:
         loss = -truncated * advantages * logp_pi
     else:
         r = torch.exp(logp_pi - logp_mu)
         clipped = torch.clamp(r, 1 - settings.ppo_clip, 1 + settings.ppo_clip)
         loss = -torch.minimum(r * advantages, clipped * advantages)
     stats = {"ratio": ratio, "truncated": (ratio > settings.rho).to(ratio.dtype),
-             "kl_mu_pi": -log_ratio}
+             "kl_mu_pi": -log_ratio, "abs_log_ratio": log_ratio.abs()}
     if settings.kl_coef:
         if logp_ref is None:
             raise ValueError("kl_coef > 0 needs reference log-probs")

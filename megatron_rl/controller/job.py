@@ -130,7 +130,8 @@ class Job:
             settings = RLTrainerSettings(
                 micro_batch_size=tr.micro_batch_size, temperature=cfg.rollout.temperature,
                 aipo=AIPOSettings(rho=a.rho, normalization=a.normalization, ppo_clip=a.ppo_clip,
-                                  kl_coef=a.kl_coef, entropy_coef=a.entropy_coef),
+                                  kl_coef=a.kl_coef, entropy_coef=a.entropy_coef,
+                                  importance_weights=a.importance_weights),
                 # The warm start (if any) runs its own warm-up and cosine decay; RL then runs at trainer.lr.
                 optim=OptimSettings(lr=tr.warmup_lr if warm else tr.lr,
                                     min_lr=tr.warmup_lr / 10 if warm else tr.min_lr,
@@ -464,6 +465,7 @@ class Job:
             row["eval/reward"] = sum(evals) / len(evals)
             row["eval/version"] = parts[0].version
         for key in ("loss", "grad_norm", "lr", "is_weight_mean", "is_weight_max", "is_truncated_frac", "kl_mu_pi",
+                    "logp_diff_mean", "logp_diff_max",
                     "entropy", "response_length", "tokens_per_s", "skipped"):
             v = metrics.get(key)
             row[key] = float(v) if isinstance(v, (int, float, bool)) and not isinstance(v, str) else v

@@ -22,8 +22,12 @@ from megatron_rl.rollout import RolloutBatch
 from megatron_rl.training.engine import OptimSettings, TrainEngine, _device, run_schedule
 from megatron_rl.training.logprobs import target_logprobs, target_logprobs_and_entropy
 
-# Statistics summed over response tokens and reported as means (numerator, denominator pairs).
-_TOKEN_STATS = ("ratio", "truncated", "kl_mu_pi", "entropy", "kl_ref")
+# Statistics summed over response tokens and reported as means, and statistics reported as their maximum; each
+# micro-batch's report is [loss sum, count, tokens, *token sums, *maxima] (`aipo_microbatch_loss`).
+_TOKEN_STATS = ("ratio", "truncated", "kl_mu_pi", "entropy", "kl_ref", "abs_log_ratio")
+_MAX_STATS = ("ratio", "abs_log_ratio")
+_REPORTED = {"ratio": "is_weight", "truncated": "is_truncated_frac", "kl_mu_pi": "kl_mu_pi", "entropy": "entropy",
+             "kl_ref": "kl_ref", "abs_log_ratio": "logp_diff"}
 
 
 @dataclass
@@ -102,8 +106,8 @@ def aipo_microbatch_loss(logits: torch.Tensor, mb: dict, tp_group, vocab_size: i
     for name in _TOKEN_STATS:
         v = stats.get(name)
         report.append((v.float() * fmask).sum() if v is not None else fmask.new_zeros(()))
-    ratio_max = (stats["ratio"] * fmask).max() if fmask.any() else fmask.new_zeros(())
-    report.append(ratio_max.float())
+    for name in _MAX_STATS:
+        report.append((stats[name] * fmask).max().float() if fmask.any() else fmask.new_zeros(()))
     return loss_sum, count.to(torch.int64), torch.stack(report)
 
 
@@ -166,23 +170,26 @@ class RLTrainer:
         return metrics
 
     def _reduce_stats(self, outputs: list[torch.Tensor]) -> dict:
+        """Token means and maxima over the step (all micro-batches and DP ranks). `logp_diff_mean` / `_max` are
+        |logp_pi - logp_mu| over response tokens: the trainer-generator numeric gap when the batch was generated
+        with the trainer's current weights (staleness 0), plus the policy's drift when it is older."""
         n = 3 + len(_TOKEN_STATS)
         total = torch.zeros(n, dtype=torch.float64, device=_device())
-        ratio_max = torch.zeros(1, dtype=torch.float64, device=_device())
+        maxima = torch.zeros(len(_MAX_STATS), dtype=torch.float64, device=_device())
         for o in outputs:
-            total += o[:-1].double().to(total.device)
-            ratio_max = torch.maximum(ratio_max, o[-1:].double().to(total.device))
+            total += o[:n].double().to(total.device)
+            maxima = torch.maximum(maxima, o[n:].double().to(total.device))
         # Last stage holds the numbers: sum over DP, then share over the pipeline.
         dist.all_reduce(total, group=self.pgs.dp_cp)
         dist.all_reduce(total, group=self.pgs.pp)
-        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self.pgs.dp_cp)
-        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self.pgs.pp)
-        total = total.cpu()
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.pgs.dp_cp)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.pgs.pp)
+        total, maxima = total.cpu(), maxima.cpu()
         tokens = max(float(total[2]), 1.0)
         out = {"response_tokens": float(total[2])}
-        names = {"ratio": "is_weight_mean", "truncated": "is_truncated_frac", "kl_mu_pi": "kl_mu_pi",
-                 "entropy": "entropy", "kl_ref": "kl_ref"}
         for i, name in enumerate(_TOKEN_STATS):
-            out[names[name]] = float(total[3 + i]) / tokens
-        out["is_weight_max"] = float(ratio_max.cpu())
+            key = _REPORTED[name]
+            out[key + "_mean" if name in _MAX_STATS else key] = float(total[3 + i]) / tokens
+        for i, name in enumerate(_MAX_STATS):
+            out[_REPORTED[name] + "_max"] = float(maxima[i])
         return out
