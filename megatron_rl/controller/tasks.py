@@ -103,6 +103,7 @@ _DATASETS = {
     "gsm8k": ("gsm8k", "gsm8k/train.jsonl", "gsm8k/test.jsonl"),
     "math500": ("math", "math500/test.jsonl", None),
     "jsonl": ("plain", None, None),
+    "word-problems": ("number", None, None),  # generated (megatron_rl.data.word_problems), no files
 }
 _ALIASES = {"math-500": "math500", "math": "math500"}
 
@@ -200,6 +201,12 @@ def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
         return AdditionTask(max_operand=20, eval_size=data.eval_size, seed=cfg.run.seed,
                             demo_accuracy=data.demo_accuracy)
     instruction, train_rel, eval_rel = _DATASETS[key]
+    if key == "word-problems":
+        from megatron_rl.data.word_problems import WordProblems
+
+        problems = WordProblems()  # one fixed problem set, whatever the run seed
+        train, heldout = problems.records("train", 5000), problems.records("eval", data.eval_size)
+        return _dataset_task(cfg, tokenizer, key, instruction, train, heldout, with_reward)
     root = default_data_dir()
     train_path = Path(data.path) if data.path else (root / train_rel if train_rel else None)
     if train_path is None:
@@ -213,6 +220,12 @@ def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
             raise ValueError(f"{train_path} has {len(records)} records; holding out data.eval_size={data.eval_size} "
                              f"leaves none to train on (set data.eval_path or a smaller data.eval_size)")
         train, heldout = records[data.eval_size:], records[: data.eval_size]
+    return _dataset_task(cfg, tokenizer, key, instruction, train, heldout, with_reward)
+
+
+def _dataset_task(cfg, tokenizer, key: str, instruction: str, train: list[PromptRecord],
+                  heldout: list[PromptRecord], with_reward: bool) -> "DatasetTask":
+    data = cfg.data
     reward = _NoReward()
     if with_reward:
         from megatron_rl.rewards import get_reward_fn

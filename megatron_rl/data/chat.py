@@ -20,9 +20,11 @@ GSM8K_INSTRUCTION = ("Solve the following math problem step by step. Write the f
                      "last line, after ####.\n\n{question}")
 MATH_INSTRUCTION = ("Solve the following math problem step by step. Put the final answer in \\boxed{}.\n\n"
                     "{question}")
+NUMBER_INSTRUCTION = "{question} Answer with a single number."
 PLAIN_INSTRUCTION = "{question}"
 
-INSTRUCTIONS = {"gsm8k": GSM8K_INSTRUCTION, "math": MATH_INSTRUCTION, "plain": PLAIN_INSTRUCTION}
+INSTRUCTIONS = {"gsm8k": GSM8K_INSTRUCTION, "math": MATH_INSTRUCTION, "number": NUMBER_INSTRUCTION,
+                "plain": PLAIN_INSTRUCTION}
 
 
 @dataclass(frozen=True)

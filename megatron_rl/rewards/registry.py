@@ -22,6 +22,7 @@ _DATASET_KINDS = {
     "synthetic-arithmetic": "synthetic",
     "synthetic": "synthetic",
     "arithmetic": "synthetic",
+    "word-problems": "gsm8k",  # the answer is one number, checked as GSM8K's are
 }
 
 
