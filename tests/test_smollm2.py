@@ -87,3 +87,75 @@ def test_gguf_converts_with_its_tokenizer_and_back_bit_for_bit(hf, tmp_path):
         with safe_open(tmp_path / "hf" / fname, framework="pt") as f:
             assert torch.equal(f.get_tensor(name), sd[name]), name
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+# bf16 keeps 8 significant bits: a rounding moves a value by at most u = 2^-8 of itself.
+BF16_U = 2.0 ** -8
+
+
+def _bf16_worker(rank, world_size, cfg, full, prompts, new):
+    """Our generator in bf16 (greedy and sampled), and the trainer's forward in bf16 on the sampled sequences."""
+    from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+    from megatron_rl.models import build_gpt_model
+    from megatron_rl.models.sharding import load_full_state_dict
+    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+    from megatron_rl.training.engine import model_forward
+
+    g = build_topology([ExecutorPlacement("g", ParallelLayout())])["g"]
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=torch.bfloat16)
+    load_full_state_dict(model, {k: v.to(torch.bfloat16) for k, v in full.items()}, cfg, g.pgs)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=len(prompts),
+                    max_len=max(map(len, prompts)) + new + 1)
+    greedy = gen.generate([GenerationRequest(p, SamplingParams(temperature=0, max_new_tokens=new)) for p in prompts])
+    sampled = gen.generate([GenerationRequest(p, SamplingParams(temperature=1.0, max_new_tokens=new, seed=i))
+                            for i, p in enumerate(prompts)])
+    trainer = []
+    with torch.no_grad():
+        for o in sampled:
+            seq = torch.tensor([o.prompt_ids + o.token_ids])
+            logits = model_forward(model, seq, False)[0, :, : cfg.vocab_size].float()
+            rows = logits[len(o.prompt_ids) - 1: seq.shape[1] - 1]
+            lp = torch.log_softmax(rows, -1).gather(1, torch.tensor(o.token_ids)[:, None]).squeeze(1)
+            trainer.append((lp, torch.tensor(o.logprobs), rows.abs().amax(-1)))
+    return [o.token_ids for o in greedy], trainer
+
+
+def test_bf16_greedy_tokens_match_transformers_bf16_and_trainer_logprobs_agree(hf):
+    """Greedy tokens in bf16 equal transformers' bf16 greedy tokens, except where the fp32 model itself sees a
+    near-tie at the first divergence; the trainer's and the generator's bf16 log-probs of sampled tokens agree
+    within the bound below.
+
+    Bound: each of the 2L sub-layers adds a bf16 rounding (relative error <= u) to the residual stream; as
+    independent errors they grow like u sqrt(2L), and reach the logits z as |dz| <= u sqrt(2L) max|z|. A
+    log-prob moves by at most twice the largest logit error: |dlogp| <= 2 u sqrt(2L) max|z| per token (two
+    independent bf16 computations of the same model: twice that for their difference)."""
+    from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
+    from megatron_rl.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(gguf_path())
+    cfg = model_config_from_hf(hf.config, name="smollm2-135m")
+    questions = ["What is 12 + 30?", "Name a color.", "Tom has 3 apples and buys 4 more. How many now?",
+                 "Write one word."]
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    new = 12
+    full = hf_to_megatron({k: v.clone() for k, v in hf.state_dict().items()}, cfg)
+    got, trainer = run_local(_bf16_worker, 1, cfg, full, prompts, new)[0]
+    hf16 = transformers.AutoModelForCausalLM.from_config(hf.config, dtype=torch.bfloat16).eval()
+    hf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()})
+    for p, ours in zip(prompts, got):
+        with torch.no_grad():
+            want = hf16.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False,
+                                 pad_token_id=tok.pad_id)[0, len(p):].tolist()
+        n = min(len(ours), len(want))
+        diverge = next((i for i in range(n) if ours[i] != want[i]), None)
+        if diverge is None:
+            continue
+        with torch.no_grad():  # the fp32 model at the divergence: the two choices must be a near-tie
+            z = hf(torch.tensor([p + ours[:diverge]])).logits[0, -1]
+        margin = abs(float(z[ours[diverge]] - z[want[diverge]]))
+        assert margin <= 4 * BF16_U * (2 * cfg.num_layers) ** 0.5 * float(z.abs().max()), (diverge, margin)
+    bound_scale = 4 * BF16_U * (2 * cfg.num_layers) ** 0.5
+    for lp_trainer, lp_gen, zmax in trainer:
+        gap = (lp_trainer - lp_gen).abs()
+        assert torch.all(gap <= bound_scale * zmax), (gap.max(), (bound_scale * zmax).min())
+        assert float(gap.mean()) < 0.1 * float((bound_scale * zmax).mean())  # typical errors cancel far below it
