@@ -40,8 +40,9 @@ def test_splits_are_disjoint_deterministic_and_sized():
     assert not {r.prompt for r in train} & {r.prompt for r in heldout}
     assert [r.prompt for r in WordProblems().records("eval", 100)] == [r.prompt for r in heldout]
     assert [r.prompt for r in WordProblems(seed=1).records("eval", 100)] != [r.prompt for r in heldout]
-    steps = {len(r.prompt.split(". ")) - 2 for r in train}
-    assert steps == {1, 2}
+    assert {len(r.prompt.split(". ")) - 2 for r in train} == {1}  # one change by default
+    two = WordProblems(max_steps=2).records("train", 200)
+    assert {len(r.prompt.split(". ")) - 2 for r in two} == {1, 2}
 
 
 def test_bad_settings_and_a_too_small_space_are_refused():

@@ -4,8 +4,10 @@ now?" -> 11.
 Made for the real-model recipe (`configs/smollm2-arithmetic.yaml`): a task a small instruction-tuned LLM reads
 without help, whose answer is one number checked exactly (the GSM8K verifier), and that SmolLM2-135M-Instruct
 mostly fails at first (it explains instead of answering and slips on the arithmetic), so that RL has room to work
-in a few dozen steps on a CPU. Each problem starts with a quantity and applies `steps` changes (gains and losses;
-losses never go below zero), drawn from small fixed vocabularies of names, objects and phrasings.
+in a few dozen steps on a CPU. Each problem starts with a quantity and applies between `min_steps` and `max_steps`
+changes (gains and losses; losses never go below zero), drawn from small fixed vocabularies of names, objects and
+phrasings. The job's `word-problems` dataset uses one change: with two, the published model solves 3-8% and RL on a
+CPU had too little signal to move it in 50 steps (docs/benchmarks.md).
 
 Determinism and the held-out split: problem `i` of a split is a pure function of (seed, split, i). A problem is
 held out when a keyed hash of its text says so, and training skips those texts, so held-out problems are never
@@ -32,12 +34,12 @@ _LOSSES = ("{n} gives {y} {o} to a friend.", "Then {n} loses {y} {o}.", "{n} use
 
 @dataclass(frozen=True)
 class WordProblems:
-    """steps: changes per problem (inclusive range); max_number: the largest starting quantity and change;
-    heldout_share: the share of problem texts kept for evaluation."""
+    """min_steps / max_steps: changes per problem (inclusive range); max_number: the largest starting quantity and
+    change; heldout_share: the share of problem texts kept for evaluation."""
 
     seed: int = 0
     min_steps: int = 1
-    max_steps: int = 2
+    max_steps: int = 1
     max_number: int = 10
     heldout_share: float = 0.1
 
