@@ -115,14 +115,14 @@ def run_ours(cfg, full, batch, prompt_len, new, dtype, device, fusions="auto", l
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        with profile(activities=acts, record_shapes=os.environ.get("BYSHAPE")=="1") as prof:
+        with profile(activities=acts) as prof:
             t = time.perf_counter()
             gen.generate(reqs[: batch])
             sync()
             wall = time.perf_counter() - t
         print(f"profiled generate (fusions={fusions}): {wall * 1e3:.1f} ms wall")
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        print(prof.key_averages(group_by_input_shape=os.environ.get("BYSHAPE")=="1").table(sort_by=key, row_limit=int(os.environ.get("ROWS","20")), max_name_column_width=60))
+        print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
     del gen, model
     gc.collect()
     if torch.cuda.is_available():

@@ -136,6 +136,7 @@ def test_job_starts_from_a_hf_model_with_its_tokenizer_and_a_user_reward(tmp_pat
     args = [f"model.checkpoint={hf}", "data.dataset=jsonl", f"data.path={data}",
             "data.answer_field=null", "data.eval_size=4", "data.eval_samples=2", "reward.kind=function",
             "reward.function=reward_fns:says_mat", "trainer.warmup_steps_sft=0", "trainer.tp=2", "generator.tp=1",
+            "trainer.dtype=fp32",  # the step-0 checkpoint must equal the converted weights exactly
             "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
             "run.eval_interval=1", "checkpoint.save_interval=2", f"checkpoint.dir={tmp_path}", "run.name=w"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
@@ -206,6 +207,7 @@ def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_pat
     out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", f"model.checkpoint={ckpt}",
                           "data.dataset=gsm8k", "data.eval_size=2", "data.eval_samples=1", "trainer.tp=1",
                           "trainer.warmup_steps_sft=0", "trainer.lr=1e-6", "rollout.mode=sync",
+                          "trainer.dtype=fp32", "generator.dtype=fp32",  # agreement to fp32 rounding
                           "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
                           "rollout.max_prompt_length=320", "run.steps=2", "run.eval_interval=1",
                           "checkpoint.save_interval=0", f"checkpoint.dir={tmp_path}", "run.name=s"],
@@ -215,6 +217,7 @@ def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_pat
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["skipped"] == 0.0 and abs(r["is_weight_mean"] - 1) < 1e-4 and abs(r["kl_mu_pi"]) < 1e-4
+        assert r["logp_diff_max"] < 1e-3  # every token, not only on average
         assert 1 <= r["response_length"] <= 12 and all(isinstance(t, str) for t in r["samples"])
     # English from the model's own tokenizer, not byte soup: the responses decode to words.
     text = " ".join(t for r in rows for t in r["samples"])

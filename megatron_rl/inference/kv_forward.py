@@ -78,9 +78,9 @@ class IncrementalForward:
         # The lean path needs Megatron-Core's own linears (the int8 generator's subclasses only change where the
         # weight comes from); transformer-engine's fold the norms into them.
         local = (ColumnParallelLinear, RowParallelLinear)
-        self._lean = all(isinstance(m.self_attention.linear_qkv, local) and isinstance(m.self_attention.linear_proj, local)
-                         and isinstance(m.mlp.linear_fc1, local) and isinstance(m.mlp.linear_fc2, local)
-                         for m in self.layers)
+        self._lean = all(isinstance(lin, local) for m in self.layers
+                         for lin in (m.self_attention.linear_qkv, m.self_attention.linear_proj, m.mlp.linear_fc1,
+                                     m.mlp.linear_fc2))
         fusions = getattr(model, "megatron_rl_fusions", frozenset())
         self._rotate = apply_rope if "rope" in fusions else _apply_rotary_pos_emb_bshd
 
