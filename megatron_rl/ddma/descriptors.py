@@ -20,6 +20,7 @@ wants. So the layout of every parameter is derived here as a pure function of th
 
 from __future__ import annotations
 
+import math
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
@@ -77,10 +78,7 @@ class LogicalParam:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ The result is plain data (`RankModules`); no module outlives the call.
 
 from __future__ import annotations
 
+import math
 import contextlib
 import dataclasses
 import functools
@@ -135,10 +136,7 @@ class ParamInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

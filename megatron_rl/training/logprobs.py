@@ -70,10 +70,8 @@ def _forward_chunk(chunk, idx, temperature: float, first_pad: int):
 @_maybe_compile
 def _backward_chunk(chunk, idx, local, m, z, mean_xs, g_lp, g_ent, temperature: float, first_pad: int):
     """d/dx of g_lp * logp(target) + g_ent * H, divided by T: (onehot - p) g_lp - p (x - m - mean_xs) g_ent,
-    i.e. -p (g_lp + g_ent (x - m - mean_xs)) plus g_lp at the target. Padded columns get 0."""
-    grad = torch.zeros(chunk.shape, dtype=chunk.dtype, device=chunk.device)
-    if first_pad == 0:
-        return grad
+    i.e. -p (g_lp + g_ent (x - m - mean_xs)) plus g_lp at the target, over the real columns only (the caller
+    writes it into the gradient, whose padded columns stay 0; first_pad > 0)."""
     x = chunk[:, :first_pad].to(torch.float32, copy=True)  # a copy even of fp32 logits: they stay untouched
     if temperature != 1.0:
         x.div_(temperature)
@@ -86,8 +84,7 @@ def _backward_chunk(chunk, idx, local, m, z, mean_xs, g_lp, g_ent, temperature: 
                  accumulate=True)
     if temperature != 1.0:
         d.div_(temperature)
-    grad[:, :first_pad] = d
-    return grad
+    return d.to(chunk.dtype)
 
 
 class _LogProbEntropy(torch.autograd.Function):
@@ -138,15 +135,20 @@ class _LogProbEntropy(torch.autograd.Function):
         pick = (lambda g: g.reshape(-1).float()) if rows is None else (lambda g: g.reshape(-1)[rows].float())
         g_lp = pick(g_lp) if g_lp is not None else torch.zeros(n, device=logits.device)
         g_ent = pick(g_ent) if g_ent is not None else torch.zeros(n, device=logits.device)
-        grad = torch.empty_like(logits2d) if rows is None else torch.zeros_like(logits2d)
+        first_pad = ctx.first_pad
+        # Written only where computed: zeros first wherever some part is not (unselected rows, padded columns).
+        whole = rows is None and first_pad == v
+        grad = torch.empty_like(logits2d) if whole else torch.zeros_like(logits2d)
+        if first_pad == 0:
+            return grad.view_as(logits), None, None, None, None, None
         for sl in _chunks(n, v):
             chunk = logits2d[sl] if rows is None else logits2d[rows[sl]]
             d = _backward_chunk(chunk, idx[sl], local[sl], m[sl], z[sl], mean_xs[sl], g_lp[sl], g_ent[sl],
-                                ctx.temperature, ctx.first_pad)
+                                ctx.temperature, first_pad)
             if rows is None:
-                grad[sl] = d
+                grad[sl, :first_pad] = d
             else:
-                grad[rows[sl]] = d
+                grad[rows[sl], :first_pad] = d
         return grad.view_as(logits), None, None, None, None, None
 
 
