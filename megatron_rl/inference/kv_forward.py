@@ -100,7 +100,8 @@ class IncrementalForward:
     def _linear(self, module, x: torch.Tensor) -> torch.Tensor:
         """A tensor-parallel linear's output (full for a row-parallel one, this rank's columns for a
         column-parallel one). On CPUs, Megatron-Core's local linears are called as the matmul they are plus the
-        row-parallel all-reduce: their autograd-function wrapper costs about a fifth of a decode-sized matmul."""
+        row-parallel all-reduce: their autograd-function wrapper is a cost comparable to a decode-sized matmul's
+        (docs/benchmarks.md, "A real LLM learns on a CPU")."""
         if not self._lean or x.is_cuda or getattr(module, "gather_output", False):
             return module(x)[0]
         out = F.linear(x, module.weight, module.bias if not module.skip_bias_add else None)
@@ -119,9 +120,9 @@ class IncrementalForward:
                 attend: torch.Tensor) -> torch.Tensor:
         """q [b, heads, s, d], keys/values [b, groups, kv, d], attend [b, 1, s, kv] -> context [s, b, heads * d].
 
-        On GPUs, SDPA. On CPUs, SDPA's masked kernel is built for long queries and costs about ten times two
-        batched matmuls around a softmax at decode shapes (`benchmarks/generate.py --profile`), so each group's
-        query heads are folded into the query length and attention is written out (softmax in fp32)."""
+        On GPUs, SDPA. On CPUs, SDPA's masked kernel is built for long queries and is much slower than two batched
+        matmuls around a softmax at decode shapes (docs/benchmarks.md), so each group's query heads are folded into
+        the query length and attention is written out (softmax in fp32)."""
         b, heads, s, d = q.shape
         g = keys.shape[1]
         if q.is_cuda:

@@ -3,8 +3,8 @@
 Each draw is inverse-CDF sampling: one uniform per sequence and step, a counter-based hash of (its seed, its step),
 is located in the cumulative distribution of the (filtered) softmax. The same seed gives the same tokens whatever
 else shares the batch, with no per-sequence generator objects and no host round trip. One uniform per row and a
-cumulative sum cost a few passes over the vocabulary, where Gumbel-max noise hashed every vocabulary entry (on a
-CPU, with a 49K vocabulary, that hash was most of a decode step).
+cumulative sum cost a few passes over the vocabulary, where Gumbel-max sampling needs a hashed noise value for
+every vocabulary entry.
 
 The recorded log-prob is log softmax(logits / T)[token] over the whole vocabulary: the quantity the trainer
 computes from its own logits (top-k / top-p truncation is a sampling device the trainer cannot see; with them

@@ -253,7 +253,7 @@ class TrainEngine:
         """True when every gradient of every rank of the executor is finite. Checked as the buffer's sum, which is
         non-finite when any value is (or when the gradients are so large, about 1e30, that the sum overflows: a
         step worth skipping too); one read of the buffer, where `isfinite(...).all()` costs four passes and two
-        temporaries (a second per step on a CPU for a 135M model)."""
+        temporaries."""
         bad = torch.zeros(1, device=_device())
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
             if not torch.isfinite(buffer.grad_data.sum()):

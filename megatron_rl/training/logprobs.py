@@ -47,7 +47,7 @@ def _forward_chunk(chunk, idx, temperature: float, first_pad: int):
     x = logits / T over the shard's real columns (the padded ones, from `first_pad` on, are left out).
 
     Written as few passes over the chunk as eager mode allows (in-place where the value is not needed again):
-    on CPUs, where nothing fuses them, each pass over a [tokens, vocab] fp32 block costs as much as a matmul."""
+    on CPUs nothing fuses them, and each pass reads and writes a whole [tokens, vocab] fp32 block."""
     n = chunk.shape[0]
     if first_pad == 0:
         # A shard of vocabulary padding only (small vocabularies at TP > 1): the most negative finite max keeps
