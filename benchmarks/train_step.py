@@ -119,8 +119,9 @@ def main(argv=None) -> int:
     from megatron_rl.models import get_preset
     from megatron_rl.models.builder import resolve_attention_backend
     from megatron_rl.models.fused import resolve_fusions
+    from megatron_rl.parallel import ParallelLayout
 
-    world = args.tp * args.pp * args.dp
+    world = ParallelLayout(args.tp, args.pp, args.dp).size
     args.attention = resolve_attention_backend(args.attention)
     result = {"benchmark": "train_step", "loss": args.loss, "preset": args.preset, "tp": args.tp, "pp": args.pp, "dp": args.dp,
               "attention": args.attention, "dtype": args.dtype, "fuse_swiglu": args.fuse_swiglu,

@@ -2,14 +2,13 @@
 chat prompts, the synthetic arithmetic task (curriculum, held-out split) and the resumable sharded sampler."""
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from megatron_rl.data import (ArithmeticTask, ChatPromptBuilder, DataError, JsonlPromptDataset, LinearCurriculum,
-                              PromptIterator, PromptRecord, ResumableSampler, default_data_dir, evaluate,
-                              load_gsm8k, load_math500, load_prompt_dataset)
+from megatron_rl.data import (ChatPromptBuilder, DataError, JsonlPromptDataset, PromptIterator, PromptRecord,
+                              ResumableSampler, UnknownDatasetError, default_data_dir, load_gsm8k, load_math500,
+                              load_prompt_dataset, registry, resolve_dataset)
 from megatron_rl.tokenizers.byte import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,8 +122,40 @@ def test_load_prompt_dataset_by_name(tmp_path):
         load_prompt_dataset("jsonl")
     with pytest.raises(ValueError, match="synthetic task"):
         load_prompt_dataset("synthetic-arithmetic")
+    with pytest.raises(ValueError, match="synthetic task"):
+        load_prompt_dataset("word-problems")
     with pytest.raises(ValueError, match="unknown dataset 'gsm9k'"):
         load_prompt_dataset("gsm9k")
+
+
+# ---- the dataset registry -----------------------------------------------------------------------------------------
+def test_registry_resolves_names_and_aliases_in_any_case():
+    assert [resolve_dataset(n).name for n in ("GSM8K", "gsm8k-test", " math ", "MATH-500", "arithmetic")] == [
+        "gsm8k", "gsm8k", "math500", "math500", "synthetic-arithmetic"]
+    with pytest.raises(UnknownDatasetError, match=r"unknown dataset 'gsm9k' \(did you mean 'gsm8k'\?\); expected "
+                                                  r"one of synthetic-arithmetic, gsm8k, math500, jsonl, word-problems"):
+        resolve_dataset("gsm9k")
+    assert resolve_dataset("Math-500", among=("gsm8k", "math500")).name == "math500"
+    with pytest.raises(UnknownDatasetError, match=r"unknown dataset 'jsonl'; expected one of gsm8k, math500$"):
+        resolve_dataset("jsonl", among=("gsm8k", "math500"))
+
+
+def test_train_eval_and_rewards_read_one_table():
+    from megatron_rl.controller.tasks import dataset_key as train_key
+    from megatron_rl.evaluation.eval import dataset_key as eval_key
+    from megatron_rl.rewards import REWARD_KINDS, kind_for_dataset
+
+    for spec in registry.DATASETS.values():
+        assert spec.verifier is None or spec.verifier in REWARD_KINDS
+        for name in (spec.name, *spec.aliases):
+            assert train_key(name) == (None if spec.name == registry.SYNTHETIC else spec.name)
+            if spec.verifier:
+                assert kind_for_dataset(name) == spec.verifier
+            if spec.test_file:  # what eval scores, it names as training does
+                assert eval_key(name) == spec.name
+                assert (DATA / spec.test_file).is_file()
+    with pytest.raises(ValueError, match="cannot choose a verifier for dataset 'jsonl'"):
+        kind_for_dataset("jsonl")
 
 
 # ---- chat prompts -------------------------------------------------------------------------------------------------
@@ -167,75 +198,6 @@ def test_chat_prompt_builder_messages_and_templates():
         ChatPromptBuilder().build(chat)
     with pytest.raises(ValueError, match="no instruction for task 'physics'"):
         ChatPromptBuilder.for_task("physics")
-
-
-# ---- synthetic arithmetic -----------------------------------------------------------------------------------------
-
-_PROBLEM = re.compile(r"^(\d+)((?:[-+*]\d+)+)=$")
-
-
-def _operands(prompt: str) -> list[str]:
-    assert _PROBLEM.match(prompt), prompt
-    return re.split(r"[-+*]", prompt[:-1])
-
-
-def test_arithmetic_answers_and_curriculum():
-    task = ArithmeticTask(seed=3, min_digits=1, max_digits=3, min_operands=2, max_operands=3, operators="+-*")
-    tok = ByteTokenizer()
-    for level, (digits, n_ops) in [(0.0, (1, 2)), (0.5, (2, 3)), (1.0, (3, 3))]:
-        records = task.train_batch(0, 200, level)
-        for r in records:
-            ops = _operands(r.prompt)
-            assert len(ops) == n_ops and all(len(o) <= digits for o in ops)
-            # Independent check of the answer: Python's own arithmetic on the prompt text.
-            assert int(r.reference) == eval(r.prompt[:-1], {"__builtins__": {}})  # noqa: S307 (digits and + - *)
-            assert len(r.prompt) <= 12 and all(t < 256 for t in tok.encode(r.prompt + r.reference))
-            assert task.score(r, r.reference + "\n1+1=2") == 1.0 and task.score(r, str(int(r.reference) + 1)) == 0.0
-        assert max(max(len(o) for o in _operands(r.prompt)) for r in records) == digits
-    shapes = [task.shape(i / 20) for i in range(21)]
-    assert shapes == sorted(shapes) and shapes[0] == (1, 2) and shapes[-1] == (3, 3)  # never gets easier
-    assert evaluate([2, 3, 4], ["+", "*"]) == 14 and evaluate([10, 2, 3], ["-", "-"]) == 5
-
-
-def test_arithmetic_is_deterministic_and_resumable():
-    a, b = ArithmeticTask(seed=7), ArithmeticTask(seed=7)
-    assert a.train_batch(0, 50, 0.6) == b.train_batch(0, 50, 0.6)
-    # Batch k of a run is the same whether or not the run restarted before it: a pure function of the index.
-    assert a.train_batch(100, 10, 0.6) == b.train_batch(0, 110, 0.6)[100:]
-    assert [r.prompt for r in a.train_batch(0, 50, 0.6)] != [r.prompt for r in ArithmeticTask(seed=8).train_batch(0, 50, 0.6)]
-    assert a.heldout(32, 1.0) == b.heldout(32, 1.0)
-
-
-def test_arithmetic_heldout_is_disjoint_from_training():
-    task = ArithmeticTask(seed=0, max_digits=2, max_operands=2, heldout_fraction=0.1)
-    # 2-digit sums: 10,000 problems in all; list every held-out one at the top level.
-    heldout = task.heldout(64, level=1.0)
-    assert len({r.prompt for r in heldout}) == 64 and all(task.is_heldout(r.prompt) for r in heldout)
-    trained = {r.prompt for level in (0.0, 0.5, 1.0) for r in task.train_batch(0, 3000, level)}
-    assert not trained & {r.prompt for r in task.heldout(500, 1.0)}
-    assert not trained & {r.prompt for r in task.heldout(5, 0.0)}
-    every = [f"{x}+{y}=" for x in range(100) for y in range(100)]
-    share = sum(task.is_heldout(p) for p in every) / len(every)
-    assert 0.08 < share < 0.12  # about heldout_fraction of all problems
-    with pytest.raises(ValueError, match="only .* held-out problems"):
-        task.heldout(64, level=0.0)  # 1-digit sums: 100 problems, about 10 held out
-
-
-def test_arithmetic_argument_errors():
-    with pytest.raises(ValueError, match="operators"):
-        ArithmeticTask(operators="+/")
-    with pytest.raises(ValueError, match="min_digits"):
-        ArithmeticTask(min_digits=3, max_digits=2)
-    with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
-        ArithmeticTask().train_record(0, 1.5)
-
-
-def test_linear_curriculum():
-    c = LinearCurriculum(start=0.2, end=1.0, ramp_end_step=110, warmup_steps=10)
-    assert [c.level(s) for s in (0, 10, 60, 110, 500)] == [0.2, 0.2, pytest.approx(0.6), 1.0, 1.0]
-
-
-# ---- sampler ------------------------------------------------------------------------------------------------------
 
 
 def test_sampler_epochs_are_seeded_permutations():

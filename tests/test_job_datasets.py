@@ -94,10 +94,11 @@ def test_one_file_holds_out_its_first_records(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["data.dataset=gsm8k"], r"trainer.warmup_steps_sft=1500: the supervised warm start needs demonstrations"),
-    (["data.dataset=squad", "trainer.warmup_steps_sft=0"], r"data.dataset='squad' is not known"),
-    (["data.dataset=jsonl", "trainer.warmup_steps_sft=0"], r"data.dataset='jsonl' needs data.path"),
-    (["data.dataset=jsonl", "data.path=x.jsonl", "trainer.warmup_steps_sft=0"],
+    (["data.dataset=gsm8k"], r"trainer.sft_warmup_steps=1500: the supervised warm start needs demonstrations"),
+    (["data.dataset=squad", "trainer.sft_warmup_steps=0"],
+     r"unknown dataset 'squad'; expected one of synthetic-arithmetic, gsm8k"),
+    (["data.dataset=jsonl", "trainer.sft_warmup_steps=0"], r"data.dataset='jsonl' needs data.path"),
+    (["data.dataset=jsonl", "data.path=x.jsonl", "trainer.sft_warmup_steps=0"],
      r"reward.kind='auto' cannot choose a verifier for dataset 'jsonl'"),
     (["reward.kind=reward-model"], r"reward.model must be set"),
     (["reward.kind=reward-model", "reward.model=/nonexistent"], r"'/nonexistent' is not a Hugging Face model directory"),
@@ -135,7 +136,7 @@ def test_job_starts_from_a_hf_model_with_its_tokenizer_and_a_user_reward(tmp_pat
     data.write_text("".join(json.dumps({"question": " ".join(WORDS[i % 5: i % 5 + 3])}) + "\n" for i in range(20)))
     args = [f"model.checkpoint={hf}", "data.dataset=jsonl", f"data.path={data}",
             "data.answer_field=null", "data.eval_size=4", "data.eval_samples=2", "reward.kind=function",
-            "reward.function=reward_fns:says_mat", "trainer.warmup_steps_sft=0", "trainer.tp=2", "generator.tp=1",
+            "reward.function=reward_fns:says_mat", "trainer.sft_warmup_steps=0", "trainer.tp=2", "generator.tp=1",
             "trainer.dtype=fp32",  # the step-0 checkpoint must equal the converted weights exactly
             "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
             "run.eval_interval=1", "checkpoint.save_interval=2", f"checkpoint.dir={tmp_path}", "run.name=w"]
@@ -187,7 +188,7 @@ def test_job_trains_on_a_reward_model(tmp_path):
     data.write_text("".join(json.dumps({"question": " ".join(WORDS[i % 5: i % 5 + 3])}) + "\n" for i in range(12)))
     args = [f"model.checkpoint={hf}", "data.dataset=jsonl", f"data.path={data}", "data.answer_field=null",
             "data.eval_size=4", "data.eval_samples=2", "reward.kind=reward-model", f"reward.model={tmp_path / 'rm'}",
-            "trainer.warmup_steps_sft=0", "trainer.tp=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+            "trainer.sft_warmup_steps=0", "trainer.tp=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
             "rollout.max_new_tokens=4", "run.eval_interval=1", "run.steps=2", "checkpoint.save_interval=0",
             f"checkpoint.dir={tmp_path}", "run.name=rm"]
     out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], capture_output=True, text=True,
@@ -206,7 +207,7 @@ def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_pat
     ckpt = smollm2[0]
     out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", f"model.checkpoint={ckpt}",
                           "data.dataset=gsm8k", "data.eval_size=2", "data.eval_samples=1", "trainer.tp=1",
-                          "trainer.warmup_steps_sft=0", "trainer.lr=1e-6", "rollout.mode=sync",
+                          "trainer.sft_warmup_steps=0", "trainer.lr=1e-6", "rollout.mode=sync",
                           "trainer.dtype=fp32", "generator.dtype=fp32",  # agreement to fp32 rounding
                           "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
                           "rollout.max_prompt_length=320", "run.steps=2", "run.eval_interval=1",

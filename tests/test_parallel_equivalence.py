@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatron_rl.parallel import ParallelLayout
 from megatron_rl.parallel.spawn import run_local
 from parallel_workers import lm_step_worker
 
@@ -38,7 +39,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout,attention,preset_kw", LAYOUTS, ids=lambda x: str(x))
 def test_layout_matches_single_process(references, layout, attention, preset_kw):
     state_path, ref = references(attention, preset_kw)
-    world = layout["tp"] * layout["pp"] * layout["dp"]
+    world = ParallelLayout(**layout).size
     results = run_local(lm_step_worker, world, layout, preset_kw, state_path, attention, 1, OPTIM)
     full0 = torch.load(state_path)
     moved = max((ref["params"][k] - full0[k]).abs().max().item() for k in full0)

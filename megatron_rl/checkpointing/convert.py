@@ -38,12 +38,15 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.checkpointing.inspect import CONVERT_FORMAT, META, TRAIN_FORMAT, InspectError, is_run_root
+from megatron_rl.checkpointing.inspect import dist_tensors, is_run_root, model_config, resolve_checkpoint
+from megatron_rl.checkpointing.inspect import read_meta as read_checkpoint_meta
+from megatron_rl.checkpointing.layout import CONVERT_FORMAT, META, MODEL_DIR, TOKENIZER_DIR, TRAIN_FORMAT, InspectError
+from megatron_rl.checkpointing.safetensors_io import CODE_DTYPES, read_header, write_sharded
+from megatron_rl.checkpointing.tokenizer import TOKENIZER_FILES, save_tokenizer, tokenizer_dir
 from megatron_rl.models.hf_mapping import (hf_row_blocks, hf_shapes, megatron_names, model_config_from_hf,
                                            to_hf_tensors)
 from megatron_rl.models.presets import ModelConfig
 
-FORMAT = CONVERT_FORMAT
 SHARD_BYTES = 2 * 2**30
 READ_BYTES = 32 * 2**20  # HF -> Megatron reads at most this much of a tensor at a time
 
@@ -189,8 +192,6 @@ def hf_model_config(src: Path) -> ModelConfig:
 def hf_tensor_files(src: Path, cfg: ModelConfig) -> dict[str, str]:
     """HF tensor name -> safetensors file, after checking every tensor this model needs is there with the right
     shape (from the file headers only)."""
-    from megatron_rl.checkpointing.safetensors_io import CODE_DTYPES, read_header
-
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise ConversionError(f"{src}: no *.safetensors shards")
@@ -225,8 +226,6 @@ def hf_tensor_files(src: Path, cfg: ModelConfig) -> dict[str, str]:
 def _gguf_to_safetensors(src: Path, out: Path) -> ModelConfig:
     """Dequantize a GGUF Llama with transformers and write it as one safetensors file in `out`, tensor by
     tensor, dropping each one after it is written."""
-    from megatron_rl.checkpointing.safetensors_io import write_sharded
-
     arch = gguf_architecture(src)
     if arch != "llama":
         raise ConversionError(f"{src}: architecture {arch!r} is not supported (only llama)")
@@ -379,7 +378,6 @@ def _mb(n: Optional[int]) -> Optional[float]:
 
 def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False,
                               tp: int = 1, pp: int = 1) -> dict:
-    from megatron_rl.checkpointing.tokenizer import TOKENIZER_DIR, save_tokenizer
     from megatron_rl.parallel.spawn import run_local
 
     start = time.perf_counter()
@@ -402,16 +400,16 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
             _check_layout(cfg, tp, pp)
             files = hf_tensor_files(tmp / "dequantized", cfg)
         source_bytes = sum(os.path.getsize(f) for f in set(files.values()))
-        (tmp / "model").mkdir()
-        ranks = run_local(_save_megatron_worker, tp * pp, cfg, tp, pp, files, str(tmp / "model"), dtype)
+        (tmp / MODEL_DIR).mkdir()
+        ranks = run_local(_save_megatron_worker, tp * pp, cfg, tp, pp, files, str(tmp / MODEL_DIR), dtype)
         if gguf:
             shutil.rmtree(tmp / "dequantized")
         tokenizer = save_tokenizer(src, tmp / TOKENIZER_DIR)
-        meta = {"format": FORMAT, "dtype": dtype, "source": str(src), "layout": {"tp": tp, "pp": pp, "dp": 1},
+        meta = {"format": CONVERT_FORMAT, "dtype": dtype, "source": str(src), "layout": {"tp": tp, "pp": pp, "dp": 1},
                 "model": dataclasses.asdict(cfg), "tokenizer": tokenizer,
                 "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         (tmp / META).write_text(json.dumps(meta, indent=2))
-        model_bytes = sum(f.stat().st_size for f in (tmp / "model").iterdir())
+        model_bytes = sum(f.stat().st_size for f in (tmp / MODEL_DIR).iterdir())
         _finish(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -514,22 +512,18 @@ def hf_config_dict(cfg: ModelConfig, dtype: str) -> dict:
 
 
 def megatron_to_hf_checkpoint(src: Path, dst: Path, overwrite: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
-    from megatron_rl.checkpointing.inspect import dist_tensors, model_config, read_meta, resolve_checkpoint
-    from megatron_rl.checkpointing.safetensors_io import write_sharded
-    from megatron_rl.checkpointing.tokenizer import TOKENIZER_FILES, tokenizer_dir
-
     start = time.perf_counter()
     meter = MemoryMeter()
     try:
         ckpt = resolve_checkpoint(src)
-        meta = read_meta(ckpt)
-        dist_tensors(ckpt / "model")  # one-line error for a missing or half-written model/
+        meta = read_checkpoint_meta(ckpt)
+        dist_tensors(ckpt / MODEL_DIR)  # one-line error for a missing or half-written model/
     except InspectError as e:
         raise ConversionError(str(e)) from None
     if not meta.get("model"):
         raise ConversionError(f"{ckpt}: {META} records no model shape")
     cfg = model_config(meta)
-    reader = DistSliceReader(ckpt / "model")
+    reader = DistSliceReader(ckpt / MODEL_DIR)
     names = megatron_names(cfg)
     boxes = {n: _stored_box(reader, n, cfg) for n in names}
     entries = []
@@ -604,7 +598,5 @@ def convert(src: Path, dst: Path, to: str, dtype: str = "float32", overwrite: bo
 
 def read_meta(src: Path) -> tuple[ModelConfig, dict]:
     """(ModelConfig, metadata) of a conversion or training checkpoint."""
-    from megatron_rl.checkpointing.inspect import model_config, read_meta as _read
-
-    meta = _read(Path(src))
+    meta = read_checkpoint_meta(Path(src))
     return model_config(meta), meta

@@ -9,10 +9,15 @@ into `<run dir>/initial_model/`, before it starts the ranks (a relaunch finds it
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_rl.checkpointing.inspect import model_config, read_meta, resolve_checkpoint
+from megatron_rl.checkpointing.layout import META, MODEL_DIR, InspectError
+from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
 from megatron_rl.models.presets import ModelConfig
+from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
 
 INITIAL_DIR = "initial_model"
 
@@ -44,6 +49,7 @@ def source_path(spec: str) -> Path:
 
 def source_format(spec: str) -> str:
     """"megatron", "hf" or "gguf"."""
+    # `convert` imports torch: loaded on use, so that reading a job's configuration stays fast.
     from megatron_rl.checkpointing.convert import ConversionError, detect_format
 
     try:
@@ -54,8 +60,7 @@ def source_format(spec: str) -> str:
 
 def checkpoint_model_config(spec: str) -> ModelConfig:
     """The model shape a source records (metadata and headers only: no weights are read)."""
-    from megatron_rl.checkpointing.convert import ConversionError, hf_model_config
-    from megatron_rl.checkpointing.inspect import InspectError, model_config, read_meta, resolve_checkpoint
+    from megatron_rl.checkpointing.convert import ConversionError, hf_model_config  # torch: see source_format
 
     path, fmt = source_path(spec), source_format(spec)
     try:
@@ -86,7 +91,7 @@ def prepare(cfg, run_dir: Path, log: Callable[[str], None] = print):
     if spec is None or source_format(spec) == "megatron":
         return cfg
     dst = Path(run_dir) / INITIAL_DIR
-    if not (dst / "megatron_rl.json").is_file():
+    if not (dst / META).is_file():
         from megatron_rl.checkpointing.convert import convert
 
         log(f"converting {source_path(spec)} to a megatron-rl checkpoint in {dst} (once)")
@@ -99,8 +104,6 @@ def megatron_checkpoint(spec: Optional[str]) -> Optional[Path]:
     """The checkpoint directory of a megatron-rl source (a run root resolves to its latest step)."""
     if spec is None:
         return None
-    from megatron_rl.checkpointing.inspect import resolve_checkpoint
-
     if source_format(spec) != "megatron":
         raise ValueError(f"model.checkpoint={spec!r} is a {source_format(spec)} source; convert it first "
                          f"(megatron-rl convert {spec} DST --to megatron) and pass DST")
@@ -113,24 +116,20 @@ def load_weights(model, ckpt: Path, dp_cp_group=None) -> None:
     from megatron.core import dist_checkpointing
 
     if model is None:
-        dist_checkpointing.load({}, str(Path(ckpt) / "model"))
+        dist_checkpointing.load({}, str(Path(ckpt) / MODEL_DIR))
         return
     state = dist_checkpointing.load(model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group}),
-                                    str(Path(ckpt) / "model"))
+                                    str(Path(ckpt) / MODEL_DIR))
     model.load_state_dict(state)
 
 
 def job_tokenizer(cfg):
     """`model.tokenizer` when set, else the tokenizer recorded in `model.checkpoint`, else the byte tokenizer."""
-    from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
-
     if cfg.model.tokenizer:
         return load_tokenizer(cfg.model.tokenizer)
     ckpt = megatron_checkpoint(cfg.model.checkpoint)
     if ckpt is None:
         return ByteTokenizer()
-    from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
-
     return load_checkpoint_tokenizer(ckpt)
 
 
@@ -138,11 +137,6 @@ def tokenizer_entry(cfg, tok, ckpt: Optional[Path]) -> Optional[dict]:
     """How a training checkpoint records the job's tokenizer `tok` (what `job_tokenizer` resolved; `ckpt` is the
     resolved `model.checkpoint`): the byte tokenizer by name; any other one as the source it came from (`source`:
     copied into the checkpoint)."""
-    import json
-
-    from megatron_rl.checkpointing.inspect import META
-    from megatron_rl.tokenizers import ByteTokenizer
-
     if isinstance(tok, ByteTokenizer):
         return {"type": "byte"}
     if cfg.model.tokenizer:

@@ -17,22 +17,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Optional
 
-META = "megatron_rl.json"
-LATEST = "latest"
-CONVERT_FORMAT = "megatron-rl/dist_checkpointing"
-TRAIN_FORMAT = "megatron-rl/train"
-FORMATS = (CONVERT_FORMAT, TRAIN_FORMAT)
-DCP_METADATA = ".metadata"
-_STEP = re.compile(r"^step_(\d+)")
-
-
-class InspectError(ValueError):
-    """A path that is not a usable checkpoint; the message is one line naming the path and what is missing."""
+from megatron_rl.checkpointing.layout import (DCP_METADATA, FORMATS, LATEST, META, MODEL_DIR, OPTIMIZER_DIR, RL_STATE,
+                                              RNG_DIR, STEP_PREFIX, TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError,
+                                              InspectError, manifest_problems)
+from megatron_rl.checkpointing.layout import read_latest as read_pointer
+from megatron_rl.models.presets import ModelConfig
 
 
 # ---- small helpers -----------------------------------------------------------------------------------------------
@@ -69,6 +62,8 @@ def dist_tensors(d: Path, what: str = "model") -> list[dict]:
     if not is_dist_checkpoint(d):
         raise InspectError(f"{d.parent}: incomplete checkpoint: {what}/{DCP_METADATA} missing "
                            f"(a write that did not finish, or not a dist_checkpointing directory)")
+    # torch loads here, not when the module is imported: resolving a checkpoint path (config checks, eval's argument
+    # errors) stays fast.
     import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -107,8 +102,6 @@ def read_meta(ckpt: Path) -> dict:
 
 def model_config(meta: dict):
     """The ModelConfig recorded in a checkpoint (fields this version does not know are ignored)."""
-    from megatron_rl.models.presets import ModelConfig
-
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in (meta.get("model") or {}).items() if k in known})
 
@@ -117,18 +110,18 @@ def model_config(meta: dict):
 def is_run_root(p: Path) -> bool:
     if not p.is_dir() or (p / META).exists():
         return False
-    return (p / LATEST).is_file() or any(_STEP.match(c.name) for c in p.iterdir() if c.is_dir())
+    return (p / LATEST).is_file() or any(STEP_PREFIX.match(c.name) for c in p.iterdir() if c.is_dir())
 
 
 def _is_complete(d: Path) -> bool:
-    return ".tmp" not in d.name and (d / META).is_file() and is_dist_checkpoint(d / "model")
+    return ".tmp" not in d.name and (d / META).is_file() and is_dist_checkpoint(d / MODEL_DIR)
 
 
 def list_run(root: Path) -> list[dict]:
     """Checkpoint directories of a run root, by step: name, step, status (complete / incomplete), bytes."""
     rows = []
     for c in root.iterdir():
-        m = _STEP.match(c.name)
+        m = STEP_PREFIX.match(c.name)
         if not (m and c.is_dir()):
             continue
         rows.append({"name": c.name, "step": int(m.group(1)),
@@ -139,8 +132,6 @@ def list_run(root: Path) -> list[dict]:
 def read_latest(root: Path) -> Optional[str]:
     """The checkpoint name `ROOT/latest` points at (None without a pointer), by the training checkpointer's own
     rule; a pointer that names nothing usable is an InspectError."""
-    from megatron_rl.checkpointing.training import CheckpointError, read_latest as read_pointer
-
     try:
         target = read_pointer(root)
     except CheckpointError as e:
@@ -176,30 +167,24 @@ def inspect_checkpoint(ckpt: Path) -> dict:
     """Everything `inspect` reports about one checkpoint directory (raises InspectError when unusable)."""
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
-    tensors = dist_tensors(ckpt / "model", "model")
+    tensors = dist_tensors(ckpt / MODEL_DIR, MODEL_DIR)
     fmt = meta["format"]
     optimizer = None
     if fmt == TRAIN_FORMAT:
-        opt = dist_tensors(ckpt / "optimizer", "optimizer")
+        opt = dist_tensors(ckpt / OPTIMIZER_DIR, OPTIMIZER_DIR)
         optimizer = {"tensors": len(opt), "numel": sum(t["numel"] for t in opt),
-                     "bytes": dir_size(ckpt / "optimizer")}
-    problems = []
-    for rel, size in (meta.get("files") or {}).items():
-        f = ckpt / rel
-        if not f.is_file():
-            problems.append(f"{rel} missing")
-        elif f.stat().st_size != size:
-            problems.append(f"{rel} has {f.stat().st_size} bytes, {size} were written")
+                     "bytes": dir_size(ckpt / OPTIMIZER_DIR)}
+    problems = manifest_problems(ckpt, meta)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise InspectError(f"{ckpt}: corrupt checkpoint: {problems[0]}{more}")
     cfg = model_config(meta) if meta.get("model") else None
     layout = meta.get("layout")
     total = dir_size(ckpt)
-    sizes = {"model": dir_size(ckpt / "model")}
+    sizes = {"model": dir_size(ckpt / MODEL_DIR)}
     if optimizer is not None:
         sizes["optimizer"] = optimizer["bytes"]
-    for part, rel in (("rl_state", "rl_state.pt"), ("tokenizer", "tokenizer"), ("rng", "rng")):
+    for part, rel in (("rl_state", RL_STATE), ("tokenizer", TOKENIZER_DIR), ("rng", RNG_DIR)):
         if (ckpt / rel).exists():
             sizes[part] = dir_size(ckpt / rel)
     sizes["other"] = total - sum(sizes.values())

@@ -12,9 +12,12 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from megatron_rl.tokenizers.base import Tokenizer
+from megatron_rl.checkpointing.inspect import resolve_checkpoint
+from megatron_rl.checkpointing.layout import META
+from megatron_rl.tokenizers import ByteTokenizer, Tokenizer
+from megatron_rl.tokenizers.hf import HFTokenizer
+from megatron_rl.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
 
-TOKENIZER_DIR = "tokenizer"
 # Files a Hugging Face tokenizer is made of (whichever of them a model directory has).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
@@ -30,7 +33,7 @@ def save_tokenizer(src: Path, dst: Path) -> Optional[dict]:
         shutil.copy2(src, dst / "tokenizer.model")
         return {"type": "sentencepiece", "path": f"{dst.name}/tokenizer.model"}
     if src.is_file() and src.suffix == ".gguf":
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy, and only this source needs it
 
         dst.mkdir(parents=True, exist_ok=True)
         AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name).save_pretrained(dst)
@@ -57,8 +60,6 @@ def load_checkpoint_tokenizer(ckpt_dir: str | Path) -> Tokenizer:
     """The tokenizer recorded in a checkpoint's `megatron_rl.json` (a conversion or training checkpoint, or a
     run's checkpoint root, whose `latest` is used). Raises ValueError with a one-line message when the checkpoint
     records none or its files are missing."""
-    from megatron_rl.checkpointing.inspect import META, resolve_checkpoint
-
     ckpt = resolve_checkpoint(Path(ckpt_dir))
     try:
         meta = json.loads((ckpt / META).read_text())
@@ -69,8 +70,6 @@ def load_checkpoint_tokenizer(ckpt_dir: str | Path) -> Tokenizer:
         raise ValueError(f"{ckpt}: {META} records no tokenizer (pass one explicitly, e.g. a HF directory or 'byte')")
     kind = entry.get("type")
     if kind == "byte":
-        from megatron_rl.tokenizers import ByteTokenizer
-
         return ByteTokenizer()
     if kind in ("hf", "sentencepiece"):
         if not entry.get("path"):
@@ -79,11 +78,5 @@ def load_checkpoint_tokenizer(ckpt_dir: str | Path) -> Tokenizer:
         p = p if p.is_absolute() else ckpt / p
         if not p.exists():
             raise ValueError(f"{ckpt}: tokenizer {kind} at {p} is missing")
-        if kind == "hf":
-            from megatron_rl.tokenizers.hf import HFTokenizer
-
-            return HFTokenizer(p)
-        from megatron_rl.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
-
-        return SentencePieceTokenizer(p)
+        return HFTokenizer(p) if kind == "hf" else SentencePieceTokenizer(p)
     raise ValueError(f"{ckpt}: unknown tokenizer type {kind!r} in {META} (expected hf, byte or sentencepiece)")

@@ -9,7 +9,8 @@ Layout of a run's checkpoint root (see checkpoints/README.md):
                                   converted checkpoint, so `convert --to hf`, `eval` and `inspect` read it
         optimizer/                dist_checkpointing of the optimizer in its fully reshardable form (the
                                   distributed optimizer's state per parameter, not per DP bucket), the LR
-                                  scheduler and the trainer's counters
+                                  scheduler, the trainer's counters and, in runs with a KL penalty, the frozen
+                                  reference model's weights (keys `reference.*`)
         rng/rank_00000.pt         per-rank RNG states (restored when the layout is unchanged)
         rl_state.pt               the controller's state: next step, weight version, rollouts of batches that
                                   were generated with weights older than this checkpoint (they cannot be
@@ -30,7 +31,6 @@ import functools
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -39,23 +39,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_rl.checkpointing.layout import (LATEST, MANIFEST, META, MODEL_DIR, OPTIMIZER_DIR, RL_STATE, RNG_DIR,
+                                              STEP_DIR, TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError, manifest,
+                                              manifest_problems, read_latest, step_dir_name)
+from megatron_rl.checkpointing.tokenizer import save_tokenizer
 from megatron_rl.failpoints import failpoint
 
-FORMAT = "megatron-rl/train"
-META = "megatron_rl.json"
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+# Megatron-Core is imported by the functions that use it: importing this module (the controller does) needs only torch.
 
 # The distributed optimizer's state is saved per parameter (canonical form), so it loads at any TP/PP/DP.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the path and what is wrong, in one line."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -74,10 +67,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _manifest(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _rng_state() -> dict:
@@ -112,6 +101,28 @@ def _set_rng_state(state: dict) -> None:
 
 def _model_sharded_state_dict(engine) -> dict:
     return engine.model.module.sharded_state_dict(metadata={"dp_cp_group": engine.pgs.dp_cp})
+
+
+_REFERENCE_PREFIX = "reference."
+
+
+def _reference_sharded_state_dict(reference, engine) -> dict:
+    """The KL reference model's sharded state: the policy's keys behind `reference.` (the state dict's own keys
+    unchanged, so what `load` returns goes straight into `reference.load_state_dict`)."""
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+    sd = reference.sharded_state_dict(metadata={"dp_cp_group": engine.pgs.dp_cp})
+    replace_prefix_for_sharding(sd, "", _REFERENCE_PREFIX)
+    return sd
+
+
+def saved_with_reference(path: Path) -> bool:
+    """Does the checkpoint at `path` hold a KL reference model? Reads only the optimizer checkpoint's index, on any
+    rank, so that every rank can check before the collective `load`."""
+    from megatron.core import dist_checkpointing
+
+    index = dist_checkpointing.load_tensors_metadata(str(Path(path) / OPTIMIZER_DIR))
+    return any(k.startswith(_REFERENCE_PREFIX) for k in index)
 
 
 def _ensure_optimizer_state(optimizer) -> None:
@@ -190,21 +201,10 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
+        m = STEP_DIR.match(p.name)
         if m and p.is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found)
-
-
-def read_latest(root: Path) -> Optional[Path]:
-    """The checkpoint `ROOT/latest` names, or None when there is no pointer."""
-    pointer = root / LATEST
-    if not pointer.exists():
-        return None
-    name = pointer.read_text().strip()
-    if not _STEP_DIR.match(name):
-        raise CheckpointError(f"{pointer}: does not name a checkpoint directory (content {name!r})")
-    return root / name
 
 
 def verify(path: Path) -> dict:
@@ -222,15 +222,11 @@ def verify(path: Path) -> dict:
         meta = json.loads(meta_path.read_text())
     except ValueError as e:
         raise CheckpointError(f"{meta_path}: corrupt ({e})") from None
-    if meta.get("format") != FORMAT:
+    if meta.get("format") != TRAIN_FORMAT:
         raise CheckpointError(f"{path}: not a training checkpoint (format {meta.get('format')!r})")
-    for rel, size in meta.get("files", {}).items():
-        f = path / rel
-        if not f.exists():
-            raise CheckpointError(f"{path}: corrupt checkpoint ({rel} missing)")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"{path}: corrupt checkpoint ({rel} has {f.stat().st_size} bytes, "
-                                  f"{size} were written)")
+    problems = manifest_problems(path, meta)
+    if problems:
+        raise CheckpointError(f"{path}: corrupt checkpoint ({problems[0]})")
     return meta
 
 
@@ -247,11 +243,12 @@ class TrainCheckpointer:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
 
     # ---- save ------------------------------------------------------------------------------------------------
-    def save(self, step: int, engine=None, *, layout=None, model_cfg=None, rl_state: Optional[dict] = None,
-             tokenizer: Optional[dict] = None, extra: Optional[dict] = None) -> Path:
-        """Collective over the world. Trainer ranks pass their TrainEngine (and the layout / model shape);
-        the controller (rank 0) passes `rl_state`. `tokenizer` is the metadata entry, or {"source": PATH} to copy
-        a tokenizer (HF directory, .gguf, sentencepiece .model) into the checkpoint. Returns the final path."""
+    def save(self, step: int, engine=None, *, reference=None, layout=None, model_cfg=None,
+             rl_state: Optional[dict] = None, tokenizer: Optional[dict] = None, extra: Optional[dict] = None) -> Path:
+        """Collective over the world. Trainer ranks pass their TrainEngine (and the layout / model shape, and the
+        KL reference model when the run has one: `RLTrainer.reference`); the controller (rank 0) passes
+        `rl_state`. `tokenizer` is the metadata entry, or {"source": PATH} to copy a tokenizer (HF directory,
+        .gguf, sentencepiece .model) into the checkpoint. Returns the final path."""
         from megatron.core import dist_checkpointing
 
         rank = dist.get_rank()
@@ -262,7 +259,7 @@ class TrainCheckpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
-            for sub in ("model", "optimizer", "rng"):
+            for sub in (MODEL_DIR, OPTIMIZER_DIR, RNG_DIR):
                 (tmp / sub).mkdir(parents=True)
         dist.barrier()
         # Ranks without trainer state (generators) hold no common state either: skip the cross-rank comparison
@@ -270,29 +267,29 @@ class TrainCheckpointer:
         save = functools.partial(dist_checkpointing.save, preprocess_common_before_consistancy_check=_no_common)
         if engine is not None:
             model_sd = _model_sharded_state_dict(engine)
-            save(model_sd, str(tmp / "model"))
+            save(model_sd, str(tmp / MODEL_DIR))
         else:
-            save({}, str(tmp / "model"))
+            save({}, str(tmp / MODEL_DIR))
         failpoint("checkpoint_between_model_and_optimizer", name)
         if engine is not None:
             optimizer_state = _has_optimizer_state(engine.optimizer)
             optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=False,
                                                      with_state=optimizer_state)
-            save(optim_sd, str(tmp / "optimizer"))
-            torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+            if reference is not None:
+                optim_sd["reference"] = _reference_sharded_state_dict(reference, engine)
+            save(optim_sd, str(tmp / OPTIMIZER_DIR))
+            torch.save(_rng_state(), tmp / RNG_DIR / f"rank_{rank:05d}.pt")
         else:
-            save({}, str(tmp / "optimizer"))
+            save({}, str(tmp / OPTIMIZER_DIR))
         if rank == 0 and rl_state is not None:
-            torch.save(rl_state, tmp / "rl_state.pt")
+            torch.save(rl_state, tmp / RL_STATE)
         if rank == 0 and tokenizer is not None and "source" in tokenizer:
             # The checkpoint carries its tokenizer's files, so that it stands on its own (eval, convert, resume).
-            from megatron_rl.checkpointing.tokenizer import TOKENIZER_DIR, save_tokenizer
-
             tokenizer = save_tokenizer(Path(tokenizer["source"]), tmp / TOKENIZER_DIR)
         dist.barrier()
         if rank == 0:
             meta = {
-                "format": FORMAT, "step": step,
+                "format": TRAIN_FORMAT, "step": step,
                 "weight_version": (rl_state or {}).get("weight_version", step),
                 "layout": dataclasses.asdict(layout) if layout is not None else None,
                 "world_size": dist.get_world_size(),
@@ -303,7 +300,7 @@ class TrainCheckpointer:
                 "optimizer_state": _has_optimizer_state(engine.optimizer) if engine is not None else None,
                 **(extra or {}),
             }
-            meta["files"] = _manifest(tmp)
+            meta[MANIFEST] = manifest(tmp)
             _fsync_write(tmp / META, json.dumps(meta, indent=2))
             failpoint("checkpoint_before_rename", name)
             if final.exists():  # an earlier run saved this step (e.g. a resume that repeats it): replace it
@@ -357,24 +354,32 @@ class TrainCheckpointer:
                 continue
         raise CheckpointError(f"{self.root}: no loadable checkpoint (latest {latest.name} is corrupt)")
 
-    def load(self, path: Path, engine=None) -> dict:
-        """Collective over the world: restores model, optimizer, scheduler, counters (trainer ranks) and, when
-        the world and layout are those it was written with, the RNG states. Returns the metadata plus
+    def load(self, path: Path, engine=None, reference=None) -> dict:
+        """Collective over the world: restores model, optimizer, scheduler, counters (trainer ranks), the KL
+        reference model's weights into `reference` when given (CheckpointError if the checkpoint has none) and,
+        when the world and layout are those it was written with, the RNG states. Returns the metadata plus
         `rl_state` (the controller's state, on every rank)."""
         from megatron.core import dist_checkpointing
 
         path = Path(path)
         meta = verify(path)
+        if reference is not None and not saved_with_reference(path):
+            raise CheckpointError(f"{path}: saved without a KL reference model, which this run needs (it was "
+                                  f"written by a run with algorithm.kl_coef = 0?)")
         if engine is not None:
             with_state = meta.get("optimizer_state") is not False
             if with_state:
                 _ensure_optimizer_state(engine.optimizer)
             model_sd = _model_sharded_state_dict(engine)
-            state = dist_checkpointing.load(model_sd, str(path / "model"))
+            state = dist_checkpointing.load(model_sd, str(path / MODEL_DIR))
             engine.model.module.load_state_dict(state)
             optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=True,
                                                      with_state=with_state)
-            ostate = dist_checkpointing.load(optim_sd, str(path / "optimizer"))
+            if reference is not None:
+                optim_sd["reference"] = _reference_sharded_state_dict(reference, engine)
+            ostate = dist_checkpointing.load(optim_sd, str(path / OPTIMIZER_DIR))
+            if reference is not None:
+                reference.load_state_dict(ostate["reference"])
             if with_state:
                 with _torch_adam_step_tolerated():
                     engine.optimizer.load_state_dict(ostate["optimizer"])
@@ -384,14 +389,14 @@ class TrainCheckpointer:
             engine.scheduler.load_state_dict(ostate["scheduler"])
             for k, v in ostate["engine"].items():
                 setattr(engine, k, v)
-            rng = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+            rng = path / RNG_DIR / f"rank_{dist.get_rank():05d}.pt"
             same_world = meta.get("world_size") == dist.get_world_size()
             if same_world and rng.exists():
                 _set_rng_state(torch.load(rng, weights_only=False))
         else:
-            dist_checkpointing.load({}, str(path / "model"))
-            dist_checkpointing.load({}, str(path / "optimizer"))
-        rl = path / "rl_state.pt"
+            dist_checkpointing.load({}, str(path / MODEL_DIR))
+            dist_checkpointing.load({}, str(path / OPTIMIZER_DIR))
+        rl = path / RL_STATE
         meta["rl_state"] = torch.load(rl, weights_only=True) if rl.exists() else {}
         dist.barrier()
         return meta

@@ -20,7 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_rl.data.records import PromptRecord
+from megatron_rl.data import (ChatPromptBuilder, DataError, JsonlPromptDataset, PromptRecord, ResumableSampler,
+                              default_data_dir, load_gsm8k, load_math500)
+from megatron_rl.data.registry import DATASETS, dataset_key
+from megatron_rl.data.word_problems import WordProblems
+from megatron_rl.rewards import get_reward_fn
 
 
 class Task(ABC):
@@ -97,34 +101,9 @@ class AdditionTask(Task):
 
 
 # ---- dataset tasks -----------------------------------------------------------------------------------------------
-# data.dataset -> (instruction for the verifier, default train file, default eval file) inside the data directory.
-# MATH-500 has one split: its first `eval_size` problems are held out and training uses the rest.
-_DATASETS = {
-    "gsm8k": ("gsm8k", "gsm8k/train.jsonl", "gsm8k/test.jsonl"),
-    "math500": ("math", "math500/test.jsonl", None),
-    "jsonl": ("plain", None, None),
-    "word-problems": ("number", None, None),  # generated (megatron_rl.data.word_problems), no files
-}
-_ALIASES = {"math-500": "math500", "math": "math500"}
-
-
-def dataset_key(name: str) -> Optional[str]:
-    """The dataset kind of a `data.dataset` value ("gsm8k", "math500", "jsonl"), None for the synthetic task."""
-    key = name.lower()
-    if key in ("synthetic-arithmetic", "synthetic", "arithmetic"):
-        return None
-    key = _ALIASES.get(key, key)
-    if key not in _DATASETS:
-        raise ValueError(f"data.dataset={name!r} is not known; expected 'synthetic-arithmetic', "
-                         + ", ".join(repr(k) for k in _DATASETS))
-    return key
-
-
 def _load(path: Path, data, key: str) -> list[PromptRecord]:
     """GSM8K and MATH-500 files through their loaders (their field mapping and reference answers), any other JSONL
     with `data.prompt_field` / `data.answer_field`."""
-    from megatron_rl.data import DataError, JsonlPromptDataset, load_gsm8k, load_math500
-
     if not path.is_file():
         raise DataError(f"{path}: no such file (set data.path, or data.eval_path for the held-out problems)")
     if key == "gsm8k":
@@ -140,8 +119,6 @@ class DatasetTask(Task):
 
     def __init__(self, train: list[PromptRecord], heldout: list[PromptRecord], instruction: str, tokenizer,
                  reward, *, chat: bool, max_prompt_tokens: int, seed: int = 0, system: Optional[str] = None):
-        from megatron_rl.data import ChatPromptBuilder
-
         self.builder = ChatPromptBuilder.for_task(instruction, system)
         self.tok, self.reward, self.chat, self.seed = tokenizer, reward, chat, seed
         self.skipped = {"train": 0, "eval": 0}
@@ -151,8 +128,6 @@ class DatasetTask(Task):
             raise ValueError(f"no training prompt fits rollout.max_prompt_length={max_prompt_tokens} tokens")
         if not self.heldout:
             raise ValueError(f"no held-out prompt fits rollout.max_prompt_length={max_prompt_tokens} tokens")
-        from megatron_rl.data import ResumableSampler
-
         self._order = ResumableSampler(len(self.train), shuffle=True, seed=seed)
 
     def _fits(self, records: list[PromptRecord], limit: int, split: str) -> list[PromptRecord]:
@@ -192,18 +167,15 @@ def has_chat_template(tokenizer) -> bool:
 
 def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
     """The task a job configuration names. `with_reward=False` builds it without starting reward workers (ranks
-    that never score)."""
-    from megatron_rl.data import default_data_dir
-
+    that never score). The dataset's files, instruction and verifier come from `megatron_rl.data.registry`."""
     data = cfg.data
     key = dataset_key(data.dataset)
     if key is None:
         return AdditionTask(max_operand=20, eval_size=data.eval_size, seed=cfg.run.seed,
                             demo_accuracy=data.demo_accuracy)
-    instruction, train_rel, eval_rel = _DATASETS[key]
+    spec = DATASETS[key]
+    instruction, train_rel, eval_rel = spec.instruction, spec.train_file, spec.eval_file
     if key == "word-problems":
-        from megatron_rl.data.word_problems import WordProblems
-
         problems = WordProblems()  # one fixed problem set, whatever the run seed
         train, heldout = problems.records("train", 5000), problems.records("eval", data.eval_size)
         return _dataset_task(cfg, tokenizer, key, instruction, train, heldout, with_reward)
@@ -228,11 +200,9 @@ def _dataset_task(cfg, tokenizer, key: str, instruction: str, train: list[Prompt
     data = cfg.data
     reward = _NoReward()
     if with_reward:
-        from megatron_rl.rewards import get_reward_fn
-
         r = cfg.reward
-        reward = get_reward_fn(r.kind, r.function, timeout_s=r.timeout_s, num_workers=r.num_workers,
-                               dataset=key if key != "jsonl" else data.dataset, model=r.model)
+        reward = get_reward_fn(r.kind, r.function, timeout_s=r.timeout_s, num_workers=r.num_workers, dataset=key,
+                               model=r.model)
     chat = has_chat_template(tokenizer) if data.chat is None else data.chat
     return DatasetTask(train, heldout, instruction, tokenizer, reward, chat=chat,
                        max_prompt_tokens=cfg.rollout.max_prompt_length, seed=cfg.run.seed, system=data.system)

@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 from megatron_rl.data.jsonl import JsonlPromptDataset
 from megatron_rl.data.records import DataError
+from megatron_rl.data.registry import DATASETS, resolve_dataset
 
 PathLike = Union[str, Path]
 
@@ -45,7 +46,8 @@ def load_gsm8k(split: str = "test", path: Optional[PathLike] = None, limit: Opti
     """GSM8K as PromptRecords: prompt = question, reference = final number, metadata["solution"] = full answer."""
     if path is None and split not in ("train", "test"):
         raise ValueError(f"GSM8K split {split!r} does not exist; expected 'train' or 'test'")
-    file = _resolve(path, f"gsm8k/{split}.jsonl", f"GSM8K {split} split")
+    spec = DATASETS["gsm8k"]
+    file = _resolve(path, spec.train_file if split == "train" else spec.eval_file, f"GSM8K {split} split")
     return JsonlPromptDataset(file, prompt_field="question", answer_field="answer",
                               answer_transform=gsm8k_final_answer, raw_answer_key="solution",
                               name=f"gsm8k-{split}", limit=limit)
@@ -54,30 +56,23 @@ def load_gsm8k(split: str = "test", path: Optional[PathLike] = None, limit: Opti
 def load_math500(path: Optional[PathLike] = None, limit: Optional[int] = None) -> JsonlPromptDataset:
     """MATH-500 as PromptRecords: prompt = problem, reference = answer (LaTeX), id = unique_id; the solution,
     subject and level are in the metadata."""
-    file = _resolve(path, "math500/test.jsonl", "MATH-500")
+    file = _resolve(path, DATASETS["math500"].test_file, "MATH-500")
     return JsonlPromptDataset(file, prompt_field="problem", answer_field="answer", id_field="unique_id",
                               name="math500", limit=limit)
-
-
-_FILE_DATASETS = ("gsm8k", "math500", "jsonl")
-_ALIASES = {"math-500": "math500", "math": "math500", "gsm8k-test": "gsm8k"}
 
 
 def load_prompt_dataset(name: str, path: Optional[PathLike] = None, prompt_field: str = "question",
                         answer_field: Optional[str] = "answer", split: str = "test",
                         limit: Optional[int] = None) -> JsonlPromptDataset:
-    """The dataset a config names: "gsm8k", "math500" (shared files unless `path` is given), or "jsonl" (any
-    file at `path`, read with `prompt_field`/`answer_field`). Synthetic tasks are not files: see `synthetic.py`."""
-    key = _ALIASES.get(name.lower(), name.lower())
-    if key == "gsm8k":
+    """The dataset a config names (`data.registry`): "gsm8k", "math500" (shared files unless `path` is given), or
+    "jsonl" (any file at `path`, read with `prompt_field`/`answer_field`). Generated datasets are not files."""
+    spec = resolve_dataset(name)
+    if spec.name == "gsm8k":
         return load_gsm8k(split=split, path=path, limit=limit)
-    if key == "math500":
+    if spec.name == "math500":
         return load_math500(path=path, limit=limit)
-    if key == "jsonl":
-        if path is None:
-            raise ValueError("dataset 'jsonl' needs a path")
-        return JsonlPromptDataset(path, prompt_field=prompt_field, answer_field=answer_field, limit=limit)
-    if key.startswith("synthetic"):
-        raise ValueError(f"dataset {name!r} is a synthetic task, not a file; use megatron_rl.data.ArithmeticTask")
-    raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(map(repr, _FILE_DATASETS))} "
-                     f"or 'synthetic-arithmetic'")
+    if spec.generated:
+        raise ValueError(f"dataset {name!r} is a synthetic task generated in code, not a file")
+    if path is None:
+        raise ValueError(f"dataset {spec.name!r} needs a path")
+    return JsonlPromptDataset(path, prompt_field=prompt_field, answer_field=answer_field, limit=limit)

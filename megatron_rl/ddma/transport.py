@@ -2,10 +2,10 @@
 
 Every participating rank runs `execute_plan` with the same plan and settings:
 
-1. Handshake: one small message each way between every pair of ranks that exchange weights, carrying readiness
-   (a rank whose parameters do not fit the plan says so, and its peers raise instead of waiting for slices that
-   will never come), the trainer step (generator ranks learn it here), and the dtypes of the parameters at both
-   ends of every slice.
+1. Handshake: one small message (`Handshake`) each way between every pair of ranks that exchange weights,
+   carrying readiness (a rank whose parameters do not fit the plan says so, and its peers raise instead of waiting
+   for slices that will never come), the trainer step (generator ranks learn it here), and the dtypes of the
+   parameters at both ends of every slice.
 2. Direct phase: a slice that is contiguous in both local tensors and has the same dtype at both ends (most of
    them: TP splits of row-major weights along dim 0, whole norms) goes straight from the source parameter's storage
    into the destination parameter's storage, one message per slice, all in one `batch_isend_irecv`: no staging,
@@ -213,27 +213,47 @@ class PeerCheckFailed(RuntimeError):
 
 
 _NOT_A_TENSOR = -2  # dtype code of a destination that is not a plain tensor (an Int8Weight)
+_UNKNOWN = -1  # dtype code sent by a rank whose parameters failed the check, and the step code of "no step"
 
 
-def _handshake(rp: RankPlan, ok: bool, step: Optional[int], src_params, dst_params, device) -> dict[int, list[int]]:
-    """Exchange [ok, step, source dtype codes..., destination dtype codes...] with every peer of this rank.
+@dataclass(frozen=True)
+class Handshake:
+    """What a rank tells one peer before any weight moves.
 
-    The message to peer p lists the dtype of each distinct source parameter this rank sends to p and of each
-    distinct destination parameter it receives from p (plan order), so both ends know both dtypes of every slice.
+    ok: this rank's parameters fit the plan (if not, the peer raises PeerCheckFailed instead of waiting for
+        slices that will never come).
+    step: the trainer step being synced (None on generator ranks, which learn it from this message).
+    src_dtypes: the dtype code (index in WIRE_DTYPES) of each distinct source parameter this rank sends to the
+        peer, in plan order (`_params_to`).
+    dst_dtypes: the dtype code of each distinct destination parameter this rank receives from the peer, in plan
+        order (`_params_from`); `_NOT_A_TENSOR` for an Int8Weight.
+
+    With both messages of a pair, each end knows the dtypes at both ends of every slice the pair moves, which
+    decides how the slice travels. On the wire: one int64 tensor [ok, step or -1, *src_dtypes, *dst_dtypes]; the
+    receiver knows both lengths from the plan.
     """
-    ops, theirs = [], {}
-    for p in rp.peers:
-        src_codes = [_dtype_code(src_params[n]) if ok else -1 for n in _params_to(rp, p)]
-        dst_codes = [_dtype_code(dst_params[n]) if ok else -1 for n in _params_from(rp, p, "dst_param")]
-        mine = torch.tensor([int(ok), -1 if step is None else int(step)] + src_codes + dst_codes,
-                            dtype=torch.int64, device=device)
-        theirs[p] = torch.empty(2 + len(_params_from(rp, p, "src_param")) + len(_params_to(rp, p, "dst_param")),
-                                dtype=torch.int64, device=device)
-        ops += [dist.P2POp(dist.isend, mine, p), dist.P2POp(dist.irecv, theirs[p], p)]
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    return {p: t.tolist() for p, t in theirs.items()}
+
+    ok: bool
+    step: Optional[int]
+    src_dtypes: tuple[int, ...]
+    dst_dtypes: tuple[int, ...]
+
+    @staticmethod
+    def numel(n_src: int, n_dst: int) -> int:
+        return 2 + n_src + n_dst
+
+    def to_tensor(self, device) -> torch.Tensor:
+        step = _UNKNOWN if self.step is None else int(self.step)
+        return torch.tensor([int(self.ok), step, *self.src_dtypes, *self.dst_dtypes], dtype=torch.int64,
+                            device=device)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor, n_src: int, n_dst: int) -> "Handshake":
+        v = t.tolist()
+        if len(v) != cls.numel(n_src, n_dst):
+            raise ValueError(f"a handshake of {len(v)} values, expected {cls.numel(n_src, n_dst)}")
+        return cls(ok=v[0] == 1, step=None if v[1] == _UNKNOWN else v[1], src_dtypes=tuple(v[2:2 + n_src]),
+                   dst_dtypes=tuple(v[2 + n_src:]))
 
 
 def _dtype_code(target) -> int:
@@ -250,6 +270,223 @@ def _params_to(rp: RankPlan, peer: int, attr: str = "src_param") -> list[str]:
 def _params_from(rp: RankPlan, peer: int, attr: str) -> list[str]:
     """Distinct parameters of the copies this rank receives from `peer` (the peer's `_params_to`, same order)."""
     return list(dict.fromkeys(getattr(c, attr) for c in rp.recvs if c.src_rank == peer))
+
+
+def _handshake(rp: RankPlan, ok: bool, step: Optional[int], src_params, dst_params,
+               device) -> dict[int, Handshake]:
+    """Send this rank's Handshake to every peer and return theirs (all messages in one batch)."""
+    ops, theirs = [], {}
+    for p in rp.peers:
+        mine = Handshake(ok, step,
+                         tuple(_dtype_code(src_params[n]) if ok else _UNKNOWN for n in _params_to(rp, p)),
+                         tuple(_dtype_code(dst_params[n]) if ok else _UNKNOWN
+                               for n in _params_from(rp, p, "dst_param")))
+        # The peer's message lists what it sends to us, then what it receives from us.
+        n_src, n_dst = len(_params_from(rp, p, "src_param")), len(_params_to(rp, p, "dst_param"))
+        theirs[p] = (torch.empty(Handshake.numel(n_src, n_dst), dtype=torch.int64, device=device), n_src, n_dst)
+        ops += [dist.P2POp(dist.isend, mine.to_tensor(device), p), dist.P2POp(dist.irecv, theirs[p][0], p)]
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return {p: Handshake.from_tensor(t, n_src, n_dst) for p, (t, n_src, n_dst) in theirs.items()}
+
+
+def _check_and_agree(plan: ReshardPlan, rp: RankPlan, step: Optional[int], src_params, dst_params,
+                     quantized: frozenset[str], device) -> tuple[dict[int, Handshake], Optional[int]]:
+    """Phase 1: check this rank's parameters against the plan, exchange handshakes, and agree on the step.
+
+    The check's verdict travels in the handshake before this rank raises it, so a mismatch anywhere stops every
+    rank it concerns (ValueError here, PeerCheckFailed at its peers) instead of leaving a peer waiting. Returns the
+    peers' handshakes and the trainer step (this rank's, or the one its trainer peers sent).
+    """
+    error: Optional[ValueError] = None
+    try:
+        _check_params(rp, src_params, dst_params, quantized)
+    except ValueError as e:
+        error = e
+    received = _handshake(rp, error is None, step, src_params, dst_params, device)
+    if error is not None:
+        raise error
+    failed = [p for p, h in received.items() if not h.ok]
+    if failed:
+        raise PeerCheckFailed(f"rank {rp.rank}: peer ranks {failed} failed their pre-transfer check; no weights "
+                              f"were moved")
+    steps = {h.step for p, h in received.items() if p in plan.src.ranks} | ({step} if step is not None else set())
+    if len(steps) > 1:
+        raise RuntimeError(f"rank {rp.rank}: trainer ranks disagree on the step being synced: "
+                           f"{sorted(steps, key=lambda s: -1 if s is None else s)}")
+    return received, (steps.pop() if steps else None)
+
+
+def _slice_dtypes(rp: RankPlan, received: Mapping[int, Handshake], src_params, dst_params):
+    """Both dtypes of every slice this rank sends or receives: {(src rank, src param): dtype} and
+    {(dst rank, dst param): dtype or None (an Int8Weight)}, from the peers' handshakes and this rank's own
+    parameters."""
+    src_dtype: dict[tuple[int, str], Optional[torch.dtype]] = {}
+    dst_dtype: dict[tuple[int, str], Optional[torch.dtype]] = {}
+    for p, h in received.items():
+        for name, code in zip(_params_from(rp, p, "src_param"), h.src_dtypes):
+            src_dtype[p, name] = WIRE_DTYPES[code]
+        for name, code in zip(_params_to(rp, p, "dst_param"), h.dst_dtypes):
+            dst_dtype[p, name] = None if code == _NOT_A_TENSOR else WIRE_DTYPES[code]
+    for name, t in (src_params or {}).items():
+        src_dtype[rp.rank, name] = t.dtype
+    for name, t in (dst_params or {}).items():
+        dst_dtype[rp.rank, name] = t.dtype if _dtype_code(t) != _NOT_A_TENSOR else None
+    return src_dtype, dst_dtype
+
+
+class _RankTransfer:
+    """This rank's part of one sync once the handshake succeeded: how each slice travels, and the phases that
+    move it (`direct_phase`, then `staged_rounds`).
+
+    Every decision below is a pure function of the plan, the settings and the two dtypes of a slice, which both ends
+    of a pair know after the handshake, so both ends post matching messages in the same order.
+    """
+
+    def __init__(self, plan: ReshardPlan, rp: RankPlan, settings: TransportSettings, src_params, dst_params,
+                 quantized: frozenset[str], received: Mapping[int, Handshake], stats: TransferStats, device):
+        self.plan, self.rp, self.settings = plan, rp, settings
+        self.src_params, self.dst_params = src_params, dst_params
+        self.quantized, self.stats, self.device = quantized, stats, device
+        self.wire = settings.wire_dtype
+        self.src_dtype, self.dst_dtype = _slice_dtypes(rp, received, src_params, dst_params)
+
+    # ---- how a slice travels ------------------------------------------------------------------------------------
+    def wire_of(self, c: Copy) -> torch.dtype:
+        return self.wire or self.src_dtype[c.src_rank, c.src_param]
+
+    def nbytes(self, c: Copy) -> int:
+        """Bytes of a slice on the wire, rounded up so that the next slice of a packed message is aligned."""
+        return _aligned(c.numel * _itemsize(self.wire_of(c)))
+
+    def _same_dtype(self, c: Copy) -> bool:
+        return self.dst_dtype[c.dst_rank, c.dst_param] == self.src_dtype[c.src_rank, c.src_param]
+
+    def direct(self, c: Copy) -> bool:
+        """Moves storage to storage: no cast, no quantization, contiguous at both ends (decided on the plan copy)."""
+        return (self.wire is None and c.name not in self.quantized and _is_contiguous(c, self.plan)
+                and self._same_dtype(c))
+
+    # A staged slice with one contiguous end still saves that end's copy: it travels as a message of its own, sent
+    # straight from the source storage or received straight into the destination storage (the TP column slices
+    # of row-parallel weights are whole source shards going into strided destination columns, or the reverse).
+    def from_storage(self, c: Copy) -> bool:
+        return self.wire is None and _end_contiguous(c, self.plan, "src")
+
+    def into_storage(self, c: Copy) -> bool:
+        return (self.wire is None and c.name not in self.quantized and _end_contiguous(c, self.plan, "dst")
+                and self._same_dtype(c))
+
+    def alone(self, c: Copy) -> bool:
+        return self.from_storage(c) or self.into_storage(c)
+
+    def src_view(self, c: Copy) -> torch.Tensor:
+        return _view(self.src_params[c.src_param], c.src_box)
+
+    def dst_view(self, c: Copy) -> torch.Tensor:
+        return _view(self.dst_params[c.dst_param], c.dst_box)
+
+    # ---- phases -------------------------------------------------------------------------------------------------
+    def local_copies(self) -> None:
+        """Colocated slices (same rank at both ends) and the zeroing of vocabulary padding: no message. Local
+        copies go through the wire cast too, so a value does not depend on where its slice came from."""
+        stats = self.stats
+        for c in self.rp.local:
+            values = self.src_view(c)
+            _write(self.dst_params[c.dst_param], c.dst_box, values if self.wire is None else values.to(self.wire))
+            stats.bytes_local += c.numel * self.src_params[c.src_param].element_size()
+        for z in self.rp.zero_fills:
+            _zero(self.dst_params[z.param], z.box)
+            stats.elements_zeroed += z.numel
+
+    def direct_phase(self) -> None:
+        """Phase 2: every direct slice as one message from source storage into destination storage (tags 1, 2, ...
+        per pair, in plan order), all in one batch; the local copies run while the messages fly."""
+        stats, ops = self.stats, []
+        for peer, copies in _by_peer([c for c in self.rp.sends if self.direct(c)], "dst_rank"):
+            for tag, c in enumerate(copies, start=1):
+                ops.append(dist.P2POp(dist.isend, self.src_view(c), peer, tag=tag))
+                stats.bytes_sent += c.numel * _itemsize(self.wire_of(c))
+        for peer, copies in _by_peer([c for c in self.rp.recvs if self.direct(c)], "src_rank"):
+            for tag, c in enumerate(copies, start=1):
+                ops.append(dist.P2POp(dist.irecv, self.dst_view(c), peer, tag=tag))
+                stats.bytes_received += c.numel * _itemsize(self.wire_of(c))
+        stats.messages_sent += sum(1 for op in ops if op.op is dist.isend)
+        reqs = dist.batch_isend_irecv(ops) if ops else []
+        self.local_copies()
+        for req in reqs:
+            req.wait()
+        if ops:
+            stats.rounds += 1
+
+    def staged_rounds(self, workspace: Optional[dict]) -> None:
+        """Phase 3: the other network slices, round by round of the shared schedule, through one staging arena
+        sized for this rank's largest round (what it sends from anything but source storage plus what it receives
+        into anything but destination storage)."""
+        rank = self.rp.rank
+        mine = []
+        for pairs in schedule(self.plan, self.settings.bucket_elements()):
+            sends = [c for parent, c in pairs if c.src_rank == rank and not self.direct(parent)]
+            recvs = [c for parent, c in pairs if c.dst_rank == rank and not self.direct(parent)]
+            if sends or recvs:
+                mine.append((sends, recvs))
+        arena_bytes = max((sum(self.nbytes(c) for c in s if not self.from_storage(c))
+                           + sum(self.nbytes(c) for c in r if not self.into_storage(c)) for s, r in mine), default=0)
+        arena = _staging(workspace, arena_bytes, self.device)
+        self.stats.peak_staging_bytes = arena_bytes
+        for sends, recvs in mine:
+            self._round(arena, sends, recvs)
+
+    def _slot(self, arena: torch.Tensor, pos: int, c: Copy) -> torch.Tensor:
+        """The slice `c` staged at byte `pos` of the arena, as a tensor of its wire dtype and shape."""
+        dt = self.wire_of(c)
+        return arena[pos:pos + c.numel * _itemsize(dt)].view(dt).view(c.shape)
+
+    def _messages(self, arena: torch.Tensor, copies: list[Copy], at_storage, storage_view,
+                  offset: int) -> tuple[list, int]:
+        """One round's messages to or from one peer, in the order both ends post them: the slices packed at both
+        ends as one message (tag 0), then each slice that travels alone (tags 1, 2, ...), from or into storage
+        where `at_storage` says this end allows it. Returns ([(tag, buffer, [(arena offset, slice) staged in
+        it])], the next free arena offset)."""
+        out, start, packed = [], offset, []
+        for c in copies:
+            if not self.alone(c):
+                packed.append((offset, c))
+                offset += self.nbytes(c)
+        if packed:
+            out.append((0, arena[start:offset], packed))
+        for tag, c in enumerate((c for c in copies if self.alone(c)), start=1):
+            if at_storage(c):
+                out.append((tag, storage_view(c), []))
+            else:
+                out.append((tag, self._slot(arena, offset, c), [(offset, c)]))
+                offset += self.nbytes(c)
+        return out, offset
+
+    def _round(self, arena: torch.Tensor, sends: list[Copy], recvs: list[Copy]) -> None:
+        """One staged round: pack what is sent, exchange every message of the round in one batch, unpack what
+        arrived into the destination parameters (cast, or quantized, on the way)."""
+        stats, ops, unpack, offset = self.stats, [], [], 0
+        for peer, copies in _by_peer(sends, "dst_rank"):
+            out, offset = self._messages(arena, copies, self.from_storage, self.src_view, offset)
+            for tag, buf, staged in out:
+                for pos, c in staged:
+                    copy_slice(self._slot(arena, pos, c), self.src_view(c))
+                ops.append(dist.P2POp(dist.isend, buf, peer, tag=tag))
+                stats.bytes_sent += buf.numel() * buf.element_size()
+            stats.messages_sent += len(out)
+        for peer, copies in _by_peer(recvs, "src_rank"):
+            out, offset = self._messages(arena, copies, self.into_storage, self.dst_view, offset)
+            for tag, buf, staged in out:
+                unpack.extend(staged)
+                ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
+                stats.bytes_received += buf.numel() * buf.element_size()
+        for req in dist.batch_isend_irecv(ops) if ops else []:
+            req.wait()
+        for pos, c in unpack:
+            _write(self.dst_params[c.dst_param], c.dst_box, self._slot(arena, pos, c))
+        stats.rounds += 1
 
 
 @torch.no_grad()
@@ -273,162 +510,20 @@ def execute_plan(
     as the copies on a CPU).
     """
     rp = plan.for_rank(rank)
-    stats = TransferStats(step=step)
     t0 = time.perf_counter()
     quantized = _quantized_names(plan, settings)
-    error: Optional[ValueError] = None
-    try:
-        _check_params(rp, src_params, dst_params, quantized)
-    except ValueError as e:
-        error = e
     any_params = dst_params or src_params
     device = next(iter(any_params.values())).device if any_params else torch.device("cpu")
-    header = _handshake(rp, error is None, step, src_params, dst_params, device)
-    if error is not None:
-        raise error
-    failed = [p for p, h in header.items() if h[0] != 1]
-    if failed:
-        raise PeerCheckFailed(f"rank {rank}: peer ranks {failed} failed their pre-transfer check; no weights "
-                              f"were moved")
-    steps = {h[1] for p, h in header.items() if p in plan.src.ranks} | ({step} if step is not None else set())
-    if len(steps) > 1:
-        raise RuntimeError(f"rank {rank}: trainer ranks disagree on the step being synced: {sorted(steps)}")
-    stats.step = steps.pop() if steps else None
+    received, agreed_step = _check_and_agree(plan, rp, step, src_params, dst_params, quantized, device)
+    stats = TransferStats(step=agreed_step)
     if not (rp.sends or rp.recvs or rp.local or rp.zero_fills):
         return stats
-    wire = settings.wire_dtype
     if quantized:
-        stats.bytes_scales = _exchange_int8_scales(rp, src_params, dst_params, quantized, wire, device)
-
-    # Both dtypes of every slice this rank sends or receives, from the handshake.
-    src_dtype: dict[tuple[int, str], Optional[torch.dtype]] = {}  # (src rank, src param)
-    dst_dtype: dict[tuple[int, str], Optional[torch.dtype]] = {}  # (dst rank, dst param)
-    for p, h in header.items():
-        from_p = _params_from(rp, p, "src_param")
-        for name, code in zip(from_p, h[2:2 + len(from_p)]):
-            src_dtype[p, name] = WIRE_DTYPES[code]
-        for name, code in zip(_params_to(rp, p, "dst_param"), h[2 + len(from_p):]):
-            dst_dtype[p, name] = None if code == _NOT_A_TENSOR else WIRE_DTYPES[code]
-    for name, t in (src_params or {}).items():
-        src_dtype[rank, name] = t.dtype
-    for name, t in (dst_params or {}).items():
-        dst_dtype[rank, name] = t.dtype if _dtype_code(t) != _NOT_A_TENSOR else None
-
-    def wire_of(c: Copy) -> torch.dtype:
-        return wire or src_dtype[c.src_rank, c.src_param]
-
-    def direct(c: Copy) -> bool:
-        """Moves storage to storage (decided on the plan copy, identically at both ends)."""
-        return (wire is None and c.name not in quantized and _is_contiguous(c, plan)
-                and dst_dtype[c.dst_rank, c.dst_param] == src_dtype[c.src_rank, c.src_param])
-
-    def nbytes(c: Copy) -> int:
-        return _aligned(c.numel * _itemsize(wire_of(c)))
-
-    # A staged slice with one contiguous end still saves that end's copy: it travels as a message of its own, sent
-    # straight from the source storage or received straight into the destination storage (the TP column slices
-    # of row-parallel weights are whole source shards going into strided destination columns, or the reverse).
-    def from_storage(c: Copy) -> bool:
-        return wire is None and _end_contiguous(c, plan, "src")
-
-    def into_storage(c: Copy) -> bool:
-        return (wire is None and c.name not in quantized and _end_contiguous(c, plan, "dst")
-                and dst_dtype[c.dst_rank, c.dst_param] == src_dtype[c.src_rank, c.src_param])
-
-    def alone(c: Copy) -> bool:
-        return from_storage(c) or into_storage(c)
-
-    def local_work() -> None:
-        for c in rp.local:
-            values = _view(src_params[c.src_param], c.src_box)
-            _write(dst_params[c.dst_param], c.dst_box, values if wire is None else values.to(wire))
-            stats.bytes_local += c.numel * src_params[c.src_param].element_size()
-        for z in rp.zero_fills:
-            _zero(dst_params[z.param], z.box)
-            stats.elements_zeroed += z.numel
-
-    # Direct phase (tags 1, 2, ... per pair, in plan order), overlapped with the local work.
-    ops = []
-    for peer, copies in _by_peer([c for c in rp.sends if direct(c)], "dst_rank"):
-        for tag, c in enumerate(copies, start=1):
-            ops.append(dist.P2POp(dist.isend, _view(src_params[c.src_param], c.src_box), peer, tag=tag))
-            stats.bytes_sent += c.numel * _itemsize(wire_of(c))
-    for peer, copies in _by_peer([c for c in rp.recvs if direct(c)], "src_rank"):
-        for tag, c in enumerate(copies, start=1):
-            ops.append(dist.P2POp(dist.irecv, _view(dst_params[c.dst_param], c.dst_box), peer, tag=tag))
-            stats.bytes_received += c.numel * _itemsize(wire_of(c))
-    stats.messages_sent += sum(1 for op in ops if op.op is dist.isend)
-    reqs = dist.batch_isend_irecv(ops) if ops else []
-    local_work()
-    for req in reqs:
-        req.wait()
-    if ops:
-        stats.rounds += 1
-
-    # Staged rounds (tag 0: one packed message per peer and round).
-    mine = []
-    for pairs in schedule(plan, settings.bucket_elements()):
-        sends = [c for parent, c in pairs if c.src_rank == rank and not direct(parent)]
-        recvs = [c for parent, c in pairs if c.dst_rank == rank and not direct(parent)]
-        if sends or recvs:
-            mine.append((sends, recvs))
-    # Staging: what is sent from anything but the source storage, and received into anything but the destination's.
-    arena_bytes = max((sum(nbytes(c) for c in s if not from_storage(c))
-                       + sum(nbytes(c) for c in r if not into_storage(c)) for s, r in mine), default=0)
-    arena = _staging(workspace, arena_bytes, device)
-    stats.peak_staging_bytes = arena_bytes
-
-    def slot(pos: int, c: Copy) -> torch.Tensor:
-        dt = wire_of(c)
-        return arena[pos:pos + c.numel * _itemsize(dt)].view(dt).view(c.shape)
-
-    def messages(copies: list[Copy], at_storage, storage_view, offset: int) -> tuple[list, int]:
-        """One round's messages to or from one peer, in the order both ends post them: the slices packed at both
-        ends as one message (tag 0), then each slice that travels alone (tags 1, 2, ...), from or into storage
-        where `at_storage` says this end allows it. Returns ([(tag, buffer, [(arena offset, slice) staged in
-        it])], the next free arena offset)."""
-        out, start, packed = [], offset, []
-        for c in copies:
-            if not alone(c):
-                packed.append((offset, c))
-                offset += nbytes(c)
-        if packed:
-            out.append((0, arena[start:offset], packed))
-        for tag, c in enumerate((c for c in copies if alone(c)), start=1):
-            if at_storage(c):
-                out.append((tag, storage_view(c), []))
-            else:
-                out.append((tag, slot(offset, c), [(offset, c)]))
-                offset += nbytes(c)
-        return out, offset
-
-    def src_view(c: Copy) -> torch.Tensor:
-        return _view(src_params[c.src_param], c.src_box)
-
-    def dst_view(c: Copy) -> torch.Tensor:
-        return _view(dst_params[c.dst_param], c.dst_box)
-
-    for sends, recvs in mine:
-        ops, unpack, offset = [], [], 0
-        for peer, copies in _by_peer(sends, "dst_rank"):
-            out, offset = messages(copies, from_storage, src_view, offset)
-            for tag, buf, staged in out:
-                for pos, c in staged:
-                    copy_slice(slot(pos, c), src_view(c))
-                ops.append(dist.P2POp(dist.isend, buf, peer, tag=tag))
-                stats.bytes_sent += buf.numel() * buf.element_size()
-            stats.messages_sent += len(out)
-        for peer, copies in _by_peer(recvs, "src_rank"):
-            out, offset = messages(copies, into_storage, dst_view, offset)
-            for tag, buf, staged in out:
-                unpack.extend(staged)
-                ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
-                stats.bytes_received += buf.numel() * buf.element_size()
-        for req in dist.batch_isend_irecv(ops) if ops else []:
-            req.wait()
-        for pos, c in unpack:
-            _write(dst_params[c.dst_param], c.dst_box, slot(pos, c))
-        stats.rounds += 1
+        stats.bytes_scales = _exchange_int8_scales(rp, src_params, dst_params, quantized, settings.wire_dtype,
+                                                   device)
+    transfer = _RankTransfer(plan, rp, settings, src_params, dst_params, quantized, received, stats, device)
+    transfer.direct_phase()
+    transfer.staged_rounds(workspace)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats.seconds = time.perf_counter() - t0
@@ -540,8 +635,8 @@ def staging_bound(plan: ReshardPlan, rank: int, settings: TransportSettings) -> 
     """Bytes of staging memory `execute_plan` will use on `rank` with these settings."""
     item = torch.empty((), dtype=settings.wire_dtype).element_size()
     best = 0
-    for copies in schedule(plan, settings.bucket_elements()):
-        best = max(best, sum(c.numel for c in copies if rank in (c.src_rank, c.dst_rank)))
+    for pairs in schedule(plan, settings.bucket_elements()):
+        best = max(best, sum(c.numel for _, c in pairs if rank in (c.src_rank, c.dst_rank)))
     return best * item
 
 

@@ -24,16 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from megatron_rl.checkpointing.inspect import META
+from megatron_rl.checkpointing import load_checkpoint_tokenizer
+from megatron_rl.checkpointing.inspect import resolve_checkpoint as resolve
+from megatron_rl.checkpointing.layout import META, MODEL_DIR, InspectError
+from megatron_rl.data import ChatPromptBuilder, DataError, default_data_dir, load_prompt_dataset, registry
+from megatron_rl.models.presets import ModelConfig
+from megatron_rl.rewards import get_reward_fn
+from megatron_rl.tokenizers import load_tokenizer
 
 DATA_DIR_ENV = "MEGATRON_RL_DATA_DIR"
 
-# dataset name -> (file inside the data dir, verifier kind, instruction task, display name)
-DATASETS = {
-    "gsm8k": ("gsm8k/test.jsonl", "gsm8k", "gsm8k", "GSM8K test split"),
-    "math500": ("math500/test.jsonl", "math", "math", "MATH-500"),
-}
-_ALIASES = {"gsm8k-test": "gsm8k", "math-500": "math500", "math": "math500"}
+# The datasets `eval` scores: those of the registry with a test file, by canonical name.
+DATASETS = {name: spec for name, spec in registry.DATASETS.items() if spec.test_file}
 
 
 class EvalError(ValueError):
@@ -56,8 +58,6 @@ class EvalSettings:
 # ---- inputs --------------------------------------------------------------------------------------------------------
 def resolve_checkpoint(path: Union[str, Path]) -> Path:
     """The checkpoint directory CKPT names: itself, or what a run root's `latest` names (as `inspect` resolves)."""
-    from megatron_rl.checkpointing.inspect import InspectError, resolve_checkpoint as resolve
-
     try:
         return resolve(Path(path))
     except InspectError as e:
@@ -66,8 +66,6 @@ def resolve_checkpoint(path: Union[str, Path]) -> Path:
 
 def read_checkpoint_meta(ckpt: Path):
     """(ModelConfig, meta dict) of a checkpoint directory."""
-    from megatron_rl.models.presets import ModelConfig
-
     try:
         meta = json.loads((ckpt / META).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -78,16 +76,17 @@ def read_checkpoint_meta(ckpt: Path):
         cfg = ModelConfig(**meta["model"])
     except TypeError as e:
         raise EvalError(f"{ckpt / META}: bad model shape ({e})") from None
-    if not (ckpt / "model").is_dir():
+    if not (ckpt / MODEL_DIR).is_dir():
         raise EvalError(f"{ckpt} has no model/ directory (the Megatron-Core weights)")
     return cfg, meta
 
 
 def dataset_key(name: str) -> str:
-    key = _ALIASES.get(name.lower(), name.lower())
-    if key not in DATASETS:
-        raise EvalError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
-    return key
+    """The canonical name of an evaluable dataset (`megatron_rl.data.registry`)."""
+    try:
+        return registry.resolve_dataset(name, among=DATASETS).name
+    except registry.UnknownDatasetError as e:
+        raise EvalError(str(e)) from None
 
 
 def data_dir_of(data_dir: Optional[str]) -> Path:
@@ -95,17 +94,14 @@ def data_dir_of(data_dir: Optional[str]) -> Path:
         return Path(data_dir)
     if os.environ.get(DATA_DIR_ENV):
         return Path(os.environ[DATA_DIR_ENV])
-    from megatron_rl.data import default_data_dir
-
     return default_data_dir()
 
 
 def load_problems(dataset: str, data_dir: Optional[str] = None, limit: Optional[int] = None) -> list:
     """The dataset's PromptRecords (prompt = problem, reference = final answer), the first `limit` of them."""
-    from megatron_rl.data import DataError, load_gsm8k, load_math500
-
-    key = dataset_key(dataset)
-    rel, _, _, what = DATASETS[key]
+    spec = DATASETS[dataset_key(dataset)]
+    rel = spec.test_file
+    what = f"{spec.title} test split" if spec.eval_file else spec.title
     file = data_dir_of(data_dir) / rel
     if not file.is_file():
         raise EvalError(f"{what} not found at {file}; pass --data-dir (the folder holding {rel}) or set "
@@ -113,7 +109,7 @@ def load_problems(dataset: str, data_dir: Optional[str] = None, limit: Optional[
     if limit is not None and limit < 1:
         raise EvalError(f"--limit={limit} must be >= 1")
     try:
-        ds = load_gsm8k(path=file, limit=limit) if key == "gsm8k" else load_math500(path=file, limit=limit)
+        ds = load_prompt_dataset(spec.name, path=file, limit=limit)
     except (DataError, ValueError) as e:
         raise EvalError(str(e)) from None
     return list(ds)
@@ -121,13 +117,9 @@ def load_problems(dataset: str, data_dir: Optional[str] = None, limit: Optional[
 
 def checkpoint_tokenizer(ckpt: Path, override: Optional[str] = None):
     """`override` when given (a HF directory, .gguf, sentencepiece .model or "byte"), else the checkpoint's own."""
-    from megatron_rl.tokenizers import load_tokenizer
-
     try:
         if override:
             return load_tokenizer(override)
-        from megatron_rl.checkpointing import load_checkpoint_tokenizer
-
         return load_checkpoint_tokenizer(ckpt)
     except Exception as e:  # noqa: BLE001 - any loader failure is reported in one line
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -142,8 +134,6 @@ def has_chat_template(tok) -> bool:
 
 
 def build_prompts(records: list, tok, task: str, chat: bool) -> list[str]:
-    from megatron_rl.data import ChatPromptBuilder
-
     builder = ChatPromptBuilder.for_task(task)
     return [builder.build(r, tok if chat else None) for r in records]
 
@@ -155,6 +145,7 @@ def encode_prompt(tok, text: str) -> list[int]:
 # ---- generation on local ranks -------------------------------------------------------------------------------------
 def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts: list, max_new_tokens: int,
                      stop_ids: tuple, batch_size: int, max_len: int):
+    # torch and Megatron-Core load in the worker processes only: `eval`'s argument errors stay fast.
     import torch
     from megatron.core import dist_checkpointing
 
@@ -188,9 +179,8 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
     t0 = time.perf_counter()
     ckpt = resolve_checkpoint(checkpoint)
     cfg, meta = read_checkpoint_meta(ckpt)
-    key = dataset_key(s.dataset)
-    _, kind, task, _ = DATASETS[key]
-    records = load_problems(key, s.data_dir, s.limit)
+    spec = DATASETS[dataset_key(s.dataset)]
+    records = load_problems(spec.name, s.data_dir, s.limit)
     for name, value in (("--max-new-tokens", s.max_new_tokens), ("--batch-size", s.batch_size), ("--tp", s.tp)):
         if value < 1:
             raise EvalError(f"{name}={value} must be >= 1")
@@ -204,24 +194,21 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
         raise EvalError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}; "
                         f"pass the model's tokenizer with --tokenizer")
     chat = has_chat_template(tok) if s.chat is None else s.chat
-    texts = build_prompts(records, tok, task, chat)
+    texts = build_prompts(records, tok, spec.instruction, chat)
     prompts = [encode_prompt(tok, t) for t in texts]
     max_len = min(cfg.max_position_embeddings, max(len(p) for p in prompts) + s.max_new_tokens)
 
-    from megatron_rl.parallel.spawn import LaunchError, run_local
+    from megatron_rl.parallel.spawn import LaunchError, run_local  # imports torch: after the argument checks
 
     try:
-        results = run_local(_generate_worker, s.tp, cfg, str(ckpt / "model"), dtype, prompts, s.max_new_tokens,
+        results = run_local(_generate_worker, s.tp, cfg, str(ckpt / MODEL_DIR), dtype, prompts, s.max_new_tokens,
                             tuple(sorted(tok.stop_ids)), s.batch_size, max_len, backend="auto", timeout=None,
                             dist_timeout_s=1800.0)
     except LaunchError as e:
         raise EvalError(f"--tp={s.tp}: {e}") from None
     outs, stats = results[0]
     responses = [tok.decode(ids) for ids, _, _ in outs]
-
-    from megatron_rl.rewards import get_reward_fn
-
-    with get_reward_fn(kind) as verifier:
+    with get_reward_fn(spec.verifier) as verifier:
         scores = verifier.score([(t, r, rec.reference) for t, r, rec in zip(texts, responses, records)])
     correct = sum(1 for x in scores if x >= 1.0)
     if s.samples_out:
@@ -232,6 +219,6 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
                 f.write(json.dumps({"id": rec.id, "prompt": text, "output": resp, "reference": rec.reference,
                                     "score": score, "finish_reason": finish, "new_tokens": len(ids),
                                     **({"error": error} if error else {})}) + "\n")
-    return {"dataset": key, "checkpoint": str(ckpt), "n": len(records), "correct": correct,
+    return {"dataset": spec.name, "checkpoint": str(ckpt), "n": len(records), "correct": correct,
             "accuracy": correct / len(records), "time_s": round(time.perf_counter() - t0, 2),
             "tokens_per_s": round(stats.get("tokens_per_s", 0.0), 1)}

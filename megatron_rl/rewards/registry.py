@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 from typing import Optional
 
+from megatron_rl.data.registry import UnknownDatasetError, resolve_dataset
 from megatron_rl.rewards.base import RewardFunction
 from megatron_rl.rewards.function import FunctionReward
 from megatron_rl.rewards.gsm8k import GSM8KReward
@@ -13,31 +14,20 @@ from megatron_rl.rewards.synthetic import SyntheticReward
 
 REWARD_KINDS = ("auto", "gsm8k", "math", "function", "synthetic", "reward-model")
 
-# Dataset names (the `data.dataset` config value) and the verifier each one needs.
-_DATASET_KINDS = {
-    "gsm8k": "gsm8k",
-    "math": "math",
-    "math500": "math",
-    "math-500": "math",
-    "synthetic-arithmetic": "synthetic",
-    "synthetic": "synthetic",
-    "arithmetic": "synthetic",
-    "word-problems": "gsm8k",  # the answer is one number, checked as GSM8K's are
-}
-
 
 def kind_for_dataset(dataset: Optional[str]) -> str:
-    """The verifier kind that "auto" means for a dataset name; a clear error when the name does not say."""
+    """The verifier kind that "auto" means for a dataset name (`megatron_rl.data.registry`); a clear error when the
+    name does not say."""
     if dataset is None:
         raise ValueError("reward.kind='auto' needs a dataset name to choose a verifier")
-    key = dataset.strip().lower()
-    if key in _DATASET_KINDS:
-        return _DATASET_KINDS[key]
-    for prefix, kind in (("gsm8k", "gsm8k"), ("math", "math"), ("synthetic", "synthetic")):
-        if key.startswith(prefix):
-            return kind
-    raise ValueError(f"reward.kind='auto' cannot choose a verifier for dataset {dataset!r}; "
-                     f"set reward.kind to one of 'gsm8k', 'math', 'function', 'synthetic', 'reward-model'")
+    try:
+        kind = resolve_dataset(dataset).verifier
+    except UnknownDatasetError:
+        kind = None
+    if kind is None:
+        raise ValueError(f"reward.kind='auto' cannot choose a verifier for dataset {dataset!r}; "
+                         f"set reward.kind to one of 'gsm8k', 'math', 'function', 'synthetic', 'reward-model'")
+    return kind
 
 
 def get_reward_fn(kind: str, function: Optional[str] = None, timeout_s: float = 5.0, num_workers: int = 1,

@@ -9,7 +9,7 @@ Padding positions carry no loss and, with causal attention, do not influence rea
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -21,13 +21,82 @@ from megatron_rl.parallel.topology import ExecutorGroups
 from megatron_rl.rollout import RolloutBatch
 from megatron_rl.training.engine import OptimSettings, TrainEngine, _device, run_schedule
 from megatron_rl.training.logprobs import target_logprobs, target_logprobs_and_entropy
+from megatron_rl.training.reference import freeze
 
-# Statistics summed over response tokens and reported as means, and statistics reported as their maximum; each
-# micro-batch's report is [loss sum, count, tokens, *token sums, *maxima] (`aipo_microbatch_loss`).
-_TOKEN_STATS = ("ratio", "truncated", "kl_mu_pi", "entropy", "kl_ref", "abs_log_ratio")
-_MAX_STATS = ("ratio", "abs_log_ratio")
-_REPORTED = {"ratio": "is_weight", "truncated": "is_truncated_frac", "kl_mu_pi": "kl_mu_pi", "entropy": "entropy",
-             "kl_ref": "kl_ref", "abs_log_ratio": "logp_diff"}
+def _stat(reduce: str, token: Optional[str] = None):
+    return field(default=None, metadata={"reduce": reduce, "token": token})
+
+
+@dataclass
+class TokenStats:
+    """Statistics of the response tokens of a step; each field is the metric of the same name.
+
+    One instance per micro-batch (`of_micro_batch`), combined over micro-batches and DP ranks by `reduce`. A
+    field's `token` names the per-token statistic of `aipo_token_loss` it summarises, and its rule says how:
+    "sum": summed over the step (the response-token count); "mean": summed over response tokens, reported divided
+    by the step's response tokens; "max": the maximum over response tokens. A "mean" whose per-token statistic the
+    loss did not compute (kl_ref without a reference, entropy when not logged) is 0. Adding a statistic is one line
+    here. `logp_diff_*` is |logp_pi - logp_mu|: the trainer-generator numeric gap when the batch was generated with
+    the trainer's current weights (staleness 0), plus the policy's drift when it is older.
+    """
+
+    response_tokens: torch.Tensor = _stat("sum")
+    is_weight_mean: torch.Tensor = _stat("mean", "ratio")
+    is_truncated_frac: torch.Tensor = _stat("mean", "truncated")
+    kl_mu_pi: torch.Tensor = _stat("mean", "kl_mu_pi")
+    entropy: torch.Tensor = _stat("mean", "entropy")
+    kl_ref: torch.Tensor = _stat("mean", "kl_ref")
+    logp_diff_mean: torch.Tensor = _stat("mean", "abs_log_ratio")
+    is_weight_max: torch.Tensor = _stat("max", "ratio")
+    logp_diff_max: torch.Tensor = _stat("max", "abs_log_ratio")
+
+    @classmethod
+    def of_micro_batch(cls, token_stats: dict, mask: torch.Tensor) -> "TokenStats":
+        """One micro-batch's values (float32 scalars) from per-token statistics [b, s] and the response mask."""
+        fmask = mask.to(torch.float32)
+        values = {}
+        for f in fields(cls):
+            rule, v = f.metadata["reduce"], token_stats.get(f.metadata["token"])
+            if f.metadata["token"] is None:
+                values[f.name] = fmask.sum()
+            elif v is None:
+                values[f.name] = fmask.new_zeros(())
+            elif rule == "max":
+                values[f.name] = (v * fmask).max().float() if fmask.any() else fmask.new_zeros(())
+            else:
+                values[f.name] = (v.float() * fmask).sum()
+        return cls(**values)
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.stack([getattr(self, f.name) for f in fields(self)])
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "TokenStats":
+        return cls(*t.unbind())
+
+    @classmethod
+    def reduce(cls, parts: list["TokenStats"], groups: list, device=None) -> dict[str, float]:
+        """The step's metrics from every micro-batch of this rank (in float64) and, through collectives over each of
+        `groups` in turn, of the other ranks; ranks without micro-batches (not the last pipeline stage) add
+        nothing to a sum, and 0 to a maximum (every "max" statistic is >= 0)."""
+        names = [f.name for f in fields(cls)]
+        rules = [f.metadata["reduce"] for f in fields(cls)]
+        at_sum = [i for i, r in enumerate(rules) if r != "max"]
+        at_max = [i for i, r in enumerate(rules) if r == "max"]
+        sums = torch.zeros(len(at_sum), dtype=torch.float64, device=device)
+        maxima = torch.zeros(len(at_max), dtype=torch.float64, device=device)
+        for part in parts:
+            t = part.to_tensor().double().to(sums.device)
+            sums += t[at_sum]
+            maxima = torch.maximum(maxima, t[at_max])
+        for group in groups:
+            dist.all_reduce(sums, group=group)
+        for group in groups:
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        values = dict(zip([names[i] for i in at_sum], sums.cpu().tolist()))
+        values.update(zip([names[i] for i in at_max], maxima.cpu().tolist()))
+        tokens = max(values["response_tokens"], 1.0)
+        return {name: values[name] / tokens if rule == "mean" else values[name] for name, rule in zip(names, rules)}
 
 
 @dataclass
@@ -83,7 +152,7 @@ def make_micro_batches(batch: RolloutBatch, micro_batch_size: int, seq_len: int,
 
 
 def aipo_microbatch_loss(logits: torch.Tensor, mb: dict, tp_group, vocab_size: int, settings: RLTrainerSettings):
-    """AIPO on one micro-batch of vocab-parallel logits: (loss sum, count, statistics vector).
+    """AIPO on one micro-batch of vocab-parallel logits: (loss sum, count, TokenStats).
 
     `mb` holds tokens, loss_mask (response positions), logp_mu (behaviour log-probs aligned with tokens),
     adv (per sequence) and optionally logp_ref. Positions outside loss_mask contribute neither loss nor gradient.
@@ -101,33 +170,30 @@ def aipo_microbatch_loss(logits: torch.Tensor, mb: dict, tp_group, vocab_size: i
     loss_tok, stats = aipo_token_loss(logp_pi, logp_mu, adv, s.aipo, mb.get("logp_ref"), entropy)
     loss_tok = torch.where(mask, loss_tok, torch.zeros_like(loss_tok))
     loss_sum, count = normalize(loss_tok, mask, s.aipo.normalization)
-    fmask = mask.to(torch.float32)
-    report = [loss_sum.detach().float(), count.float(), fmask.sum()]
-    for name in _TOKEN_STATS:
-        v = stats.get(name)
-        report.append((v.float() * fmask).sum() if v is not None else fmask.new_zeros(()))
-    for name in _MAX_STATS:
-        report.append((stats[name] * fmask).max().float() if fmask.any() else fmask.new_zeros(()))
-    return loss_sum, count.to(torch.int64), torch.stack(report)
+    return loss_sum, count.to(torch.int64), TokenStats.of_micro_batch(stats, mask)
 
 
 class RLTrainer:
-    """AIPO training of one trainer executor rank (every rank of the executor calls `step` with the same batch)."""
+    """AIPO training of one trainer executor rank (every rank of the executor calls `step` with the same batch).
+
+    With `algorithm.kl_coef > 0`, a frozen reference model (`training.reference.make_reference`) must be set, at
+    construction or with `set_reference` (e.g. after a supervised warm start), before the first `step`.
+    """
 
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, groups: ExecutorGroups,
                  settings: RLTrainerSettings, reference_model: Optional[torch.nn.Module] = None):
-        if settings.aipo.kl_coef and reference_model is None:
-            raise ValueError("algorithm.kl_coef > 0 needs a reference model")
         self.cfg = model_cfg
         self.groups = groups
         self.pgs = groups.pgs
         self.settings = settings
         self.engine = TrainEngine.create(model, self.pgs, settings.optim)
-        self.reference = reference_model
+        self.reference: Optional[torch.nn.Module] = None
         if reference_model is not None:
-            for p in reference_model.parameters():
-                p.requires_grad_(False)
-            reference_model.eval()
+            self.set_reference(reference_model)
+
+    def set_reference(self, model: torch.nn.Module) -> None:
+        """Use `model` (same architecture and layout as the policy) as the KL reference; it is frozen here."""
+        self.reference = freeze(model)
 
     @property
     def model(self):
@@ -151,7 +217,9 @@ class RLTrainer:
         mine = shard_for_dp(batch, layout.dp, self.groups.dp_rank)
         seq_len = -(-batch.tokens.shape[1] // 8) * 8
         micro = make_micro_batches(mine, self.settings.micro_batch_size, seq_len)
-        if self.reference is not None and self.settings.aipo.kl_coef:
+        if self.settings.aipo.kl_coef:
+            if self.reference is None:
+                raise ValueError("algorithm.kl_coef > 0 needs a reference model (RLTrainer.set_reference)")
             self._reference_logprobs(micro)
         outputs = []
 
@@ -162,34 +230,10 @@ class RLTrainer:
             return loss_sum, count, {"loss": torch.stack([loss_sum.detach().float(), count.float()])}
 
         metrics = self.engine.step(micro, loss_fn)
-        metrics.update(self._reduce_stats(outputs))
+        # The last stage holds the numbers: summed over DP, then shared over the pipeline.
+        metrics.update(TokenStats.reduce(outputs, [self.pgs.dp_cp, self.pgs.pp], device=_device()))
         elapsed = time.perf_counter() - t0
         metrics["step_time_s"] = elapsed
         metrics["tokens_per_s"] = float(batch.response_lengths.sum() + batch.prompt_lengths.sum()) / elapsed
         metrics["response_length"] = float(batch.response_lengths.float().mean())
         return metrics
-
-    def _reduce_stats(self, outputs: list[torch.Tensor]) -> dict:
-        """Token means and maxima over the step (all micro-batches and DP ranks). `logp_diff_mean` / `_max` are
-        |logp_pi - logp_mu| over response tokens: the trainer-generator numeric gap when the batch was generated
-        with the trainer's current weights (staleness 0), plus the policy's drift when it is older."""
-        n = 3 + len(_TOKEN_STATS)
-        total = torch.zeros(n, dtype=torch.float64, device=_device())
-        maxima = torch.zeros(len(_MAX_STATS), dtype=torch.float64, device=_device())
-        for o in outputs:
-            total += o[:n].double().to(total.device)
-            maxima = torch.maximum(maxima, o[n:].double().to(total.device))
-        # Last stage holds the numbers: sum over DP, then share over the pipeline.
-        dist.all_reduce(total, group=self.pgs.dp_cp)
-        dist.all_reduce(total, group=self.pgs.pp)
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.pgs.dp_cp)
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.pgs.pp)
-        total, maxima = total.cpu(), maxima.cpu()
-        tokens = max(float(total[2]), 1.0)
-        out = {"response_tokens": float(total[2])}
-        for i, name in enumerate(_TOKEN_STATS):
-            key = _REPORTED[name]
-            out[key + "_mean" if name in _MAX_STATS else key] = float(total[3 + i]) / tokens
-        for i, name in enumerate(_MAX_STATS):
-            out[_REPORTED[name] + "_max"] = float(maxima[i])
-        return out

@@ -1,0 +1,78 @@
+"""What a checkpoint looks like on disk: file and directory names, formats, the errors that name a bad one.
+
+The one module every other `checkpointing` module reads these from; it imports nothing from the project.
+
+    DIR/megatron_rl.json      META: format (CONVERT_FORMAT or TRAIN_FORMAT), model shape, tokenizer, ... and, in a
+                              training checkpoint, its manifest under MANIFEST (every file with its size)
+    DIR/model/                MODEL_DIR: Megatron-Core dist_checkpointing (torch_dist), DCP_METADATA inside
+    DIR/optimizer/            OPTIMIZER_DIR (training checkpoints)
+    DIR/rng/rank_00000.pt     RNG_DIR (training checkpoints)
+    DIR/rl_state.pt           RL_STATE (training checkpoints)
+    DIR/tokenizer/            TOKENIZER_DIR (when the checkpoint carries its tokenizer's files)
+    ROOT/step_00000042/       a run's checkpoint, named by `step_dir_name`; `*.tmp` names are writes in progress
+    ROOT/latest               LATEST: the name of the newest complete checkpoint
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+META = "megatron_rl.json"
+CONVERT_FORMAT = "megatron-rl/dist_checkpointing"
+TRAIN_FORMAT = "megatron-rl/train"
+FORMATS = (CONVERT_FORMAT, TRAIN_FORMAT)
+MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
+RNG_DIR = "rng"
+RL_STATE = "rl_state.pt"
+TOKENIZER_DIR = "tokenizer"
+MANIFEST = "files"  # the key of META that holds the manifest
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a dist_checkpointing directory
+LATEST = "latest"
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")  # a complete-looking checkpoint directory
+STEP_PREFIX = re.compile(r"^step_(\d+)")  # any checkpoint directory, including unfinished `.tmp` writes
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the path and what is wrong, in one line."""
+
+
+class InspectError(ValueError):
+    """A path that is not a usable checkpoint; the message is one line naming the path and what is missing."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def read_latest(root: Path) -> Optional[Path]:
+    """The checkpoint `ROOT/latest` names, or None when there is no pointer (it may name a directory that does not
+    exist; that is for the caller to judge)."""
+    pointer = Path(root) / LATEST
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    if not STEP_DIR.match(name):
+        raise CheckpointError(f"{pointer}: does not name a checkpoint directory (content {name!r})")
+    return Path(root) / name
+
+
+def manifest(root: Path) -> dict[str, int]:
+    """Every file under `root` (relative path) with its size: what a checkpoint records under MANIFEST."""
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def manifest_problems(ckpt: Path, meta: dict) -> list[str]:
+    """How the files of checkpoint `ckpt` differ from the manifest in its metadata, one phrase per file (empty when
+    they match, or when there is no manifest)."""
+    problems = []
+    for rel, size in (meta.get(MANIFEST) or {}).items():
+        f = Path(ckpt) / rel
+        if not f.is_file():
+            problems.append(f"{rel} missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{rel} has {f.stat().st_size} bytes, {size} were written")
+    return problems

@@ -1,0 +1,72 @@
+"""`tools/import_graph.py`: the package has no import cycle, and the checker finds one where there is one."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "import_graph.py"
+
+_spec = importlib.util.spec_from_file_location("import_graph", TOOL)
+import_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(import_graph)
+
+
+def test_the_package_has_no_import_cycle():
+    out = subprocess.run([sys.executable, str(TOOL), "--edges"], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout[out.stdout.find("cycle of"):] + out.stderr
+    assert "no import cycles" in out.stderr
+    edges = set(out.stdout.splitlines())
+    assert "megatron_rl.checkpointing.inspect -> megatron_rl.checkpointing.layout" in edges
+    assert "megatron_rl.rewards.registry -> megatron_rl.data.registry" in edges
+
+
+def test_cycles_are_found_in_a_synthetic_graph():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"a", "f"}, "f": {"e"}, "g": {"g"}}
+    assert import_graph.find_cycles(graph) == [["a", "b", "c"], ["e", "f"]]
+    assert import_graph.cycle_path(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+    assert import_graph.find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    long_chain = {str(i): {str(i + 1)} for i in range(5000)}  # deeper than Python's recursion limit
+    long_chain["5000"] = {"0"}
+    assert len(import_graph.find_cycles(long_chain)[0]) == 5001
+
+
+def test_edges_follow_the_stated_rule():
+    modules = {"p", "p.a", "p.b", "p.c", "p.q", "p.q.x", "p.q.y"}
+    source = """
+from __future__ import annotations
+import os
+from typing import TYPE_CHECKING
+from p.b import thing                  # a module: p.b
+from p import c                        # a submodule named in a from-import: p.c
+if TYPE_CHECKING:
+    from p.q import y                  # never runs: no edge
+
+def later():
+    import p.q.x                       # deferred imports count, and run p/q/__init__ first: p.q and p.q.x
+"""
+    assert import_graph.module_imports("p.a", source, modules) == {"p.b", "p.c", "p.q", "p.q.x"}
+    # Inside p.q: relative imports resolve against the package; p.q itself is already being imported.
+    assert import_graph.module_imports("p.q.x", "from . import y\nfrom .. import b\n", modules) == {"p.q.y", "p.b"}
+    # A package's __init__ importing its own submodule is an edge to it; the submodule has no edge back, unless it
+    # takes a name from the package's __init__ (which must have run past that name: the classic partial import).
+    assert import_graph.module_imports("p.q", "from p.q.x import f\n", modules, is_package=True) == {"p.q.x"}
+    assert import_graph.module_imports("p.q.x", "import p.q.y\n", modules) == {"p.q.y"}
+    assert import_graph.module_imports("p.q.x", "from p.q import z\n", modules) == {"p.q"}
+    assert import_graph.find_cycles({"p.q": {"p.q.x"}, "p.q.x": {"p.q"}}) == [["p.q", "p.q.x"]]
+
+
+def test_a_cycle_hidden_in_a_function_fails_the_check(tmp_path, monkeypatch, capsys):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pkg.b import g\n    return g()\n")
+    (pkg / "b.py").write_text("from pkg import a\n\ndef g():\n    return 1\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    graph = import_graph.build_graph(tmp_path, "pkg")
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a"}}
+    monkeypatch.setattr(import_graph, "build_graph", lambda: graph)
+    assert import_graph.main([]) == 1
+    assert capsys.readouterr().out == "cycle of 2 modules: pkg.a -> pkg.b -> pkg.a\n"
