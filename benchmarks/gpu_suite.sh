@@ -31,7 +31,7 @@ case $part in
         run int8_generator python benchmarks/int8_generator.py --dtype bf16 --memory-cases llama-1b,llama3-8b \
             --speed-cases llama-1b
         # The whole job on one GPU (executors colocated): does `megatron-rl train` run on CUDA end to end?
-        run job megatron-rl train trainer.tp=1 generator.colocated=true run.steps=40 trainer.warmup_steps_sft=200 \
+        run job megatron-rl train trainer.tp=1 generator.colocated=true run.steps=40 trainer.sft_warmup_steps=200 \
             run.eval_interval=20 checkpoint.dir="$out/job"
         ;;
     *) echo "unknown part $part (a or b)"; exit 2 ;;

@@ -37,9 +37,9 @@ def cmd_train(args) -> int:
           f", trainer {resolve_dtype_name(cfg.trainer.dtype)}, generator {resolve_dtype_name(cfg.generator.dtype)}"
           f"{', int8 generator weights' if cfg.generator.quantization == 'int8' else ''}, "
           f"{cfg.world_size_needed} processes", flush=True)
-    from megatron_rl.controller.run import train
+    from megatron_rl.controller.launcher import train
 
-    summary = train(cfg)
+    summary = train(cfg, model)
     print(json.dumps(summary))
     return 0
 

@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from megatron_rl.models.presets import PRESETS, ModelConfig, get_preset
+from megatron_rl.parallel.layout import ParallelLayout
 
 
 class ConfigError(ValueError):
@@ -75,12 +76,11 @@ class TrainerSection:
     pp: int = 1
     dp: int = 1
     micro_batch_size: int = 64
-    lr: float = 2e-4
-    # Supervised warm start inside the job (0 to skip): steps and peak learning rate.
-    warmup_steps_sft: int = 1500
-    warmup_lr: float = 3e-3
-    min_lr: float = 0.0
-    warmup_steps: int = 0
+    lr: float = 2e-4  # the RL learning rate (constant after `lr_warmup_steps` of linear warm-up)
+    lr_warmup_steps: int = 0
+    # Supervised warm start inside the job, before RL (0 to skip): steps and peak learning rate.
+    sft_warmup_steps: int = 1500
+    sft_lr: float = 3e-3
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
@@ -92,6 +92,10 @@ class TrainerSection:
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     max_nonfinite_steps: int = 3
 
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tp, self.pp, self.dp)
+
 
 @dataclass
 class GeneratorSection:
@@ -99,10 +103,14 @@ class GeneratorSection:
     pp: int = 1
     dp: int = 1
     colocated: bool = False
-    quantization: Literal["none", "int8", "fp8"] = "none"
+    quantization: Literal["none", "int8"] = "none"
     max_batch_size: int = 64
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tp, self.pp, self.dp)
 
 
 @dataclass
@@ -197,7 +205,6 @@ class RunSection:
     steps: int = 800
     world_size: Optional[int] = None
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    log_interval: int = 1
     eval_interval: int = 20
     wandb: WandbSection = field(default_factory=WandbSection)
 
@@ -225,8 +232,7 @@ class JobConfig:
 
     @property
     def world_size_needed(self) -> int:
-        t = self.trainer.tp * self.trainer.pp * self.trainer.dp
-        g = self.generator.tp * self.generator.pp * self.generator.dp
+        t, g = self.trainer.layout.size, self.generator.layout.size
         return max(t, g) if self.generator.colocated else t + g
 
 
@@ -291,7 +297,19 @@ def _coerce(path: str, value: Any, tp) -> Any:
     raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
 
 
+# Options that were renamed or removed: the error says what to use instead.
+_RETIRED = {
+    "trainer.warmup_steps_sft": "was renamed trainer.sft_warmup_steps",
+    "trainer.warmup_lr": "was renamed trainer.sft_lr",
+    "trainer.warmup_steps": "was renamed trainer.lr_warmup_steps (the RL learning rate's linear warm-up)",
+    "trainer.min_lr": "was removed: the RL learning rate is constant after its warm-up",
+    "run.log_interval": "was removed: every step is logged",
+}
+
+
 def _apply(cfg: JobConfig, path: str, value: Any) -> None:
+    if path in _RETIRED:
+        raise ConfigError(f"{path} {_RETIRED[path]}")
     parts = path.split(".")
     sections = {f.name: f for f in dataclasses.fields(JobConfig)}
     if parts[0] not in sections:
@@ -388,13 +406,8 @@ def _divides(errors: list[str], a_name: str, a: int, b_name: str, b: int) -> Non
         errors.append(f"{a_name}={a} does not divide {b_name}={b}")
 
 
-def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
-    """Check that the job can run; raise ConfigError with the first problem. Returns the resolved model."""
-    errors: list[str] = []
-    try:
-        model = cfg.model.resolve()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+def _check_model(errors: list[str], model: ModelConfig) -> None:
+    """The model's shape: positive sizes, heads that divide the hidden size."""
     for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "vocab_size", "max_position_embeddings"):
         if getattr(model, f) < 1:
@@ -404,16 +417,23 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
                  model.hidden_size)
         _divides(errors, "model.num_query_groups", model.num_query_groups, "model.num_attention_heads",
                  model.num_attention_heads)
+
+
+def _check_layouts(errors: list[str], cfg: JobConfig, model: ModelConfig) -> None:
+    """Each executor's TP / PP / DP against the model's shape."""
     for name, sec in (("trainer", cfg.trainer), ("generator", cfg.generator)):
-        for dim in ("tp", "pp", "dp"):
-            if getattr(sec, dim) < 1:
-                errors.append(f"{name}.{dim}={getattr(sec, dim)} must be >= 1")
-        if errors:
+        bad = [dim for dim in ("tp", "pp", "dp") if getattr(sec, dim) < 1]
+        errors += [f"{name}.{dim}={getattr(sec, dim)} must be >= 1" for dim in bad]
+        if bad or min(model.num_attention_heads, model.num_query_groups, model.num_layers) < 1:
             continue
         _divides(errors, f"{name}.tp", sec.tp, "model.num_attention_heads", model.num_attention_heads)
         _divides(errors, f"{name}.tp", sec.tp, "model.num_query_groups", model.num_query_groups)
         _divides(errors, f"{name}.tp", sec.tp, "model.ffn_hidden_size", model.ffn_hidden_size)
         _divides(errors, f"{name}.pp", sec.pp, "model.num_layers", model.num_layers)
+
+
+def _check_rollout(errors: list[str], cfg: JobConfig, model: ModelConfig) -> None:
+    """Sampling, batch shape and the algorithm's settings."""
     r, a = cfg.rollout, cfg.algorithm
     if r.staleness < 0:
         errors.append(f"rollout.staleness={r.staleness} must be >= 0")
@@ -441,16 +461,20 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
         errors.append("algorithm.ppo_clip needs algorithm.importance_weights=true (its ratio is pi / mu)")
     if cfg.trainer.lr <= 0:
         errors.append(f"trainer.lr={cfg.trainer.lr} must be > 0")
+
+
+def _check_data_and_reward(errors: list[str], cfg: JobConfig) -> None:
+    """The dataset, and a reward that can score it."""
     d = cfg.data
-    from megatron_rl.controller.tasks import dataset_key
+    from megatron_rl.data.registry import dataset_key
 
     try:
         dataset = dataset_key(d.dataset)
     except ValueError as e:
         errors.append(str(e))
         dataset = None
-    if dataset is not None and cfg.trainer.warmup_steps_sft > 0:
-        errors.append(f"trainer.warmup_steps_sft={cfg.trainer.warmup_steps_sft}: the supervised warm start needs "
+    if dataset is not None and cfg.trainer.sft_warmup_steps > 0:
+        errors.append(f"trainer.sft_warmup_steps={cfg.trainer.sft_warmup_steps}: the supervised warm start needs "
                       f"demonstrations, which only the synthetic task has; set it to 0 for data.dataset="
                       f"{d.dataset!r} (start from trained weights with model.checkpoint)")
     if dataset == "jsonl" and not d.path:
@@ -482,12 +506,13 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
         errors.append("reward.function must be set (module:function) when reward.kind='function'")
     if cfg.reward.function and ":" not in cfg.reward.function:
         errors.append(f"reward.function={cfg.reward.function!r} must look like 'module:function'")
-    if cfg.generator.quantization not in ("none", "int8"):
-        errors.append(f"generator.quantization={cfg.generator.quantization!r} is not available; use 'int8' "
-                      f"(int8 weights, dequantized per layer) or 'none'")
     if cfg.generator.quantization == "int8" and cfg.generator.attention == "te":
         errors.append("generator.quantization='int8' needs Megatron-Core's own linear layers: set "
                       "generator.attention to 'sdpa' or 'local' (not 'te')")
+
+
+def _check_run(errors: list[str], cfg: JobConfig, world_size: Optional[int]) -> None:
+    """Checkpoints, logging, and the world the executors need."""
     if cfg.checkpoint.keep_last < 1:
         errors.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     if cfg.run.wandb.enabled and importlib.util.find_spec("wandb") is None:
@@ -495,7 +520,7 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
         setting = f"run.wandb.project={w.project!r}" if w.mode == "auto" else f"run.wandb.mode={w.mode!r}"
         errors.append(f"{setting} needs the wandb package: pip install 'megatron-rl[wandb]'")
     if cfg.generator.colocated:
-        if cfg.generator.tp * cfg.generator.pp * cfg.generator.dp != cfg.trainer.tp * cfg.trainer.pp * cfg.trainer.dp:
+        if cfg.generator.layout.size != cfg.trainer.layout.size:
             errors.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp "
                           "(both executors span the same ranks)")
     world = world_size if world_size is not None else cfg.run.world_size
@@ -504,6 +529,25 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
                       f"{cfg.trainer.tp}x{cfg.trainer.pp}x{cfg.trainer.dp}, generator "
                       f"{cfg.generator.tp}x{cfg.generator.pp}x{cfg.generator.dp}"
                       f"{', colocated' if cfg.generator.colocated else ''}) but the world has {world}")
-    if errors:
+
+
+def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
+    """Check that the job can run; raise ConfigError naming every problem found. Returns the resolved model.
+
+    Called once per process before any process group exists (the CLI, or each rank of a torchrun/srun world);
+    ranks receive the resolved model."""
+    errors: list[str] = []
+    try:
+        model = cfg.model.resolve()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_model(errors, model)
+    _check_layouts(errors, cfg, model)
+    _check_rollout(errors, cfg, model)
+    _check_data_and_reward(errors, cfg)
+    _check_run(errors, cfg, world_size)
+    if len(errors) == 1:
         raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} problems: " + "; ".join(errors))
     return model

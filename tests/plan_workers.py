@@ -14,10 +14,11 @@ def allocated_worker(rank, world_size, cfg, run_dir):
     exists, and report the bytes of every buffer the trainer and generator hold on this rank."""
     from pathlib import Path
 
+    from megatron_rl.config import validate
     from megatron_rl.controller.job import Job
     from megatron_rl.training.lm_loss import make_lm_loss
 
-    job = Job(cfg, Path(run_dir))
+    job = Job(cfg, validate(cfg, world_size), Path(run_dir))
     out = {"rank": rank}
     if job.trainer is not None:
         engine = job.trainer.engine
@@ -46,7 +47,7 @@ def allocated_worker(rank, world_size, cfg, run_dir):
     if job.generator is not None:
         from megatron_rl.inference.quantized import weight_bytes
 
-        out["generator"] = {"weights": weight_bytes(job.gen_model, job.gen_int8)}
+        out["generator"] = {"weights": weight_bytes(job.generator.model, job.generator.int8)}
     return out
 
 

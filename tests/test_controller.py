@@ -28,7 +28,7 @@ def test_schedule_versions_by_hand():
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_short_job_end_to_end(tmp_path, mode):
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "run.steps=4", "trainer.warmup_steps_sft=10",
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "run.steps=4", "trainer.sft_warmup_steps=10",
            "run.eval_interval=2", f"rollout.mode={mode}", "rollout.prompts_per_step=4", "data.eval_size=8",
            f"checkpoint.dir={tmp_path}", "run.name=t"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -79,7 +79,7 @@ def test_bf16_trainer_with_an_int8_generator_trains_and_resumes(tmp_path):
     the trainer's. A longer relaunch resumes the bf16 run."""
     import torch
 
-    base = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.warmup_steps_sft=10", "rollout.mode=sync",
+    base = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.sft_warmup_steps=10", "rollout.mode=sync",
             "rollout.prompts_per_step=4", "data.eval_size=4", "run.eval_interval=100", "checkpoint.save_interval=3",
             "trainer.dtype=bf16", "generator.dtype=bf16", "generator.quantization=int8", f"checkpoint.dir={tmp_path}",
             "run.name=q"]
@@ -110,7 +110,7 @@ def test_killed_runs_resume_to_the_same_result(tmp_path):
 
     import torch
 
-    args = ["run.steps=6", "trainer.warmup_steps_sft=10", "run.eval_interval=100", "rollout.prompts_per_step=4",
+    args = ["run.steps=6", "trainer.sft_warmup_steps=10", "run.eval_interval=100", "rollout.prompts_per_step=4",
             "data.eval_size=4", "rollout.max_new_tokens=6", "checkpoint.save_interval=2", f"checkpoint.dir={tmp_path}"]
 
     def launch(name, failpoint=None):

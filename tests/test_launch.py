@@ -57,7 +57,7 @@ exit 1
 
 # The 8B recipe's config, shrunk to the tiny model on 3 CPU processes.
 TINY = ["model.preset=tiny", "trainer.tp=2", "trainer.pp=1", "trainer.dp=1", "trainer.dtype=fp32",
-        "trainer.micro_batch_size=64", "trainer.lr=1e-4", "trainer.warmup_steps_sft=2", "generator.tp=1",
+        "trainer.micro_batch_size=64", "trainer.lr=1e-4", "trainer.sft_warmup_steps=2", "generator.tp=1",
         "generator.dp=1", "generator.dtype=fp32", "generator.max_batch_size=16", "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=2", "rollout.max_prompt_length=48", "rollout.max_new_tokens=8",
         "data.dataset=synthetic-arithmetic", "data.eval_size=4", "reward.kind=auto", "reward.num_workers=1",

@@ -179,7 +179,7 @@ def test_short_job_logs_its_metrics_plot_and_samples_to_offline_wandb(tmp_path, 
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "run.steps=3", "trainer.warmup_steps_sft=0",
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "run.steps=3", "trainer.sft_warmup_steps=0",
            "run.eval_interval=2", "rollout.prompts_per_step=4", "data.eval_size=8", f"checkpoint.dir={tmp_path}",
            "run.name=t", "run.wandb.mode=offline", "run.wandb.project=megatron-rl-test"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **offline})

@@ -57,7 +57,7 @@ def test_the_job_task_uses_them_with_the_number_verifier():
     from megatron_rl.controller.tasks import build_task
     from megatron_rl.tokenizers import ByteTokenizer
 
-    cfg = load_config(None, ["data.dataset=word-problems", "trainer.warmup_steps_sft=0", "data.eval_size=8",
+    cfg = load_config(None, ["data.dataset=word-problems", "trainer.sft_warmup_steps=0", "data.eval_size=8",
                              "rollout.max_prompt_length=200", "reward.num_workers=1"])
     task = build_task(cfg, ByteTokenizer())
     try:

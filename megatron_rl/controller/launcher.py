@@ -1,4 +1,7 @@
-"""How `megatron-rl train` gets its ranks: started here (local) or by torchrun / srun (env).
+"""How `megatron-rl train` gets its ranks, and what each rank runs: the launchers in one place.
+
+Both launchers resolve and check the config once, prepare the run directory, run `rank_main` on every rank (which
+builds the rank's `Job` and runs `loop.run`) and write the summary and the plot from rank 0's result.
 
     local  `run.train`: this process starts `world_size_needed` ranks on this machine (gloo on CPUs; NCCL and one
            GPU per rank where CUDA is present).
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_rl.config import ConfigError, JobConfig, validate
+from megatron_rl.models.presets import ModelConfig
 
 LAUNCHERS = ("auto", "local", "env")
 DEFAULT_PORT = 29500
@@ -102,18 +106,82 @@ def env_world(environ: Optional[dict] = None) -> EnvWorld:
 
 
 def _executors_text(cfg: JobConfig) -> str:
-    t = cfg.trainer.tp * cfg.trainer.pp * cfg.trainer.dp
-    g = cfg.generator.tp * cfg.generator.pp * cfg.generator.dp
+    t, g = cfg.trainer.layout.size, cfg.generator.layout.size
     return f"trainer {t}, generator {g} colocated" if cfg.generator.colocated else f"trainer {t} + generator {g}"
 
 
-def check_world(cfg: JobConfig, world_size: int) -> None:
+def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: str) -> dict:
+    """One rank of the job (both launchers): build its executors, run the loop; rank 0 shows progress and writes
+    metrics.jsonl as rows arrive."""
+    from tqdm import tqdm
+
+    from megatron_rl.controller import loop
+    from megatron_rl.controller.job import Job
+    from megatron_rl.controller.metrics import open_metrics
+
+    t0 = time.perf_counter()
+    sft = cfg.trainer.sft_warmup_steps
+    bar = tqdm(total=sft + cfg.run.steps, desc="megatron-rl", unit="step", file=sys.stderr,
+               dynamic_ncols=True) if rank == 0 else None
+    writer = None
+
+    def progress(phase: str, done: int, total: int, text: str) -> None:
+        if bar is not None:  # a resumed run's first step moves the bar past the steps done before
+            bar.update((done if phase == "warm-start" else sft + done) - bar.n)
+            if text:
+                bar.set_postfix_str(text, refresh=False)
+
+    def echo(text: str) -> None:
+        if bar is not None:
+            bar.write(text, file=sys.stderr)
+
+    def on_row(row: dict) -> None:
+        nonlocal writer
+        if writer is None:  # the first row's step is where this run starts: a resumed run drops later rows
+            writer = open_metrics(cfg, Path(run_dir), row["step"], echo)
+        writer.write(row)
+
+    try:
+        rows = loop.run(Job(cfg, model_cfg, Path(run_dir), echo), progress, on_row=on_row)
+    finally:
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.close()
+    return {"rows": rows, "start_step": rows[0]["step"] if rows else cfg.run.steps,
+            "time_s": time.perf_counter() - t0}
+
+
+def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
+    """The local launcher: run the job on this machine with as many processes as its executors need; returns the
+    summary. `model_cfg`: what `validate` resolved, when the caller has already validated `cfg`."""
+    from megatron_rl.checkpointing import initial
+    from megatron_rl.parallel.spawn import LaunchError, local_gpus, resolve_backend, run_local
+
+    world = cfg.world_size_needed
+    if model_cfg is None:
+        model_cfg = validate(cfg, world)
+    try:  # before anything is written: a machine with too few GPUs fails in one line
+        backend = resolve_backend(cfg.run.backend, world, local_gpus())
+    except LaunchError as e:
+        raise ConfigError(str(e)) from None
+    run_dir = prepare_run_dir(cfg)
+    cfg = initial.prepare(cfg, run_dir, log=lambda text: print(f"megatron-rl: {text}", file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    # No time limit on the whole job (a run takes as long as its steps); a dead or hung rank still ends it through
+    # the process group's timeout.
+    results = run_local(rank_main, world, cfg, model_cfg, str(run_dir), backend=backend, timeout=None,
+                        dist_timeout_s=dist_timeout_s())
+    return write_summary(cfg, results[0], run_dir, time.perf_counter() - t0, {"backend": backend})
+
+
+def check_world(cfg: JobConfig, world_size: int) -> ModelConfig:
     """The launched world must have exactly the ranks the executors use: fewer cannot run, more would idle."""
     need = cfg.world_size_needed
     if world_size != need:
         raise ConfigError(f"executors need {need} ranks ({_executors_text(cfg)}) but {world_size} "
                           f"{'was' if world_size == 1 else 'were'} launched")
-    validate(cfg, world_size)
+    return validate(cfg, world_size)
 
 
 def run_dir_of(cfg: JobConfig) -> Path:
@@ -132,7 +200,7 @@ def prepare_run_dir(cfg: JobConfig) -> Path:
 
 
 def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extra: Optional[dict] = None) -> dict:
-    """summary.json and metrics.png from rank 0's `_job_worker` result (both launchers). The
+    """summary.json and metrics.png from rank 0's `rank_main` result (both launchers). The
     rows are those of metrics.jsonl (all steps of the run, including those before a resume) when it exists."""
     from megatron_rl.controller.metrics import plot_run, read_metrics
 
@@ -198,7 +266,7 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
     world = world or env_world()
     if not 0 <= world.rank < world.world_size:
         raise ConfigError(f"rank {world.rank} is outside the world of {world.world_size}")
-    check_world(cfg, world.world_size)
+    model_cfg = check_world(cfg, world.world_size)
     from megatron_rl.checkpointing.initial import megatron_checkpoint
 
     try:  # every rank would convert at once: a HF or GGUF source must be converted before the launch
@@ -210,7 +278,6 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
     import torch.distributed as dist
 
     from megatron_rl.compat import activate
-    from megatron_rl.controller.run import _job_worker
 
     from megatron_rl.parallel.spawn import local_gpus
 
@@ -230,7 +297,7 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
     dist.init_process_group(backend, rank=world.rank, world_size=world.world_size,
                             timeout=timedelta(seconds=timeout_s))
     try:
-        result = _job_worker(world.rank, world.world_size, cfg, str(run_dir))
+        result = rank_main(world.rank, world.world_size, cfg, model_cfg, str(run_dir))
     finally:
         dist.destroy_process_group()
     if world.rank != 0:

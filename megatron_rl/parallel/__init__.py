@@ -1,6 +1,16 @@
-"""World split into executors and their parallel layouts."""
+"""World split into executors and their parallel layouts.
+
+`ParallelLayout` imports nothing heavy (the config uses it); the topology (torch.distributed) loads on first use.
+"""
 
 from megatron_rl.parallel.layout import ParallelLayout
-from megatron_rl.parallel.topology import ExecutorGroups, ExecutorPlacement, build_topology, check_placements
 
 __all__ = ["ParallelLayout", "ExecutorPlacement", "ExecutorGroups", "build_topology", "check_placements"]
+
+
+def __getattr__(name):
+    if name in ("ExecutorPlacement", "ExecutorGroups", "build_topology", "check_placements"):
+        from megatron_rl.parallel import topology
+
+        return getattr(topology, name)
+    raise AttributeError(name)

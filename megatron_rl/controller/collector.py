@@ -1,0 +1,136 @@
+"""The controller's bookkeeping on rank 0: rollouts in, training batches and metric rows out.
+
+Generator replicas send one `Rollouts` per batch, in batch order. The collector waits for every replica's part of
+batch k, packs the parts into one `RolloutBatch` with advantages, and after the trainer's step turns the step's
+statistics into the row written to metrics.jsonl. Batches generated before a checkpoint but trained after it are
+stored with the checkpoint (`pending`) and handed back on resume (`restore`): they cannot be regenerated, since
+the weights that produced them are gone.
+
+It talks to the world only through the `receive(rank)` function it is given, so it runs in one process in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron_rl.algorithms import compute_advantages
+from megatron_rl.rollout import RolloutBatch
+
+# Per-step trainer statistics copied into each metrics row, in this order.
+TRAINER_STATS = ("loss", "grad_norm", "lr", "is_weight_mean", "is_weight_max", "is_truncated_frac", "kl_mu_pi",
+                 "logp_diff_mean", "logp_diff_max", "entropy", "response_length", "tokens_per_s", "skipped")
+
+
+@dataclass
+class Rollouts:
+    """What a generator replica sends the controller for one batch."""
+
+    batch: int
+    version: int
+    prompt_ids: list[list[int]]
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    rewards: list[float]
+    group_ids: list[int]
+    texts: list[str]
+    gen_s: float
+    reward_s: float
+    wait_s: float
+    eval_reward: Optional[float] = None
+
+
+def pack(rollouts: list[Rollouts], pad_id: int) -> RolloutBatch:
+    """One right-padded batch of every replica's responses; behaviour log-probs at the response positions."""
+    prompts = [p for r in rollouts for p in r.prompt_ids]
+    tokens = [t for r in rollouts for t in r.token_ids]
+    lps = [lp for r in rollouts for lp in r.logprobs]
+    n = len(prompts)
+    s = max(len(p) + len(t) for p, t in zip(prompts, tokens))
+    toks = torch.full((n, s), pad_id, dtype=torch.long)
+    logp = torch.zeros(n, s)
+    for i, (p, t, lp) in enumerate(zip(prompts, tokens, lps)):
+        toks[i, : len(p) + len(t)] = torch.tensor(p + t)
+        logp[i, len(p): len(p) + len(t)] = torch.tensor(lp)
+    rewards = torch.tensor([x for r in rollouts for x in r.rewards])
+    groups = torch.tensor([x for r in rollouts for x in r.group_ids])
+    versions = torch.tensor([r.version for r in rollouts for _ in r.rewards])
+    return RolloutBatch(toks, torch.tensor([len(p) for p in prompts]), torch.tensor([len(t) for t in tokens]),
+                        logp, rewards, groups, versions)
+
+
+class Collector:
+    """leaders: the ranks of the generator replicas' leaders, in replica order (rank 0 among them when it also
+    generates: its parts arrive through `put`, the others' through `receive(rank)`)."""
+
+    def __init__(self, leaders: list[int], receive: Callable[[int], Rollouts], *, advantage: str, pad_id: int):
+        self.leaders = list(leaders)
+        self.receive = receive
+        self.advantage = advantage
+        self.pad_id = pad_id
+        self._inbox: dict[int, dict[int, Rollouts]] = {}
+        self._restored: dict[int, list[Rollouts]] = {}
+
+    def put(self, rollouts: Rollouts) -> None:
+        """Rank 0's own replica's part."""
+        self._inbox.setdefault(rollouts.batch, {})[0] = rollouts
+
+    def collect(self, k: int) -> list[Rollouts]:
+        """Every replica's part of batch k (received now unless already here). Each replica sends its batches in
+        order, so the next message from a leader is its oldest unread batch."""
+        if k in self._restored:
+            return self._restored[k]
+        have = self._inbox.setdefault(k, {})
+        for leader in self.leaders:
+            if leader not in have:
+                if leader == 0:
+                    raise RuntimeError(f"batch {k} was never produced on rank 0")
+                got = self.receive(leader)
+                if got.batch != k:
+                    raise RuntimeError(f"expected rollouts of batch {k} from rank {leader}, got batch {got.batch}")
+                have[leader] = got
+        return [have[leader] for leader in self.leaders]
+
+    def training_batch(self, k: int) -> tuple[RolloutBatch, list[Rollouts]]:
+        """Batch k packed, with advantages; its parts are forgotten (the trainer consumes each batch once)."""
+        parts = self.collect(k)
+        self._inbox.pop(k, None)
+        self._restored.pop(k, None)
+        batch = pack(parts, self.pad_id)
+        batch.advantages = compute_advantages(batch.rewards, batch.group_ids, self.advantage)
+        return batch, parts
+
+    def pending(self, version: int, staleness: int, num_steps: int) -> dict[int, list[dict]]:
+        """For a checkpoint after `version` trainer steps: the batches already generated for later steps (version ..
+        version + s - 1), received now if need be. Version 0 is saved before any batch exists."""
+        last = min(version + staleness, num_steps) if version > 0 else 0
+        return {b: [dataclasses.asdict(r) for r in self.collect(b)] for b in range(version, last)}
+
+    def restore(self, pending: dict) -> None:
+        """The batches a checkpoint's `pending` holds. Stored whole: they stay valid when the generator's layout
+        (its number of replicas) changed."""
+        self._restored = {int(b): [Rollouts(**p) for p in parts] for b, parts in pending.items()}
+
+
+def metrics_row(k: int, parts: list[Rollouts], batch: RolloutBatch, stats: dict, *, train_s: float,
+                recv_s: float, kl_ref: bool = False) -> dict:
+    """The metrics.jsonl row of trainer step k (the caller adds the step's total time). `kl_ref`: the run has a
+    KL reference, so the row reports the policy's KL to it."""
+    version = parts[0].version
+    row = {"step": k, "version_trained": k, "generated_with_version": version, "staleness": k - version,
+           "reward": float(batch.rewards.mean()),
+           "time/generation_s": max(p.gen_s for p in parts), "time/reward_s": max(p.reward_s for p in parts),
+           "time/train_s": train_s, "time/trainer_wait_s": recv_s,
+           "time/generator_wait_s": max(p.wait_s for p in parts),
+           "samples": [t for p in parts for t in p.texts][:4]}
+    evals = [p.eval_reward for p in parts if p.eval_reward is not None]
+    if evals:
+        row["eval/reward"] = sum(evals) / len(evals)
+        row["eval/version"] = version
+    for key in TRAINER_STATS + (("kl_ref",) if kl_ref else ()):
+        v = stats.get(key)
+        row[key] = float(v) if isinstance(v, (int, float, bool)) else v
+    return row

@@ -1,0 +1,246 @@
+"""The executors of one rank, built from the resolved config: trainer, generator (and its reward), weight push.
+
+Each rank builds the executors its place in the world gives it (`ExecutorGroups.is_member`); a colocated rank
+builds both. Each class owns its state from its constructor on; the loop (`controller/loop.py`) only calls them.
+
+    TrainerExecutor    the policy under Megatron-Core DDP + optimizer, its supervised warm start, the AIPO step
+    GeneratorExecutor  the sampling copy of the policy: a batch's rollouts, the held-out reward
+    score()            reward of a replica's rollouts, on its leader (the rank that talks to the controller)
+    WeightPush         DDMA from trainer shards to generator shards, version by version
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron_rl.algorithms import AIPOSettings
+from megatron_rl.config import JobConfig
+from megatron_rl.controller.collector import Rollouts
+from megatron_rl.controller.tasks import Task
+from megatron_rl.ddma.sync import WeightSync
+from megatron_rl.ddma.transport import TransportSettings
+from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+from megatron_rl.models import ModelConfig, build_gpt_model
+from megatron_rl.models.precision import resolve_dtype
+from megatron_rl.parallel.topology import ExecutorGroups
+from megatron_rl.training.engine import OptimSettings
+from megatron_rl.training.lm_loss import make_lm_loss
+from megatron_rl.training.reference import make_reference
+from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
+
+# The warm start: batch size per DP rank and its learning-rate schedule (linear warm-up over the first
+# SFT_LR_WARMUP_STEPS steps, then cosine decay to a tenth of trainer.sft_lr over at least SFT_MIN_DECAY_STEPS).
+SFT_BATCH_SIZE = 32
+SFT_LR_WARMUP_STEPS = 10
+SFT_MIN_DECAY_STEPS = 11
+# Held-out evaluation samples prompt i with seed EVAL_SEED + i: the same draws at every evaluation, so the curve
+# moves only with the weights.
+EVAL_SEED = 424242
+
+
+def rollout_seed(run_seed: int, batch: int, prompt: int) -> int:
+    """The sampling seed of prompt `prompt` (its index in the batch) of training batch `batch`: a pure function of
+    the run's seed and the position, so a resumed run redraws exactly the samples it would have drawn."""
+    return run_seed * 7919 + batch * 1000 + prompt
+
+
+def build_policy(cfg: JobConfig, model_cfg: ModelConfig, t: ExecutorGroups) -> torch.nn.Module:
+    """The trainer's shard of the policy (random weights from run.seed until a checkpoint is loaded)."""
+    return build_gpt_model(model_cfg, t.layout, t.pgs, attention=cfg.trainer.attention, seed=cfg.run.seed,
+                           params_dtype=resolve_dtype(cfg.trainer.dtype))
+
+
+def optim_settings(cfg: JobConfig) -> OptimSettings:
+    """The optimizer and learning-rate schedule the trainer starts with: the warm start's (linear warm-up, cosine
+    decay to a tenth of trainer.sft_lr) when there is one, else RL's (trainer.lr after trainer.lr_warmup_steps of
+    linear warm-up). The warm start switches to trainer.lr when it ends."""
+    tr = cfg.trainer
+    warm = tr.sft_warmup_steps > 0
+    return OptimSettings(lr=tr.sft_lr if warm else tr.lr, min_lr=tr.sft_lr / 10 if warm else 0.0,
+                         warmup_steps=SFT_LR_WARMUP_STEPS if warm else tr.lr_warmup_steps,
+                         total_steps=max(tr.sft_warmup_steps, SFT_MIN_DECAY_STEPS) if warm else cfg.run.steps,
+                         lr_decay_style="cosine" if warm else "constant", clip_grad=tr.clip_grad,
+                         weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
+                         adam_eps=tr.adam_eps, use_distributed_optimizer=tr.use_distributed_optimizer,
+                         max_nonfinite_steps=tr.max_nonfinite_steps)
+
+
+class TrainerExecutor:
+    """One rank of the trainer executor: the policy, its optimizer, the supervised warm start and the AIPO step."""
+
+    def __init__(self, cfg: JobConfig, model_cfg: ModelConfig, t: ExecutorGroups, model: torch.nn.Module,
+                 task: Task, encode: Callable[[str], list[int]], tokenizer):
+        self.cfg, self.model_cfg, self.t = cfg, model_cfg, t
+        self.task, self.encode, self.tok = task, encode, tokenizer
+        a = cfg.algorithm
+        aipo = AIPOSettings(rho=a.rho, normalization=a.normalization, ppo_clip=a.ppo_clip, kl_coef=a.kl_coef,
+                            entropy_coef=a.entropy_coef, importance_weights=a.importance_weights)
+        settings = RLTrainerSettings(micro_batch_size=cfg.trainer.micro_batch_size,
+                                     temperature=cfg.rollout.temperature, aipo=aipo, optim=optim_settings(cfg))
+        self.rl = RLTrainer(model, model_cfg, t, settings)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.rl.model
+
+    @property
+    def engine(self):
+        return self.rl.engine
+
+    def start(self, progress: Callable[[str, int, int, str], None]) -> None:
+        """A fresh run, before RL: the supervised warm start (if any); then, with algorithm.kl_coef > 0, the KL
+        reference becomes a frozen copy of the policy as RL starts."""
+        if self.cfg.trainer.sft_warmup_steps > 0:
+            self._warm_start(progress)
+        if self.cfg.algorithm.kl_coef > 0:
+            self.rl.set_reference(make_reference(self.model, lambda: build_policy(self.cfg, self.model_cfg, self.t)))
+
+    def prepare_resume(self) -> None:
+        """Before a checkpoint is loaded: a module for the KL reference's saved weights, when the run has one."""
+        if self.cfg.algorithm.kl_coef > 0:
+            self.rl.set_reference(make_reference(self.model, lambda: build_policy(self.cfg, self.model_cfg, self.t)))
+
+    @property
+    def reference(self) -> Optional[torch.nn.Module]:
+        return self.rl.reference
+
+    def _warm_start(self, progress: Callable[[str, int, int, str], None]) -> None:
+        """Supervised next-token training on the task's answers, so RL starts from a policy that solves some
+        problems: a random tiny model never sees a reward. Then the learning rate switches to trainer.lr."""
+        steps = self.cfg.trainer.sft_warmup_steps
+        loss_fn = make_lm_loss(self.t.pgs.tp, self.model_cfg.vocab_size)
+        bs, dp = SFT_BATCH_SIZE, self.t.layout.dp
+        for step in range(steps):
+            mine = self.task.demonstrations(step, bs * dp)[self.t.dp_rank * bs:(self.t.dp_rank + 1) * bs]
+            enc = [(self.encode(prompt), self.tok.encode(answer) + [self.tok.eos_id]) for prompt, answer in mine]
+            width = max(len(a) + len(b) for a, b in enc)
+            toks = torch.full((bs, width), self.tok.pad_id, dtype=torch.long)
+            mask = torch.zeros(bs, width)
+            for i, (a, b) in enumerate(enc):
+                toks[i, : len(a) + len(b)] = torch.tensor(a + b)
+                mask[i, len(a): len(a) + len(b)] = 1
+            if torch.cuda.is_available():
+                toks, mask = toks.cuda(non_blocking=True), mask.cuda(non_blocking=True)
+            metrics = self.engine.step([{"tokens": toks, "loss_mask": mask}], loss_fn)
+            progress("warm-start", step + 1, steps, f"warm-start loss {metrics['loss']:.3f}")
+        self.engine.set_constant_lr(self.cfg.trainer.lr)
+
+    def step(self, batch) -> dict:
+        return self.rl.step(batch)
+
+
+@dataclass
+class Generated:
+    """A replica's samples of one batch, on its leader, before they are scored."""
+
+    batch: int
+    version: int
+    problems: list  # the task's records, one per sample
+    groups: list[int]  # the index of each sample's prompt in the batch
+    outputs: list  # GenerationOutput per sample
+    gen_s: float
+
+
+class GeneratorExecutor:
+    """One rank of the generator executor. Replica d (of generator.dp) samples prompts d, d + dp, ... of each
+    batch; its TP ranks sample together and its leader (tp rank 0) gets the outputs."""
+
+    def __init__(self, cfg: JobConfig, model_cfg: ModelConfig, g: ExecutorGroups, task: Task, tokenizer,
+                 encode: Callable[[str], list[int]]):
+        self.cfg, self.g, self.task, self.tok, self.encode = cfg, g, task, tokenizer, encode
+        self.stop_ids = tuple(sorted(tokenizer.stop_ids))
+        attention = cfg.generator.attention
+        if cfg.generator.quantization == "int8" and attention == "auto":
+            attention = "sdpa"  # int8 layers are Megatron-Core's own linears, not transformer-engine's
+        build = dict(attention=attention, seed=cfg.run.seed + 1, params_dtype=resolve_dtype(cfg.generator.dtype))
+        self.int8: dict = {}
+        if cfg.generator.quantization == "int8":
+            from megatron_rl.inference.quantized import build_int8_generator
+
+            # Never holds the full-precision matrices; DDMA writes every weight before the first sample.
+            self.model, self.int8 = build_int8_generator(model_cfg, g.layout, g.pgs, **build)
+        else:
+            self.model = build_gpt_model(model_cfg, g.layout, g.pgs, **build)
+        self.generator = Generator(self.model, model_cfg.vocab_size, g.pgs.tp,
+                                   max_batch_size=cfg.generator.max_batch_size,
+                                   max_len=cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens,
+                                   tokenizer=tokenizer)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.g.tp_rank == 0
+
+    def weights(self) -> dict:
+        """What DDMA writes into: the parameters, with the int8 buffers (written in place) where quantized."""
+        if not self.int8:
+            return self.model
+        return {**dict(self.model.named_parameters()), **self.int8}
+
+    def _sampling(self, seed: int, n: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids, n=n, seed=seed)
+
+    def generate(self, batch: int, version: int) -> Optional[Generated]:
+        """This replica's samples of training batch `batch`; None on ranks other than the leader."""
+        r = self.cfg.rollout
+        per, n = r.prompts_per_step, r.samples_per_prompt
+        problems = self.task.train_batch(batch, per)
+        mine = list(range(per))[self.g.dp_rank::self.g.layout.dp]
+        t0 = time.perf_counter()
+        reqs = [GenerationRequest(self.encode(self.task.prompt_text(problems[i])),
+                                  self._sampling(rollout_seed(self.cfg.run.seed, batch, i), n)) for i in mine]
+        outs = self.generator.generate(reqs)
+        gen_s = time.perf_counter() - t0
+        if not self.is_leader:
+            return None
+        groups = [mine[j // n] for j in range(len(outs))]
+        return Generated(batch, version, [problems[i] for i in groups], groups, outs, gen_s)
+
+    def evaluate(self) -> Optional[float]:
+        """Mean reward on the held-out problems, sampled as in training (every replica sees the same set and holds
+        the same weights); None on ranks other than the leader."""
+        n = self.cfg.data.eval_samples
+        problems = self.task.eval_records()
+        reqs = [GenerationRequest(self.encode(self.task.prompt_text(p)), self._sampling(EVAL_SEED + i, n))
+                for i, p in enumerate(problems)]
+        outs = self.generator.generate(reqs)
+        if not self.is_leader:
+            return None
+        scores = self.task.score([problems[j // n] for j in range(len(outs))],
+                                 [self.tok.decode(o.token_ids) for o in outs])
+        return sum(scores) / len(scores)
+
+
+def score(task: Task, tokenizer, gen: Generated, *, wait_s: float, eval_reward: Optional[float]) -> Rollouts:
+    """The reward of each sample (the task's verifier or reward function), and the message for the controller."""
+    t0 = time.perf_counter()
+    texts = [tokenizer.decode(o.token_ids) for o in gen.outputs]
+    rewards = task.score(gen.problems, texts)
+    reward_s = time.perf_counter() - t0
+    return Rollouts(gen.batch, gen.version, [o.prompt_ids for o in gen.outputs], [o.token_ids for o in gen.outputs],
+                    [o.logprobs for o in gen.outputs], rewards, gen.groups, texts[:4], gen.gen_s, reward_s, wait_s,
+                    eval_reward)
+
+
+class WeightPush:
+    """DDMA from the trainer's shards to the generator's (a collective of both executors' ranks)."""
+
+    def __init__(self, cfg: JobConfig, model_cfg: ModelConfig, t: ExecutorGroups, g: ExecutorGroups):
+        quantize = None if cfg.generator.quantization == "none" else cfg.generator.quantization
+        self.sync = WeightSync(model_cfg, t, g, settings=TransportSettings(quantize=quantize))
+
+    def __call__(self, version: int, trainer: Optional[TrainerExecutor],
+                 generator: Optional[GeneratorExecutor]) -> float:
+        """Move version `version`; returns the seconds it took on this rank."""
+        t0 = time.perf_counter()
+        self.sync.sync(trainer_model=trainer.model if trainer is not None else None,
+                       generator_model=generator.weights() if generator is not None else None,
+                       step=version if trainer is not None else None)
+        if generator is not None:
+            generator.generator.weight_version = version
+        return time.perf_counter() - t0

@@ -1,0 +1,79 @@
+"""The RL loop. Start reading here.
+
+One RL step, as LlamaRL draws it:
+
+    prompts -> generate (weights v) -> reward -> advantages -> AIPO step -> DDMA push (v + 1) -> metrics -> checkpoint
+
+`schedule.job_plan` writes the whole run down as one ordered list of actions (which batch is generated with which
+weight version, when weights move, when a checkpoint is taken). Every rank walks that same list and does the part
+its roles give it: generator ranks generate and score, trainer ranks train, both take part in weight pushes, all
+in checkpoints. A colocated rank does everything, one action after the other; with separate executors the
+generator runs up to `rollout.staleness` batches ahead of the trainer, held back only by the weight pushes it
+needs, and AIPO corrects for the lag.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from megatron_rl.controller.collector import metrics_row
+from megatron_rl.controller.executors import score
+from megatron_rl.controller.job import Job
+from megatron_rl.controller.schedule import Checkpoint, Generate, PushWeights, Train, job_plan
+
+Progress = Callable[[str, int, int, str], None]  # (phase, steps done, steps in the phase, text)
+
+
+def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable[[dict], None]] = None) -> list[dict]:
+    """Run (or resume) the job on this rank. `progress(phase, done, total, text)` after every warm-start and RL
+    step (phase "warm-start" or "rl"); `on_row(row)` with each step's metrics as soon as they exist (rank 0).
+    Returns rank 0's rows."""
+    cfg = job.cfg
+    n = cfg.run.steps
+    progress = progress or (lambda *a: None)
+    t_start = time.perf_counter()
+    resumed = job.resume()
+    start, restored = resumed or (0, set())
+    if resumed is None and job.trainer is not None:
+        job.trainer.start(progress)  # supervised warm start; the KL reference
+    warm_s = time.perf_counter() - t_start
+    plan = job_plan(n, job.staleness, start=start, restored=restored, save_interval=cfg.checkpoint.save_interval,
+                    eval_interval=cfg.run.eval_interval, fresh=resumed is None)
+
+    rows: list[dict] = []
+    wait_s = 0.0  # how long the generator waited for the weights of its next batch
+    for action in plan:
+        if isinstance(action, PushWeights):
+            wait_s = job.push_weights(action.version)
+
+        elif isinstance(action, Generate) and job.generator is not None:
+            generated = job.generator.generate(action.batch, action.version)
+            eval_reward = job.generator.evaluate() if action.evaluate else None
+            if generated is not None:  # the replica's leader scores its samples and sends them on
+                job.send_rollouts(score(job.task, job.tok, generated, wait_s=wait_s, eval_reward=eval_reward))
+            wait_s = 0.0
+
+        elif isinstance(action, Train) and job.trainer is not None:
+            k = action.step
+            t0 = time.perf_counter()
+            batch, parts = job.training_batch(k)  # rollouts of batch k, with advantages
+            recv_s = time.perf_counter() - t0
+            stats = job.trainer.step(batch)
+            train_s = time.perf_counter() - t0 - recv_s
+            row = None
+            if job.collector is not None:
+                row = metrics_row(k, parts, batch, stats, train_s=train_s, recv_s=recv_s,
+                                  kl_ref=cfg.algorithm.kl_coef > 0)
+                row["time/total_s"] = time.perf_counter() - t0
+                row["warm_start_s"] = warm_s
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+            progress("rl", k + 1, n, "" if row is None else f"reward {row['reward']:.2f}"
+                     + (f" eval {row['eval/reward']:.2f}" if "eval/reward" in row else ""))
+
+        elif isinstance(action, Checkpoint):
+            job.checkpoint(action.version)
+    job.finish()
+    return rows

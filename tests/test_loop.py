@@ -1,0 +1,172 @@
+"""The RL loop and the controller's bookkeeping in one process: the plan every rank walks, checked against the
+schedule's rules, and `loop.run` driven by fake executors with the real `Collector`."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.controller import loop
+from megatron_rl.controller.collector import Collector, Rollouts, pack
+from megatron_rl.controller.schedule import (Checkpoint, Generate, PushWeights, Train, generation_version, job_plan,
+                                             pull_before_batch, push_after_step, save_after, syncs_needed)
+
+
+def _role_view(plan, role):
+    """The actions one role takes part in, in order (what a rank of that executor does)."""
+    keep = {"generator": (PushWeights, Generate, Checkpoint), "trainer": (PushWeights, Train, Checkpoint)}[role]
+    return [a for a in plan if isinstance(a, keep)]
+
+
+@pytest.mark.parametrize("n,s,iv", [(6, 0, 2), (6, 1, 0), (7, 2, 3), (3, 3, 1), (5, 1, 50)])
+def test_plan_follows_the_schedule(n, s, iv):
+    plan = job_plan(n, s, save_interval=iv, eval_interval=2)
+    gens = [a for a in plan if isinstance(a, Generate)]
+    assert [g.batch for g in gens] == list(range(n))
+    assert [g.version for g in gens] == [generation_version(b, s) for b in range(n)]
+    assert [a.step for a in plan if isinstance(a, Train)] == list(range(n))
+    assert [a.version for a in plan if isinstance(a, PushWeights)] == [0] + syncs_needed(n, s)
+    saves = [a.version for a in plan if isinstance(a, Checkpoint)]
+    assert saves == ([0] if iv else []) + [k + 1 for k in range(n) if save_after(k, n, iv)]
+    assert [g.evaluate for g in gens] == [b % 2 == 0 or b == n - 1 for b in range(n)]
+    pos = {a: i for i, a in enumerate(plan)}
+    for g in gens:
+        # generated before it is trained, with weights that were pushed before, at most s versions old
+        assert pos[g] < pos[Train(g.batch)]
+        assert pos[PushWeights(g.version)] < pos[g]
+        assert g.batch - g.version <= s
+        # the generator pulls exactly where the schedule says it does
+        earlier = [a for a in plan[:pos[g]] if isinstance(a, (PushWeights, Generate))]
+        pulled = isinstance(earlier[-1], PushWeights) and g.batch > 0
+        assert pulled == pull_before_batch(g.batch, s)
+    for k in range(n):  # the trainer pushes what it has just trained, right after the step (and its checkpoint)
+        after = plan[pos[Train(k)] + 1:]
+        nxt = [a for a in after if isinstance(a, (PushWeights, Train))]
+        assert (nxt[:1] == [PushWeights(k + 1)]) == push_after_step(k, n, s)
+
+
+def test_plan_by_hand():
+    assert job_plan(3, 1, save_interval=2, eval_interval=10) == [
+        Checkpoint(0), PushWeights(0), Generate(0, 0, True), Generate(1, 0, False), Train(0), PushWeights(1),
+        Generate(2, 1, True), Train(1), Checkpoint(2), Train(2), Checkpoint(3)]
+
+
+def test_resumed_plan_regenerates_nothing_restored():
+    # after 4 of 8 steps at staleness 2: batches 4 and 5 came back with the checkpoint
+    plan = job_plan(8, 2, start=4, restored={4, 5}, save_interval=4, eval_interval=100, fresh=False)
+    assert plan[0] == PushWeights(4)
+    assert [(a.batch, a.version) for a in plan if isinstance(a, Generate)] == [(6, 4), (7, 5)]
+    assert [a.step for a in plan if isinstance(a, Train)] == [4, 5, 6, 7]
+    assert Checkpoint(0) not in plan and plan[-1] == Checkpoint(8)
+
+
+def _rollouts(batch, version, rewards, groups):
+    n = len(rewards)
+    return Rollouts(batch, version, [[1, 2]] * n, [[3] * (i + 1) for i in range(n)],
+                    [[-0.5] * (i + 1) for i in range(n)], rewards, groups, ["x"] * n, 0.1, 0.01, 0.0)
+
+
+def test_collector_packs_replicas_in_order_and_keeps_pending_batches():
+    sent = {2: [_rollouts(0, 0, [1.0, 0.0], [1, 1]), _rollouts(1, 0, [0.0, 0.0], [1, 1])]}
+    c = Collector([0, 2], lambda src: sent[src].pop(0), advantage="group_mean", pad_id=0)
+    c.put(_rollouts(0, 0, [1.0, 1.0], [0, 0]))
+    c.put(_rollouts(1, 0, [0.0, 1.0], [0, 0]))
+    batch, parts = c.training_batch(0)
+    # a checkpoint after step 1 at staleness 1 stores batch 1 (received now from rank 2)
+    pending = c.pending(1, 1, 4)
+    assert list(pending) == [1] and [p["batch"] for p in pending[1]] == [1, 1]
+    assert [p.rewards for p in parts] == [[1.0, 1.0], [1.0, 0.0]]
+    assert batch.rewards.tolist() == [1.0, 1.0, 1.0, 0.0]
+    # group-mean advantages: prompt 0 all right (0, 0), prompt 1 half right (+0.5, -0.5)
+    assert batch.advantages.tolist() == [0.0, 0.0, 0.5, -0.5]
+    assert batch.tokens[3].tolist() == [1, 2, 3, 3] and batch.behaviour_logprobs[3].tolist() == [0, 0, -0.5, -0.5]
+    restored = Collector([0, 2], lambda src: pytest.fail("restored batches are not received"),
+                         advantage="group_mean", pad_id=0)
+    restored.restore(pending)
+    assert restored.training_batch(1)[1] == c.collect(1)
+
+
+def test_pack_matches_a_hand_built_batch():
+    b = pack([_rollouts(3, 2, [1.0], [0]), _rollouts(3, 2, [0.0, 1.0], [1, 1])], pad_id=9)
+    assert b.tokens.tolist() == [[1, 2, 3, 9], [1, 2, 3, 9], [1, 2, 3, 3]]
+    assert b.response_lengths.tolist() == [1, 1, 2] and b.weight_versions.tolist() == [2, 2, 2]
+
+
+class _FakeJob:
+    """One colocated rank (trainer, generator and controller) with fake executors that log what they are asked."""
+
+    def __init__(self, n, s, save_interval, resume=None):
+        self.cfg = SimpleNamespace(run=SimpleNamespace(steps=n, eval_interval=2), algorithm=SimpleNamespace(kl_coef=0),
+                                   checkpoint=SimpleNamespace(save_interval=save_interval))
+        self.staleness, self.log, self._resume = s, [], resume
+        self.version = None
+        self.collector = Collector([0], lambda src: pytest.fail("one rank"), advantage="group_mean", pad_id=0)
+        self.task = SimpleNamespace(score=lambda problems, texts: [float(len(t) % 2) for t in texts])
+        self.tok = SimpleNamespace(decode=lambda ids: "y" * len(ids))
+        job = self
+
+        class Generator:
+            def generate(self, batch, version):
+                assert version == job.version, "generates with the weights it holds"
+                job.log.append(("generate", batch, version))
+                outs = [SimpleNamespace(prompt_ids=[1], token_ids=[2] * (1 + i), logprobs=[-1.0] * (1 + i))
+                        for i in range(4)]
+                return SimpleNamespace(batch=batch, version=version, problems=[None] * 4, groups=[0, 0, 1, 1],
+                                       outputs=outs, gen_s=0.0)
+
+            def evaluate(self):
+                job.log.append(("evaluate", job.version))
+                return 0.25
+
+        class Trainer:
+            def start(self, progress):
+                job.log.append(("warm-start",))
+
+            def step(self, batch):
+                job.log.append(("train", int(batch.weight_versions[0])))
+                return {"loss": float(batch.advantages.abs().sum())}
+
+        self.generator, self.trainer = Generator(), Trainer()
+
+    def resume(self):
+        return self._resume
+
+    def push_weights(self, version):
+        self.version = version
+        self.log.append(("push", version))
+        return 0.0
+
+    def send_rollouts(self, rollouts):
+        self.collector.put(rollouts)
+
+    def training_batch(self, k):
+        self.log.append(("batch", k))
+        return self.collector.training_batch(k)
+
+    def checkpoint(self, version):
+        self.log.append(("checkpoint", version))
+
+    def finish(self):
+        self.log.append(("finish",))
+
+
+def test_loop_walks_the_plan_with_fake_executors():
+    job = _FakeJob(3, 1, save_interval=2)
+    steps = []
+    rows = loop.run(job, progress=lambda phase, done, total, text: steps.append((phase, done)))
+    assert job.log == [("warm-start",), ("checkpoint", 0), ("push", 0), ("generate", 0, 0), ("evaluate", 0),
+                       ("generate", 1, 0), ("batch", 0), ("train", 0), ("push", 1), ("generate", 2, 1),
+                       ("evaluate", 1), ("batch", 1), ("train", 0), ("checkpoint", 2), ("batch", 2), ("train", 1),
+                       ("checkpoint", 3), ("finish",)]
+    assert [r["step"] for r in rows] == [0, 1, 2] and [r["staleness"] for r in rows] == [0, 1, 1]
+    assert [r.get("eval/reward") for r in rows] == [0.25, None, 0.25]
+    # rewards: responses of 1..4 tokens, odd lengths score 1
+    assert all(r["reward"] == 0.5 for r in rows) and steps == [("rl", 1), ("rl", 2), ("rl", 3)]
+
+
+def test_resumed_loop_skips_the_warm_start_and_restored_batches():
+    job = _FakeJob(4, 1, save_interval=2, resume=(2, {2}))
+    job.collector.restore({2: [vars(_rollouts(2, 1, [1.0, 0.0], [0, 0]))]})
+    rows = loop.run(job)
+    assert ("warm-start",) not in job.log and ("checkpoint", 0) not in job.log
+    assert [e for e in job.log if e[0] == "generate"] == [("generate", 3, 2)]
+    assert [r["step"] for r in rows] == [2, 3] and rows[0]["generated_with_version"] == 1
