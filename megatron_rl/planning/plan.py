@@ -36,6 +36,7 @@ from megatron_rl.planning.steptime import (
     TrainerShape,
     Workload,
     generation_time,
+    group_link_gbps,
     training_time,
     weight_sync_time,
 )
@@ -241,6 +242,19 @@ def _build_generator(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout,
                               kv_cache=(cfg.generator.max_batch_size, max_len))
 
 
+def _trainer_shape(cfg: JobConfig, layout: ParallelLayout, stages: list[RankModules], rows: int,
+                   cal: Calibration) -> TrainerShape:
+    """The trainer as the step model sees it: its busiest stage's DDP buffers and each group's link."""
+    opt = [o for s in stages for o in s.optimizer]
+    tp, dp = layout.tp, layout.dp
+    return TrainerShape(tp, layout.pp, dp, rows, _itemsize(_dtype(cfg.trainer.dtype, cal)),
+                        grad_buffer_bytes=max(o.grad_buffer_bytes for o in opt),
+                        param_buffer_bytes=max(o.param_buffer_bytes for o in opt),
+                        distributed_optimizer=cfg.trainer.use_distributed_optimizer,
+                        tp_link_gbps=group_link_gbps(1, tp, cal), dp_link_gbps=group_link_gbps(tp, dp, cal),
+                        pp_link_gbps=group_link_gbps(tp * dp, layout.pp, cal))
+
+
 def _colocated_baseline(cfg: JobConfig, model: ModelConfig, trainer: ParallelLayout, gpus: int,
                         cal: Calibration, device_bytes: int, cost: ModelCost, w: Workload):
     """The synchronous baseline on `gpus` GPUs: the trainer's TP x PP, as many DP replicas as fit, generating with
@@ -263,7 +277,7 @@ def _colocated_baseline(cfg: JobConfig, model: ModelConfig, trainer: ParallelLay
     slots = min(_generator_slots(cfg, dp), memory_slots)  # the job's batch setting, where memory allows
     seq, rows, _ = _trainer_batch(cfg, dp)
     g = GeneratorShape(trainer.tp, trainer.pp, dp, slots, int(weights), kv_token)
-    t = TrainerShape(trainer.tp, trainer.pp, dp, rows)
+    t = _trainer_shape(cfg, layout, stages, rows, cal)
     detail = {"layout": str(layout), "gpus_used": layout.size, "resident_trainer_bytes": resident,
               "kv_slots_memory_allows": memory_slots}
     return (generation_time(w, cost, g, cal, cal.baseline_decode_efficiency), training_time(w, cost, t, cal),
@@ -271,7 +285,7 @@ def _colocated_baseline(cfg: JobConfig, model: ModelConfig, trainer: ParallelLay
 
 
 def predict_steps(cfg: JobConfig, model: ModelConfig, cal: Calibration, device_bytes: int, gen: RankModules,
-                  sync: SyncEstimate) -> tuple[StepTimes, dict, list]:
+                  sync: SyncEstimate, stages: list[RankModules]) -> tuple[StepTimes, dict, list]:
     """Step times of both modes for the job `cfg`, given its generator's modules and its DDMA estimate; returns
     (times, the assumptions they rest on, notes)."""
     tl = ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp)
@@ -285,7 +299,7 @@ def predict_steps(cfg: JobConfig, model: ModelConfig, cal: Calibration, device_b
     kv_token = gen.kv_cache_bytes / (cfg.generator.max_batch_size * max_len)
     gshape = GeneratorShape(gl.tp, gl.pp, gl.dp, _generator_slots(cfg, gl.dp), gen.weight_bytes, kv_token)
     async_gen = generation_time(w, cost, gshape, cal, cal.decode_efficiency)
-    async_train = training_time(w, cost, TrainerShape(tl.tp, tl.pp, tl.dp, rows), cal)
+    async_train = training_time(w, cost, _trainer_shape(cfg, tl, stages, rows, cal), cal)
     notes = []
     if colocated:
         # Executors on the same GPUs cannot overlap: the configured job's step is the sum of its phases.
@@ -336,7 +350,7 @@ def make_plan(cfg: JobConfig, model: ModelConfig, calibration: Calibration, *,
     gen_mem = ExecutorMemory("generator", str(gl), (gen_rank,), device_bytes)
     sync = _sync_estimate(model, tl, gl, colocated, stages, cal)
 
-    steps, assumptions, notes = predict_steps(cfg, model, cal, device_bytes, gen, sync)
+    steps, assumptions, notes = predict_steps(cfg, model, cal, device_bytes, gen, sync, stages)
     ckpt = None
     if checkpoint is not None:
         try:

@@ -41,6 +41,10 @@ def format_text(plan: Plan) -> str:
     lines.append(f"  async (dedicated executors): {t.async_s:.1f} s = max(generation {t.async_generation.seconds:.1f} s, "
                  f"training {t.async_training.seconds:.1f} s) + weight sync {t.async_weight_sync_s:.2f} s "
                  f"({a['weight_sync_link']})")
+    d = t.async_training.detail
+    lines.append(f"  async training {t.async_training.seconds:.1f} s = compute {d['compute_s']:.1f} s + TP "
+                 f"{d['tp_comm_s']:.1f} s + pipeline transfers {d['pp_p2p_s']:.1f} s (each with the 1F1B bubble, "
+                 f"{d['pipeline_bubble']:.3f}x) + DP {d['dp_comm_s']:.2f} s")
     lines.append(f"  speed-up {t.speedup:.2f}x")
     for note in plan.notes:
         lines.append(f"  note: {note}")
