@@ -1,6 +1,6 @@
 """Silence the warnings of our dependencies that say nothing to a megatron-rl user, in every process we start.
 
-Each run of `megatron-rl train` on a CPU printed about 40 lines of them around the progress bar:
+Without these filters a CPU run of `megatron-rl train` shows them around its progress bar:
 - Megatron-Core's "Transformer Engine and Apex are not installed" fallbacks and its CUDA_DEVICE_MAX_CONNECTIONS hint,
   which cannot apply on a machine without CUDA (with CUDA they stay visible: there a missing transformer-engine
   is worth knowing);

@@ -1,4 +1,4 @@
-"""AIPO: asynchronous importance-weighted policy optimization (LlamaRL, section 2 of ARCHITECTURE.md).
+"""AIPO: asynchronous importance-weighted policy optimization (LlamaRL, Meta 2025).
 
 Per response token t, with pi the trainer policy and mu the generator that sampled it:
 

@@ -57,7 +57,7 @@ def build_policy(cfg: JobConfig, model_cfg: ModelConfig, t: ExecutorGroups) -> t
 def optim_settings(cfg: JobConfig) -> OptimSettings:
     """The optimizer and learning-rate schedule the trainer starts with: the warm start's (linear warm-up, cosine
     decay to a tenth of trainer.sft_lr) when there is one, else RL's (trainer.lr after trainer.lr_warmup_steps of
-    linear warm-up). The warm start switches to trainer.lr when it ends."""
+    linear warm-up). The warm start ends by starting RL's schedule afresh."""
     tr = cfg.trainer
     warm = tr.sft_warmup_steps > 0
     return OptimSettings(lr=tr.sft_lr if warm else tr.lr, min_lr=tr.sft_lr / 10 if warm else 0.0,
@@ -110,7 +110,8 @@ class TrainerExecutor:
 
     def _warm_start(self, progress: Callable[[str, int, int, str], None]) -> None:
         """Supervised next-token training on the task's answers, so RL starts from a policy that solves some
-        problems: a random tiny model never sees a reward. Then the learning rate switches to trainer.lr."""
+        problems: a random tiny model never sees a reward. Then RL's schedule starts: trainer.lr after
+        trainer.lr_warmup_steps of linear warm-up."""
         steps = self.cfg.trainer.sft_warmup_steps
         loss_fn = make_lm_loss(self.t.pgs.tp, self.model_cfg.vocab_size)
         bs, dp = SFT_BATCH_SIZE, self.t.layout.dp
@@ -127,7 +128,7 @@ class TrainerExecutor:
                 toks, mask = toks.cuda(non_blocking=True), mask.cuda(non_blocking=True)
             metrics = self.engine.step([{"tokens": toks, "loss_mask": mask}], loss_fn)
             progress("warm-start", step + 1, steps, f"warm-start loss {metrics['loss']:.3f}")
-        self.engine.set_constant_lr(self.cfg.trainer.lr)
+        self.engine.start_constant_schedule(self.cfg.trainer.lr, self.cfg.trainer.lr_warmup_steps)
 
     def step(self, batch) -> dict:
         return self.rl.step(batch)

@@ -155,5 +155,5 @@ class Job:
             self.collector.restore(pending)
             self.echo(f"resumed from {path} (step {rl['step']}, {len(pending)} rollout batches restored)")
         if self.trainer is not None:
-            self.trainer.engine.set_constant_lr(self.cfg.trainer.lr)
+            self.trainer.engine.set_peak_lr(self.cfg.trainer.lr)  # the restored schedule, at this run's trainer.lr
         return int(rl["step"]), {int(b) for b in pending}

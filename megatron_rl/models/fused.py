@@ -12,10 +12,9 @@ activations saved for the backward pass. `FusedRMSNorm` runs the same arithmetic
 ``(x_fp32 * rsqrt(mean(x_fp32^2) + eps) * weight_fp32).to(x.dtype)`` (exactly torch's composite for an fp32 weight),
 `torch.compile`d: one Triton kernel forward and a few backward (the weight gradient is a reduction over all tokens),
 with the fp32 weight and fp32 weight gradient kept. The alternative, casting the weight to bf16 to reach torch's
-own kernel (`rms_norm(..., impl="torch")`), is faster in isolation on the H100 (forward + backward at 16K x 2048:
-0.41 ms against 0.84 ms compiled and 2.0 ms composite, `benchmarks/fused_kernels.py`), but the whole RL step was
-slower with it on the same machine (306.5 ms against 293.9 ms, docs/benchmarks.md) and it rounds the weight and its
-gradient to bf16, so the compiled arithmetic is the default.
+own kernel (`rms_norm(..., impl="torch")`), is faster in isolation (`benchmarks/fused_kernels.py`), but the whole RL
+step was slower with it (docs/benchmarks.md) and it rounds the weight and its gradient to bf16, so the compiled
+arithmetic is the default.
 
 RoPE. ``t * cos(f) + rotate_half(t) * sin(f)`` with cos and sin rounded to t's dtype, as Megatron's
 `_apply_rotary_pos_emb_bshd` (non-interleaved; interleaved rotations fall back to Megatron's function), written once

@@ -57,7 +57,7 @@ PRESETS: dict[str, ModelConfig] = {
     # For tests and the default job: small enough for a 2-core CPU, with GQA and a vocabulary whose padding
     # differs with TP (300 -> 384 at TP=1, 512 at TP=2).
     "tiny": ModelConfig(),
-    # A ~1.1B Llama shape, used by the benchmarks (as in ARCHITECTURE.md: the 1B-like model).
+    # A ~1.1B Llama shape, used by the benchmarks.
     "llama-1b": ModelConfig(
         name="llama-1b", num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
         num_query_groups=8, vocab_size=128256, max_position_embeddings=131072, rotary_base=500000.0,

@@ -18,8 +18,8 @@ query groups x head dim, f the FFN size:
                      unfused: those and two f-sized intermediates of SiLU and the product, 5 a f / t
 
 The unfused variant is checked against the tensors autograd actually saves on this CPU (tests/test_plan.py); the
-fused one is what the builder uses on GPUs (`fusions="auto"`, `bias_activation_fusion`) and is not measured
-here. Pipeline stage p of pp under 1F1B holds min(pp - p, micro-batches) micro-batches at once. The first stage
+fused one is what the builder uses on GPUs (`fusions="auto"`, `bias_activation_fusion`), which a CPU
+cannot check. Pipeline stage p of pp under 1F1B holds min(pp - p, micro-batches) micro-batches at once. The first stage
 adds the embedding output, the last the final norm and the vocabulary-parallel logits (b s V/t in the compute
 dtype). Left out: the fp32 temporaries of the chunked log-prob pass (one chunk at a time), the pipeline's
 send/receive buffers, and the allocator's fragmentation.

@@ -1,6 +1,6 @@
 """The LlamaRL paper's step-time table, predicted by the planner (the planner's validation against published numbers).
 
-Paper (ARCHITECTURE.md section 3): Llama 3.1 8B on 256 GPUs, 70B (GPU count not given), 405B on 1024 GPUs; a
+The paper's table: Llama 3.1 8B on 256 GPUs, 70B (GPU count not given), 405B on 1024 GPUs; a
 DeepSpeed-Chat-like synchronous step and a LlamaRL (asynchronous) step for each.
 
 Assumptions, each with where it comes from:
@@ -36,7 +36,7 @@ from megatron_rl.config import load_config, validate
 from megatron_rl.planning.calibration import Calibration
 from megatron_rl.planning.plan import make_plan
 
-PAPER_STEP_TIMES = {  # model: (DeepSpeed-Chat-like sync step s, LlamaRL async step s); ARCHITECTURE.md section 3
+PAPER_STEP_TIMES = {  # model: (DeepSpeed-Chat-like sync step s, LlamaRL async step s), from the paper
     "llama3-8b": (22.45, 8.90),
     "llama3-70b": (82.32, 20.67),
     "llama3-405b": (635.8, 59.5),

@@ -196,13 +196,25 @@ class TrainEngine:
         )
         return cls(ddp, optimizer, scheduler, pgs, settings, needs_mask=_uses_local_attention(model))
 
-    def set_constant_lr(self, lr: float) -> None:
-        """Switch to a constant learning rate from now on (e.g. from warm-start to RL)."""
+    def start_constant_schedule(self, lr: float, warmup_steps: int = 0) -> None:
+        """From the next step on: a linear warm-up from 0 over `warmup_steps` steps to `lr`, then `lr` (RL after a
+        supervised warm start, which ran a schedule of its own). The scheduler counts its steps afresh."""
         s = self.scheduler
-        s.init_lr, s.max_lr, s.min_lr, s.lr_decay_style, s.lr_warmup_steps = lr, lr, lr, "constant", 0
+        s.num_steps, s.lr_warmup_steps, s.lr_decay_style = 0, warmup_steps, "constant"
+        s.init_lr = 0.0 if warmup_steps else lr
+        self.set_peak_lr(lr)
+
+    def set_peak_lr(self, lr: float) -> None:
+        """Change the constant schedule's learning rate, keeping its progress through the warm-up (a resumed run
+        with another trainer.lr)."""
+        s = self.scheduler
+        s.max_lr = s.min_lr = lr
+        if not s.lr_warmup_steps:
+            s.init_lr = lr
         for group in self.optimizer.param_groups:
             # Megatron-Core's scheduler reads per-group max_lr / min_lr before its own.
-            group["lr"] = group["max_lr"] = group["min_lr"] = lr
+            group["max_lr"] = group["min_lr"] = lr
+            group["lr"] = s.get_lr(group)
 
     @property
     def is_last_stage(self) -> bool:
