@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from typing import Optional
 
 from megatron_rl.config import ConfigError, load_config, validate
+
+PROCESSES_PER_CORE = 4  # reshard-check: a layout pair needing more processes than this per core needs --force
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -32,16 +36,31 @@ def cmd_train(args) -> int:
 
     print(f"megatron-rl train: model {cfg.model.name} ({model.num_parameters() / 1e6:.1f}M parameters), "
           f"trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator tp={cfg.generator.tp} "
-          f"dp={cfg.generator.dp}{' (colocated)' if cfg.generator.colocated else ''}, "
+          f"pp={cfg.generator.pp} dp={cfg.generator.dp}{' (colocated)' if cfg.generator.colocated else ''}, "
           f"{'async rollouts (staleness %d)' % cfg.rollout.staleness if cfg.rollout.mode == 'async' else 'sync rollouts'}"
           f", trainer {resolve_dtype_name(cfg.trainer.dtype)}, generator {resolve_dtype_name(cfg.generator.dtype)}"
-          f"{', int8 generator weights' if cfg.generator.quantization == 'int8' else ''}, "
+          f"{', %s generator weights' % cfg.generator.quantization if cfg.generator.quantization != 'none' else ''}, "
           f"{cfg.world_size_needed} processes", flush=True)
-    from megatron_rl.controller.launcher import train
+    from megatron_rl.controller.launcher import JobFailed, exit_code, stopped_line, train
+    from megatron_rl.controller.runlock import RunDirLocked
 
-    summary = train(cfg, model)
+    # A SIGTERM before or after the ranks run ends this process through its `finally` clauses (the run lock);
+    # while they run, the launcher forwards it to them instead.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        summary = train(cfg, model)
+    except RunDirLocked as e:
+        print(f"megatron-rl: {e}", file=sys.stderr)
+        return 2
+    except JobFailed as e:
+        from megatron_rl.controller.launcher import below_bar
+
+        print(below_bar(str(e)), file=sys.stderr)
+        return e.exit_code
     print(json.dumps(summary))
-    return 0
+    if exit_code(summary):
+        print(stopped_line(summary), file=sys.stderr)
+    return exit_code(summary)
 
 
 def cmd_plan(args) -> int:
@@ -71,7 +90,9 @@ def cmd_plan(args) -> int:
 
 def _train_env(args) -> int:
     """One rank of a world started by torchrun or srun; rank 0 prints the banner, the summary and any config error."""
-    from megatron_rl.controller.launcher import check_world, env_world, train_env
+    from megatron_rl.controller.launcher import (JobFailed, check_world, env_world, exit_code, report_config_error,
+                                                 stopped_line, train_env)
+    from megatron_rl.controller.runlock import RunDirLocked
 
     world = env_world()
     try:
@@ -80,15 +101,22 @@ def _train_env(args) -> int:
         if world.rank == 0:
             print(f"megatron-rl train: model {cfg.model.name}, {world.world_size} ranks started by {world.source} "
                   f"(trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator "
-                  f"tp={cfg.generator.tp} dp={cfg.generator.dp}), {cfg.rollout.mode} rollouts", flush=True)
+                  f"tp={cfg.generator.tp} pp={cfg.generator.pp} dp={cfg.generator.dp}), "
+                  f"{cfg.rollout.mode} rollouts", flush=True)
         summary = train_env(cfg, world)
     except ConfigError as e:
-        from megatron_rl.controller.launcher import report_config_error
-
         return report_config_error(world, f"megatron-rl: config error: {e}")
-    if summary is not None:
+    except RunDirLocked as e:
+        return report_config_error(world, f"megatron-rl: {e}")
+    except JobFailed as e:
+        if str(e):
+            print(e, file=sys.stderr, flush=True)
+        return e.exit_code
+    if world.rank == 0:
         print(json.dumps(summary))
-    return 0
+        if exit_code(summary):
+            print(stopped_line(summary), file=sys.stderr)
+    return exit_code(summary)
 
 
 def cmd_config(args) -> int:
@@ -121,7 +149,6 @@ def _model_override(text: str) -> tuple[str, object]:
 def cmd_reshard_check(args) -> int:
     import dataclasses
 
-    from megatron_rl.ddma.verify import reshard_check
     from megatron_rl.models.presets import ModelConfig, get_preset
     from megatron_rl.parallel.layout import ParallelLayout
 
@@ -133,6 +160,13 @@ def cmd_reshard_check(args) -> int:
             raise ValueError(f"unknown model field(s) {unknown}; known: {', '.join(sorted(fields))}")
         cfg = get_preset(args.model, **overrides)
         src, dst = ParallelLayout.parse(args.src), ParallelLayout.parse(args.dst)
+        world = max(src.size, dst.size) if args.colocated else src.size + dst.size
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if world > PROCESSES_PER_CORE * cores and not args.force:
+            raise ValueError(f"--src {args.src} --dst {args.dst} needs {world} processes, more than "
+                             f"{PROCESSES_PER_CORE} per CPU core ({cores} cores here); pass --force to start them")
+        from megatron_rl.ddma.verify import reshard_check
+
         summary = reshard_check(cfg, src, dst, colocated=args.colocated,
                                 bucket_bytes=int(args.bucket_mb * (1 << 20)), seed=args.seed, dtype=args.dtype,
                                 wire_dtype=args.wire_dtype, quantize=args.quantize)
@@ -156,7 +190,7 @@ def cmd_eval(args) -> int:
     from megatron_rl.evaluation import EvalError, EvalSettings, evaluate
 
     settings = EvalSettings(dataset=args.dataset, data_dir=args.data_dir, limit=args.limit,
-                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, tp=args.tp,
+                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, tp=args.tp, pp=args.pp,
                             chat=args.chat, samples_out=args.samples_out, tokenizer=args.tokenizer)
     return _json_or_one_line_error("eval", EvalError, lambda: evaluate(args.checkpoint, settings))
 
@@ -206,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=["megatron", "hf"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace dst when it is an empty directory, a converted checkpoint or a Hugging Face model "
+                        "directory (anything else is refused)")
     p.add_argument("--tp", type=int, default=1, help="write with N tensor-parallel processes (--to megatron)")
     p.add_argument("--pp", type=int, default=1, help="write with N pipeline stages (--to megatron)")
     p.set_defaults(func=cmd_convert)
@@ -224,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=64, help="sequences decoded together (KV cache slots)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: local processes running the model")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (tp x pp local processes)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the tokenizer's chat template (default: when the tokenizer has one)")
     p.add_argument("--samples-out", default=None, help="write prompt, output and score per problem to this JSONL")
@@ -244,23 +281,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="parameter dtype of both models (float32, bfloat16)")
     p.add_argument("--wire-dtype", default=None,
                    help="cast every slice to this dtype on the wire (default: each parameter's own dtype)")
-    p.add_argument("--quantize", choices=["int8"], default=None,
-                   help="generator holds 2-D weights as int8 with per-row scales, quantized on receive")
+    p.add_argument("--quantize", choices=["int8", "fp8"], default=None,
+                   help="generator holds 2-D weights as int8 or fp8 (e4m3) with per-row scales, quantized on receive")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true",
+                   help=f"start the processes even when there are more than {PROCESSES_PER_CORE} per CPU core")
     p.set_defaults(func=cmd_reshard_check)
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The parser's arguments, with dotted overrides allowed on both sides of the options: `train run.steps=3 -c F
+    trainer.tp=1` (argparse alone takes positionals only before the first option). Overrides keep their order."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any(a.startswith("-") for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     from megatron_rl import quiet
 
     quiet.install()
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"megatron-rl: config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a running job (a job's ranks stop on their own: controller/signals)
+        print("megatron-rl: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -103,7 +105,7 @@ class GeneratorSection:
     pp: int = 1
     dp: int = 1
     colocated: bool = False
-    quantization: Literal["none", "int8"] = "none"
+    quantization: Literal["none", "int8", "fp8"] = "none"
     max_batch_size: int = 64
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -175,7 +177,7 @@ class RewardSection:
 @dataclass
 class CheckpointSection:
     dir: str = "checkpoints"
-    save_interval: int = 50
+    save_interval: int = 50  # steps between checkpoints; always one after the last step (0: only that one)
     keep_last: int = 2
     resume: bool = True
     fallback: bool = False  # resume from an older checkpoint when the latest is corrupt
@@ -206,6 +208,9 @@ class RunSection:
     world_size: Optional[int] = None
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     eval_interval: int = 20
+    # After SIGTERM or SIGINT the job saves a checkpoint at its next weight push and ends; the local launcher
+    # kills its ranks this many seconds after the signal if they have not ended by then.
+    stop_grace_s: float = 120.0
     wandb: WandbSection = field(default_factory=WandbSection)
 
 
@@ -253,8 +258,11 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(path: str, value: Any, tp) -> Any:
-    """Check (and gently convert) a value against a field type; raise ConfigError naming the field."""
+def _coerce(path: str, value: Any, tp, text: Optional[str] = None) -> Any:
+    """Check (and gently convert) a value against a field type; raise ConfigError naming the field.
+
+    `text`: the value as written on the command line, before YAML read it. A text field takes it as it is, so
+    `run.name=yes` is the name "yes" (YAML would read a bool) and `run.name=123` the name "123"."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
@@ -264,10 +272,12 @@ def _coerce(path: str, value: Any, tp) -> Any:
             if a is type(None):
                 continue
             try:
-                return _coerce(path, value, a)
+                return _coerce(path, value, a, text)
             except ConfigError:
                 pass
         raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
+    if text is not None and (tp is str or (origin is Literal and all(isinstance(a, str) for a in typing.get_args(tp)))):
+        value = text
     if origin is Literal:
         if value not in typing.get_args(tp):
             raise ConfigError(f"{path}={value!r} is not allowed: expected {_type_name(tp)}")
@@ -289,6 +299,8 @@ def _coerce(path: str, value: Any, tp) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, int) and not isinstance(value, bool):  # `name: 123` in a YAML file
+            return str(value)
     elif tp is type(None):
         if value is None:
             return None
@@ -307,7 +319,8 @@ _RETIRED = {
 }
 
 
-def _apply(cfg: JobConfig, path: str, value: Any) -> None:
+def _apply(cfg: JobConfig, path: str, value: Any, text: Optional[str] = None) -> None:
+    """Set one field; `text` is the value as written on the command line (None from a file)."""
     if path in _RETIRED:
         raise ConfigError(f"{path} {_RETIRED[path]}")
     parts = path.split(".")
@@ -328,13 +341,14 @@ def _apply(cfg: JobConfig, path: str, value: Any) -> None:
         section = getattr(section, name)
     if section_name == "model":
         if key == "preset":
+            value = None if value is None else text if text is not None else value
             if value is not None and value not in PRESETS:
                 raise ConfigError(f"model.preset={value!r} is not a preset{_suggest(str(value), PRESETS)}; "
                                   f"known: {', '.join(PRESETS)}")
             section.preset = value
             return
         if key in ("checkpoint", "tokenizer"):
-            setattr(section, key, None if value is None else _coerce(path, str(value) if isinstance(value, (int, float)) else value, str))
+            setattr(section, key, _coerce(path, value, Optional[str], text))
             return
         if key not in _MODEL_FIELDS:
             raise ConfigError(f"unknown key 'model.{key}'"
@@ -352,7 +366,7 @@ def _apply(cfg: JobConfig, path: str, value: Any) -> None:
             _apply(cfg, f"{path}.{k}", v)
         return
     hints = typing.get_type_hints(type(section))
-    setattr(section, key, _coerce(path, value, hints[key]))
+    setattr(section, key, _coerce(path, value, hints[key], text))
 
 
 def _flatten(data: dict, source: str) -> list[tuple[str, Any]]:
@@ -382,7 +396,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> JobConfig:
     """Defaults, then the YAML file (if any), then the dotted overrides, in that order."""
     cfg = JobConfig()
-    items: list[tuple[str, Any]] = []
+    items: list[tuple[str, Any, Optional[str]]] = []
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -392,10 +406,10 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
         # The preset first, so that later model overrides apply on top of it.
-        items += sorted(_flatten(data, str(p)), key=lambda kv: kv[0] != "model.preset")
-    items += [parse_override(o) for o in overrides or []]
-    for key, value in items:
-        _apply(cfg, key, value)
+        items += [(k, v, None) for k, v in sorted(_flatten(data, str(p)), key=lambda kv: kv[0] != "model.preset")]
+    items += [(*parse_override(o), o.partition("=")[2]) for o in overrides or []]
+    for key, value, text in items:
+        _apply(cfg, key, value, text)
     return cfg
 
 
@@ -406,12 +420,89 @@ def _divides(errors: list[str], a_name: str, a: int, b_name: str, b: int) -> Non
         errors.append(f"{a_name}={a} does not divide {b_name}={b}")
 
 
+# The range of every number in the job's sections (the executors' tp / pp / dp are checked with the model, and
+# algorithm.entropy_coef may take any sign); every float must also be finite. path: (rule, why or what instead).
+_RANGES: dict[str, tuple[str, str]] = {
+    "trainer.micro_batch_size": (">= 1", ""),
+    "trainer.lr": ("> 0", ""),
+    "trainer.lr_warmup_steps": (">= 0", ""),
+    "trainer.sft_warmup_steps": (">= 0", "(0 skips the warm start)"),
+    "trainer.sft_lr": ("> 0", ""),
+    "trainer.weight_decay": (">= 0", ""),
+    "trainer.clip_grad": (">= 0", "(0 disables clipping)"),
+    "trainer.adam_beta1": ("in [0, 1)", ""),
+    "trainer.adam_beta2": ("in [0, 1)", ""),
+    "trainer.adam_eps": ("> 0", ""),
+    "trainer.max_nonfinite_steps": (">= 1", ""),
+    "generator.max_batch_size": (">= 1", "(sequences decoded together)"),
+    "algorithm.rho": (">= 1", "(importance weights are truncated at rho)"),
+    "algorithm.ppo_clip": ("> 0", ""),
+    "algorithm.kl_coef": (">= 0", ""),
+    "rollout.staleness": (">= 0", ""),
+    "rollout.prompts_per_step": (">= 1", ""),
+    "rollout.samples_per_prompt": (">= 1", ""),
+    "rollout.max_prompt_length": (">= 1", ""),
+    "rollout.max_new_tokens": (">= 1", ""),
+    "rollout.temperature": ("> 0", "(use top_k=1 for greedy)"),
+    "rollout.top_p": ("in (0, 1]", ""),
+    "rollout.top_k": (">= 0", "(0 disables it)"),
+    "data.eval_size": (">= 1", ""),
+    "data.eval_samples": (">= 1", ""),
+    "data.demo_accuracy": ("in [0, 1]", ""),
+    "reward.timeout_s": ("> 0", ""),
+    "reward.num_workers": (">= 1", ""),
+    "checkpoint.save_interval": (">= 0", "(0: only the final checkpoint)"),
+    "checkpoint.keep_last": (">= 1", ""),
+    "run.seed": ("in [0, 2**32)", ""),
+    "run.steps": (">= 1", ""),
+    "run.world_size": (">= 1", ""),
+    "run.eval_interval": (">= 1", ""),
+    "run.stop_grace_s": (">= 0", "(seconds from a stop signal to killing the ranks)"),
+}
+_RULES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
+          "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1,
+          "in [0, 2**32)": lambda v: 0 <= v < 2**32}
+
+
+def _numbers(section, prefix: str):
+    """(path, value, optional) of every int and float field of a section and the sections inside it."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value, path = getattr(section, f.name), f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _numbers(value, path)
+            continue
+        args = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) in (Union, types.UnionType) else ()
+        base = next((a for a in args if a is not type(None)), hints[f.name])
+        if base in (int, float):
+            yield path, value, type(None) in args
+
+
+def _check_fields(errors: list[str], cfg: JobConfig) -> None:
+    """Every number of every section: finite, and in its range (`_RANGES`)."""
+    for f in dataclasses.fields(JobConfig):
+        if f.name == "model":
+            continue
+        for path, value, optional in _numbers(getattr(cfg, f.name), f.name):
+            if value is None:
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                errors.append(f"{path}={value} must be a finite number")
+            elif path in _RANGES and not _RULES[_RANGES[path][0]](value):
+                rule, why = _RANGES[path]
+                rule += " or null" if optional else ""
+                errors.append(f"{path}={value} must be {rule}{' ' + why if why else ''}")
+
+
 def _check_model(errors: list[str], model: ModelConfig) -> None:
-    """The model's shape: positive sizes, heads that divide the hidden size."""
+    """The model's shape: positive sizes, heads that divide the hidden size, finite positive constants."""
     for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-              "vocab_size", "max_position_embeddings"):
+              "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
         if getattr(model, f) < 1:
             errors.append(f"model.{f}={getattr(model, f)} must be >= 1")
+    for f in ("rotary_base", "rope_scaling_factor", "norm_epsilon", "init_method_std"):
+        if not (math.isfinite(getattr(model, f)) and getattr(model, f) > 0):
+            errors.append(f"model.{f}={getattr(model, f)} must be a finite number > 0")
     if not errors:
         _divides(errors, "model.num_attention_heads", model.num_attention_heads, "model.hidden_size",
                  model.hidden_size)
@@ -432,40 +523,60 @@ def _check_layouts(errors: list[str], cfg: JobConfig, model: ModelConfig) -> Non
         _divides(errors, f"{name}.pp", sec.pp, "model.num_layers", model.num_layers)
 
 
-def _check_rollout(errors: list[str], cfg: JobConfig, model: ModelConfig) -> None:
-    """Sampling, batch shape and the algorithm's settings."""
+def _check_rollout(errors: list[str], cfg: JobConfig, model: Optional[ModelConfig]) -> None:
+    """Sampling and batch shape against the algorithm and the model (`_check_fields` has checked the ranges)."""
     r, a = cfg.rollout, cfg.algorithm
-    if r.staleness < 0:
-        errors.append(f"rollout.staleness={r.staleness} must be >= 0")
-    if r.temperature <= 0:
-        errors.append(f"rollout.temperature={r.temperature} must be > 0 (use top_k=1 for greedy)")
-    if not 0 < r.top_p <= 1:
-        errors.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
-    if r.top_k < 0:
-        errors.append(f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)")
-    for f in ("prompts_per_step", "samples_per_prompt", "max_prompt_length", "max_new_tokens"):
-        if getattr(r, f) < 1:
-            errors.append(f"rollout.{f}={getattr(r, f)} must be >= 1")
-    if r.samples_per_prompt < 2 and a.advantage in ("rloo", "grpo", "group_mean"):
+    if r.samples_per_prompt == 1 and a.advantage in ("rloo", "grpo", "group_mean"):
         errors.append(f"rollout.samples_per_prompt={r.samples_per_prompt} must be >= 2 for "
                       f"algorithm.advantage={a.advantage!r} (it compares responses to the same prompt)")
-    if r.max_prompt_length + r.max_new_tokens > model.max_position_embeddings:
+    if model is not None and r.max_prompt_length + r.max_new_tokens > model.max_position_embeddings:
         errors.append(f"rollout.max_prompt_length + rollout.max_new_tokens = "
                       f"{r.max_prompt_length + r.max_new_tokens} exceeds model.max_position_embeddings="
                       f"{model.max_position_embeddings}")
-    if a.rho < 1:
-        errors.append(f"algorithm.rho={a.rho} must be >= 1 (importance weights are truncated at rho)")
-    if a.ppo_clip is not None and a.ppo_clip <= 0:
-        errors.append(f"algorithm.ppo_clip={a.ppo_clip} must be > 0 or null")
     if a.ppo_clip is not None and not a.importance_weights:
         errors.append("algorithm.ppo_clip needs algorithm.importance_weights=true (its ratio is pi / mu)")
-    if cfg.trainer.lr <= 0:
-        errors.append(f"trainer.lr={cfg.trainer.lr} must be > 0")
+
+
+def _check_dataset_files(errors: list[str], cfg: JobConfig, dataset: str) -> None:
+    """The files a dataset job reads exist and their first record loads (the job reads them the same way)."""
+    from megatron_rl.data.datasets import dataset_files, load_prompt_dataset
+    from megatron_rl.data.records import DataError
+
+    d = cfg.data
+    train, heldout = dataset_files(dataset, d.path, d.eval_path)
+    for key, given, file in (("data.path", d.path, train), ("data.eval_path", d.eval_path, heldout)):
+        if file is None:
+            continue
+        where = f"{key}={given!r}" if given else f"data.dataset={d.dataset!r} (its default file {file}; set {key})"
+        if not file.exists():
+            errors.append(f"{where} does not exist")
+        elif not file.is_file():
+            errors.append(f"{where} is not a file")
+        else:
+            try:
+                load_prompt_dataset(dataset, path=file, prompt_field=d.prompt_field, answer_field=d.answer_field,
+                                    limit=1)
+            except DataError as e:
+                errors.append(f"{key}: {e}")
+            except OSError as e:
+                errors.append(f"{where} cannot be read ({e.strerror or e})")
+
+
+def _check_reward_function(errors: list[str], spec: str) -> None:
+    """Import the user's reward function here, as each reward worker will: a bad spec is one line now."""
+    from megatron_rl.rewards.workers import RewardFunctionError, resolve_function
+
+    try:
+        resolve_function(spec)
+    except RewardFunctionError as e:
+        errors.append(str(e))
+    except (Exception, SystemExit) as e:  # what importing a user's module may raise besides ImportError
+        errors.append(f"reward function {spec!r}: importing it raised {type(e).__name__}: {e}")
 
 
 def _check_data_and_reward(errors: list[str], cfg: JobConfig) -> None:
-    """The dataset, and a reward that can score it."""
-    d = cfg.data
+    """The dataset (its files readable, a first record usable), and a reward that can score it."""
+    d, r = cfg.data, cfg.reward
     from megatron_rl.data.registry import dataset_key
 
     try:
@@ -479,42 +590,75 @@ def _check_data_and_reward(errors: list[str], cfg: JobConfig) -> None:
                       f"{d.dataset!r} (start from trained weights with model.checkpoint)")
     if dataset == "jsonl" and not d.path:
         errors.append("data.dataset='jsonl' needs data.path (a JSONL file of prompts)")
-    for f in ("eval_size", "eval_samples"):
-        if getattr(d, f) < 1:
-            errors.append(f"data.{f}={getattr(d, f)} must be >= 1")
-    if cfg.reward.kind == "reward-model":
-        if not cfg.reward.model:
+    elif dataset is not None:
+        _check_dataset_files(errors, cfg, dataset)
+    if not d.prompt_field:
+        errors.append("data.prompt_field must not be empty")
+    if d.answer_field == "":
+        errors.append("data.answer_field must not be empty (null: the records have no reference answer)")
+    if cfg.model.tokenizer is not None and cfg.model.tokenizer != "byte" and not Path(cfg.model.tokenizer).exists():
+        errors.append(f"model.tokenizer={cfg.model.tokenizer!r} does not exist (expected 'byte', a sentencepiece "
+                      f".model file, a .gguf file or a Hugging Face tokenizer directory)")
+    if r.kind == "reward-model":
+        if not r.model:
             errors.append("reward.model must be set (a Hugging Face sequence-classification directory) when "
                           "reward.kind='reward-model'")
-        elif not (Path(cfg.reward.model) / "config.json").is_file():
-            errors.append(f"reward.model={cfg.reward.model!r} is not a Hugging Face model directory (no config.json)")
+        elif not (Path(r.model) / "config.json").is_file():
+            errors.append(f"reward.model={r.model!r} is not a Hugging Face model directory (no config.json)")
         if dataset is None:
             errors.append("reward.kind='reward-model': the built-in synthetic task has its own exact-match reward; "
                           "use data.dataset='jsonl' with your prompts to train on a reward model")
-    elif dataset is not None and cfg.reward.kind == "auto":
+    elif dataset is not None and r.kind == "auto":
         from megatron_rl.rewards import kind_for_dataset
 
         try:
             kind_for_dataset(d.dataset)
         except ValueError as e:
             errors.append(str(e))
-    elif dataset is None and cfg.reward.kind not in ("auto", "synthetic") and not (
-            cfg.reward.kind == "function" and not cfg.reward.function):
-        errors.append(f"reward.kind={cfg.reward.kind!r}: the built-in synthetic task has its own exact-match "
+    elif dataset is None and r.kind not in ("auto", "synthetic") and not (r.kind == "function" and not r.function):
+        errors.append(f"reward.kind={r.kind!r}: the built-in synthetic task has its own exact-match "
                       f"reward; use data.dataset='jsonl' with your prompts to train on another reward")
-    if cfg.reward.kind == "function" and not cfg.reward.function:
+    if r.kind == "function" and not r.function:
         errors.append("reward.function must be set (module:function) when reward.kind='function'")
-    if cfg.reward.function and ":" not in cfg.reward.function:
-        errors.append(f"reward.function={cfg.reward.function!r} must look like 'module:function'")
-    if cfg.generator.quantization == "int8" and cfg.generator.attention == "te":
-        errors.append("generator.quantization='int8' needs Megatron-Core's own linear layers: set "
-                      "generator.attention to 'sdpa' or 'local' (not 'te')")
+    if r.function and r.kind != "function":
+        errors.append(f"reward.function={r.function!r} is set but reward.kind={r.kind!r}: set reward.kind=function "
+                      f"to use it")
+    elif r.function and ":" not in r.function:
+        errors.append(f"reward.function={r.function!r} must look like 'module:function'")
+    elif r.function and dataset is not None:
+        _check_reward_function(errors, r.function)
+    if cfg.generator.quantization != "none" and cfg.generator.attention == "te":
+        errors.append(f"generator.quantization={cfg.generator.quantization!r} needs Megatron-Core's own linear "
+                      f"layers: set generator.attention to 'sdpa' or 'local' (not 'te')")
+
+
+def _directory_problem(path: Path) -> Optional[str]:
+    """Why files cannot be written in directory `path` (None when they can): it is not a directory, it cannot be
+    written, or it does not exist and its nearest existing parent cannot be written. Creates nothing."""
+    if path.exists():
+        if not path.is_dir():
+            return "is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"cannot be created ({parent} is not a directory)"
+            return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created ({parent} is not writable)"
+    return None
 
 
 def _check_run(errors: list[str], cfg: JobConfig, world_size: Optional[int]) -> None:
-    """Checkpoints, logging, and the world the executors need."""
-    if cfg.checkpoint.keep_last < 1:
-        errors.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    """The run's directory, logging, and the world the executors need."""
+    name = cfg.run.name
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+        errors.append(f"run.name={name!r} must be a plain directory name (not empty, no '/', not '.' or '..'): "
+                      f"the run writes into checkpoint.dir/run.name")
+    else:
+        for key, path in (("checkpoint.dir", Path(cfg.checkpoint.dir)), ("run.name", Path(cfg.checkpoint.dir) / name)):
+            problem = _directory_problem(path)
+            if problem:
+                errors.append(f"{key}: {path} {problem}")
+                break
     if cfg.run.wandb.enabled and importlib.util.find_spec("wandb") is None:
         w = cfg.run.wandb
         setting = f"run.wandb.project={w.project!r}" if w.mode == "auto" else f"run.wandb.mode={w.mode!r}"
@@ -534,18 +678,24 @@ def _check_run(errors: list[str], cfg: JobConfig, world_size: Optional[int]) -> 
 def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
     """Check that the job can run; raise ConfigError naming every problem found. Returns the resolved model.
 
-    Called once per process before any process group exists (the CLI, or each rank of a torchrun/srun world);
-    ranks receive the resolved model."""
+    Besides the fields' types and ranges, it checks what the ranks would otherwise find minutes later: the files
+    the job reads exist (data, tokenizer, reward model) and the first record of each data file loads, the reward
+    function imports, and the checkpoint directory can be written. Called once per process before any process
+    group exists (the CLI, or each rank of a torchrun/srun world); ranks receive the resolved model."""
     errors: list[str] = []
     try:
-        model = cfg.model.resolve()
+        model: Optional[ModelConfig] = cfg.model.resolve()
     except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _check_model(errors, model)
-    _check_layouts(errors, cfg, model)
+        errors.append(str(e))
+        model = None
+    if model is not None:
+        _check_model(errors, model)
+        _check_layouts(errors, cfg, model)
+    _check_fields(errors, cfg)
     _check_rollout(errors, cfg, model)
     _check_data_and_reward(errors, cfg)
     _check_run(errors, cfg, world_size)
+    errors = [" ".join(e.splitlines()) for e in errors]
     if len(errors) == 1:
         raise ConfigError(errors[0])
     if errors:

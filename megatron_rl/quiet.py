@@ -7,7 +7,9 @@ Without these filters a CPU run of `megatron-rl train` shows them around its pro
 - torch's RMSNorm noting that bf16 activations with Megatron-Core's fp32 norm weights take its unfused path (on
   GPUs `build_gpt_model` replaces those norms with a fused one; on a CPU there is no faster path to take);
 - torch's deprecation of `all_gather_into_tensor` / `reduce_scatter_tensor`, which Megatron-Core's distributed
-  optimizer calls (nothing a user can change).
+  optimizer calls (nothing a user can change);
+- multiprocessing's resource tracker counting the semaphores of ranks that were killed (a stop past its grace
+  time, a failed job), which it then removes itself (its message has a colon: the filter is its first word).
 Filters match the start of each message, so every other warning still shows. They are set in this process and,
 through PYTHONWARNINGS, in every interpreter it starts (spawned ranks, fork servers, reward workers).
 """
@@ -21,6 +23,7 @@ import warnings
 _ALWAYS = (
     ("`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning),
     ("`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning),
+    ("resource_tracker", UserWarning),
 )
 _WITHOUT_CUDA = (
     ("Transformer Engine and Apex are not installed", UserWarning),

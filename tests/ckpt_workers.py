@@ -72,6 +72,30 @@ def train_with_two_saves(rank, world_size, state_path, root):
     return True
 
 
+def overflowing_update(rank, world_size, state_path, root):
+    """A step and a checkpoint, then an update with an infinite learning rate (finite loss and gradients, NaN
+    weights): the step raises, and a save afterwards refuses to write."""
+    import math
+
+    from megatron_rl.checkpointing.training import CheckpointError
+    from megatron_rl.training.engine import NonFiniteError
+
+    cfg, layout, g, trainer = _trainer(dict(tp=world_size), state_path)
+    ck = TrainCheckpointer(root)
+    trainer.step(make_rollouts(cfg.vocab_size, seed=0))
+    ck.save(1, trainer.engine, layout=layout, model_cfg=cfg, rl_state={"step": 1, "weight_version": 1})
+    for group in trainer.engine.optimizer.param_groups:
+        group["lr"] = math.inf
+    out = {}
+    for what, call in (("step", lambda: trainer.step(make_rollouts(cfg.vocab_size, seed=1))),
+                       ("save", lambda: ck.save(2, trainer.engine, layout=layout, model_cfg=cfg))):
+        try:
+            call()
+        except (NonFiniteError, CheckpointError) as e:
+            out[what] = f"{type(e).__name__}: {e}"
+    return out
+
+
 if __name__ == "__main__":  # the crash test runs this in its own process group
     import sys
 

@@ -45,17 +45,26 @@ def smollm2(tmp_path_factory):
 def tiny_hf():
     """A random transformers Llama (3 layers, GQA, untied) with enlarged weights, its Megatron config and its
     weights in Megatron names."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    return make_tiny_llama(num_layers=3, seed=0, name="tiny-test")
+
+
+def make_tiny_llama(num_layers: int, seed: int, name: str):
+    """A random transformers Llama (GQA, untied) with enlarged weights: (the HF model, its Megatron config, its
+    weights in Megatron names)."""
+    import transformers
+
     from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
 
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
-    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176,
+                                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # larger weights: confident, varied greedy continuations
         for p in hf.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
-    ours = model_config_from_hf(cfg, name="tiny-test")
+    ours = model_config_from_hf(cfg, name=name)
     return hf, ours, hf_to_megatron({k: v.clone() for k, v in hf.state_dict().items()}, ours)

@@ -47,7 +47,7 @@ def allocated_worker(rank, world_size, cfg, run_dir):
     if job.generator is not None:
         from megatron_rl.inference.quantized import weight_bytes
 
-        out["generator"] = {"weights": weight_bytes(job.generator.model, job.generator.int8)}
+        out["generator"] = {"pp": job.g.pp_rank, "weights": weight_bytes(job.generator.model, job.generator.quantized)}
     return out
 
 

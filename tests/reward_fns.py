@@ -4,3 +4,15 @@
 def says_mat(prompt, response, reference):
     """1 when the response contains the word "mat"."""
     return 1.0 if "mat" in response.split() else 0.0
+
+
+def sleeps_forever(prompt, response, reference):
+    """Never returns."""
+    import time
+
+    while True:
+        time.sleep(60)
+
+
+def always_raises(prompt, response, reference):
+    raise ValueError(f"cannot score {response!r}")

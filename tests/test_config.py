@@ -1,11 +1,13 @@
 """Configs: YAML + dotted overrides, and one clear line for each kind of bad config, before any process group."""
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_rl.config import ConfigError, JobConfig, load_config, parse_override, validate
 
@@ -49,8 +51,44 @@ BAD = [
     (["reward.kind=function"], r"^reward.function must be set"),
     (["generator.colocated=true"], r"^generator.colocated=true needs"),
     (["rollout.max_new_tokens=1000"], r"exceeds model.max_position_embeddings=512$"),
-    (["generator.quantization=fp8"], r"^generator.quantization='fp8' is not allowed: expected one of 'none', 'int8'$"),
+    (["generator.quantization=fp4"],
+     r"^generator.quantization='fp4' is not allowed: expected one of 'none', 'int8', 'fp8'$"),
     (["generator.quantization=int8", "generator.attention=te"], r"needs Megatron-Core's own linear layers"),
+    (["generator.quantization=fp8", "generator.attention=te"],
+     r"^generator.quantization='fp8' needs Megatron-Core's own linear layers"),
+    # Ranges that used to pass: a run of 0 steps, a run without checkpoints, hangs, non-finite sampling and updates.
+    (["run.steps=-5"], r"^run.steps=-5 must be >= 1$"),
+    (["run.eval_interval=0"], r"^run.eval_interval=0 must be >= 1$"),
+    (["checkpoint.save_interval=-1"], r"^checkpoint.save_interval=-1 must be >= 0 \(0: only the final checkpoint\)$"),
+    (["trainer.micro_batch_size=0"], r"^trainer.micro_batch_size=0 must be >= 1$"),
+    (["generator.max_batch_size=0"], r"^generator.max_batch_size=0 must be >= 1"),
+    (["reward.num_workers=0"], r"^reward.num_workers=0 must be >= 1$"),
+    (["reward.timeout_s=0"], r"^reward.timeout_s=0.0 must be > 0$"),
+    (["data.eval_size=0"], r"^data.eval_size=0 must be >= 1$"),
+    (["data.demo_accuracy=1.5"], r"^data.demo_accuracy=1.5 must be in \[0, 1\]$"),
+    (["trainer.adam_beta2=1"], r"^trainer.adam_beta2=1.0 must be in \[0, 1\)$"),
+    (["trainer.max_nonfinite_steps=0"], r"^trainer.max_nonfinite_steps=0 must be >= 1$"),
+    (["algorithm.ppo_clip=0"], r"^algorithm.ppo_clip=0.0 must be > 0 or null$"),
+    (["run.world_size=0"], r"^run.world_size=0 must be >= 1 or null$"),
+    (["run.seed=-1"], r"^run.seed=-1 must be in \[0, 2\*\*32\)$"),
+    (["rollout.temperature=nan"], r"^rollout.temperature=nan must be a finite number$"),
+    (["trainer.lr=inf"], r"^trainer.lr=inf must be a finite number$"),
+    (["rollout.top_p=.nan"], r"^rollout.top_p=nan must be a finite number$"),
+    (["algorithm.entropy_coef=-inf"], r"^algorithm.entropy_coef=-inf must be a finite number$"),
+    (["model.norm_epsilon=0"], r"^model.norm_epsilon=0.0 must be a finite number > 0$"),
+    (["model.rotary_base=inf"], r"^model.rotary_base=inf must be a finite number > 0$"),
+    # A run name is one directory inside checkpoint.dir: an empty one wrote beside the other runs.
+    (["run.name="], r"^run.name='' must be a plain directory name \(not empty, no '/', not '.' or '..'\)"),
+    (["run.name=a/b"], r"^run.name='a/b' must be a plain directory name"),
+    (["run.name=.."], r"^run.name='..' must be a plain directory name"),
+    (["run.name=."], r"^run.name='.' must be a plain directory name"),
+    (["model.tokenizer=/nonexistent/tok"], r"^model.tokenizer='/nonexistent/tok' does not exist"),
+    (["data.dataset=jsonl", "data.path=/nonexistent.jsonl", "trainer.sft_warmup_steps=0", "reward.kind=synthetic"],
+     r"^data.path='/nonexistent.jsonl' does not exist$"),
+    (["data.dataset=gsm8k", "data.eval_path=/nonexistent.jsonl", "trainer.sft_warmup_steps=0"],
+     r"^data.eval_path='/nonexistent.jsonl' does not exist$"),
+    (["data.dataset=gsm8k", "reward.function=m:f", "trainer.sft_warmup_steps=0"],
+     r"^reward.function='m:f' is set but reward.kind='auto': set reward.kind=function"),
 ]
 
 
@@ -105,3 +143,118 @@ def test_cli_reports_config_errors_in_one_line_without_starting_processes():
     out = subprocess.run([sys.executable, "-c", "import sys, megatron_rl.cli as c; c.main(['config']); "
                           "print('megatron.core' in sys.modules)"], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip().endswith("False"), "validating a config must not import Megatron-Core"
+
+
+def _numbers(section, prefix):
+    import dataclasses
+
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _numbers(value, f"{prefix}.{f.name}")
+        elif f.type in ("int", "float", "Optional[int]", "Optional[float]"):
+            yield f"{prefix}.{f.name}"
+
+
+def test_every_number_of_every_section_has_a_range():
+    """A field added later must get its range too (the layouts are checked against the model; an entropy bonus
+    may take either sign)."""
+    import dataclasses
+
+    from megatron_rl.config import _RANGES
+
+    cfg = JobConfig()
+    numbers = {p for f in dataclasses.fields(cfg) if f.name != "model" for p in _numbers(getattr(cfg, f.name), f.name)}
+    unbounded = {f"{e}.{d}" for e in ("trainer", "generator") for d in ("tp", "pp", "dp")} | {"algorithm.entropy_coef"}
+    assert numbers - set(_RANGES) == unbounded
+    assert set(_RANGES) <= numbers
+
+
+def test_text_fields_take_the_override_as_written(tmp_path):
+    """Overrides are read as YAML, so `run.name=yes` was a bool and `run.name=123` an int, both refused."""
+    cfg = load_config(None, ["run.name=yes", "data.system=no", "data.prompt_field=123", "run.wandb.project=1e3",
+                             "model.tokenizer=byte", "data.path=null", "reward.kind=function"])
+    assert (cfg.run.name, cfg.data.system, cfg.data.prompt_field, cfg.run.wandb.project) == ("yes", "no", "123", "1e3")
+    assert cfg.data.path is None and cfg.reward.kind == "function"
+    assert load_config(None, ["run.name=123"]).run.name == "123"
+    with pytest.raises(ConfigError, match=r"^run.wandb.mode='off' is not allowed"):  # YAML would have read False
+        load_config(None, ["run.wandb.mode=off"])
+    with pytest.raises(ConfigError, match="wrong type: expected int"):
+        load_config(None, ["trainer.tp=yes"])
+    f = tmp_path / "job.yaml"
+    f.write_text("run:\n  name: 123\n")
+    assert load_config(f).run.name == "123"
+
+
+def test_overrides_on_both_sides_of_the_config_file(tmp_path, capsys):
+    from megatron_rl.cli import build_parser, main, parse_args
+
+    f = tmp_path / "job.yaml"
+    f.write_text("run:\n  steps: 7\n  name: from-file\n")
+    args = parse_args(build_parser(), ["train", "run.steps=3", "-c", str(f), "trainer.tp=1", "--launcher", "local",
+                                       "rollout.staleness=2"])
+    assert args.config == str(f) and args.launcher == "local"
+    assert args.overrides == ["run.steps=3", "trainer.tp=1", "rollout.staleness=2"]
+    assert main(["config", "run.steps=3", "-c", str(f), "trainer.tp=1"]) == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert (out["run"]["steps"], out["run"]["name"], out["trainer"]["tp"]) == (3, "from-file", 1)
+    with pytest.raises(SystemExit):
+        parse_args(build_parser(), ["train", "a.b=1", "-c", str(f), "--bogus"])
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+def test_files_and_code_the_job_needs_are_checked_before_it_starts(tmp_path):
+    """Each used to surface minutes later, after the ranks started, as per-rank tracebacks."""
+    jsonl = ["data.dataset=jsonl", "trainer.sft_warmup_steps=0", "reward.kind=synthetic"]
+
+    def problems(*overrides):
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(None, [*jsonl, *overrides]), 3)
+        assert "\n" not in str(e.value)
+        return _problems(e.value)
+
+    good = _write(tmp_path / "good.jsonl", b"\n" + json.dumps({"question": "1+1=", "answer": 2}).encode() + b"\n")
+    validate(load_config(None, [*jsonl, f"data.path={good}"]), 3)
+    for data, message in ((b'{"question": "1+1=", \n', r":1: invalid JSON .*"),
+                          (b'\n{"q": "1+1=", "answer": 2}\n', r":2: no prompt field 'question' \(the row has: .*\)"),
+                          (b'{"question": "1+1=\xff"}\n', r":1: not UTF-8 text \(byte 0xff at column 19\)"),
+                          (b"\n\n", r": no records")):
+        bad = _write(tmp_path / "bad.jsonl", data)
+        assert re.fullmatch(rf"data.path: {re.escape(str(bad))}{message}", problems(f"data.path={bad}")[0])
+    assert problems(f"data.path={good}", f"data.eval_path={tmp_path}") == [
+        f"data.eval_path={str(tmp_path)!r} is not a file"]
+    # The reward function is imported here, as each reward worker will import it.
+    (tmp_path / "scores.py").write_text("def score(prompt, response, reference):\n    return 1.0\n")
+    (tmp_path / "broken.py").write_text("raise RuntimeError('no GPU here\\nsecond line')\n")
+    fn = [f"data.path={good}", "reward.kind=function"]
+    validate(load_config(None, [*jsonl, *fn, f"reward.function={tmp_path}/scores.py:score"]), 3)
+    assert problems(*fn, f"reward.function={tmp_path}/scores.py:scor") == [
+        f"reward function '{tmp_path}/scores.py:scor': module '{tmp_path}/scores.py' has no attribute 'scor'"]
+    assert problems(*fn, "reward.function=no_such_module_xyz:score") == [
+        "reward function 'no_such_module_xyz:score': no module named 'no_such_module_xyz'"]
+    assert problems(*fn, f"reward.function={tmp_path}/broken.py:score")[0].endswith(
+        "raised RuntimeError: no GPU here second line")
+    # A checkpoint directory that cannot hold the run.
+    not_dir = _write(tmp_path / "ckpts", b"")
+    assert problems(f"data.path={good}", f"checkpoint.dir={not_dir}") == [
+        f"checkpoint.dir: {not_dir} is not a directory"]
+    assert problems(f"data.path={good}", f"checkpoint.dir={not_dir}/sub") == [
+        f"checkpoint.dir: {not_dir}/sub cannot be created ({not_dir} is not a directory)"]
+    (tmp_path / "runs").mkdir()
+    _write(tmp_path / "runs" / "default", b"")
+    assert problems(f"data.path={good}", f"checkpoint.dir={tmp_path}/runs") == [
+        f"run.name: {tmp_path}/runs/default is not a directory"]
+    # Every problem at once, in one line; validation creates nothing.
+    assert len(problems("data.path=/nonexistent.jsonl", f"checkpoint.dir={tmp_path}/new", "run.steps=0",
+                        "reward.timeout_s=nan")) == 3
+    assert not (tmp_path / "new").exists()
+
+
+def test_config_errors_stay_fast_and_import_no_torch():
+    out = subprocess.run([sys.executable, "-c", "import sys, megatron_rl.config as c; c.validate(c.JobConfig(), 3); "
+                          "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

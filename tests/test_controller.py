@@ -1,6 +1,7 @@
 """The controller: the deterministic schedule, and a short end-to-end job (async and sync) through the CLI."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -73,18 +74,20 @@ def _final_weights(run_dir):
     return latest, _dcp_tensors(run_dir / latest / "model")
 
 
-def test_bf16_trainer_with_an_int8_generator_trains_and_resumes(tmp_path):
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_bf16_trainer_with_a_quantized_generator_trains_and_resumes(tmp_path, quantization):
     """trainer.dtype=bf16: bf16 weights, fp32 main weights in the optimizer (the weights are their rounding);
-    generator.quantization=int8 samples from int8 weights that DDMA refreshes: behaviour log-probs stay close to
-    the trainer's. A longer relaunch resumes the bf16 run."""
+    generator.quantization=int8 / fp8 samples from 8-bit weights that DDMA refreshes: behaviour log-probs stay close
+    to the trainer's. A longer relaunch resumes the bf16 run."""
     import torch
 
     base = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.sft_warmup_steps=10", "rollout.mode=sync",
             "rollout.prompts_per_step=4", "data.eval_size=4", "run.eval_interval=100", "checkpoint.save_interval=3",
-            "trainer.dtype=bf16", "generator.dtype=bf16", "generator.quantization=int8", f"checkpoint.dir={tmp_path}",
-            "run.name=q"]
+            "trainer.dtype=bf16", "generator.dtype=bf16", f"generator.quantization={quantization}",
+            f"checkpoint.dir={tmp_path}", "run.name=q"]
     out = subprocess.run(base + ["run.steps=3"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert f"{quantization} generator weights" in out.stdout
     step = tmp_path / "q" / "step_00000003"
     assert json.loads((step / "megatron_rl.json").read_text())["dtype"] == "bfloat16"
     model, opt = _dcp_tensors(step / "model"), _dcp_tensors(step / "optimizer")
@@ -95,8 +98,9 @@ def test_bf16_trainer_with_an_int8_generator_trains_and_resumes(tmp_path):
         assert main.dtype == torch.float32 and torch.equal(main.to(torch.bfloat16), model[k]), k
     rows = [json.loads(x) for x in open(tmp_path / "q" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for r in rows:  # sync mode: same weights on both sides, up to bf16 and int8 rounding
+    for r in rows:  # sync mode: same weights on both sides, up to bf16 and 8-bit rounding
         assert abs(r["kl_mu_pi"]) < 1e-2 and abs(r["is_weight_mean"] - 1) < 1e-2 and r["skipped"] == 0
+        assert r["logp_diff_max"] < 5e-2
     again = subprocess.run(base + ["run.steps=4"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from_step"] == 3
@@ -104,8 +108,9 @@ def test_bf16_trainer_with_an_int8_generator_trains_and_resumes(tmp_path):
 
 
 def test_killed_runs_resume_to_the_same_result(tmp_path):
-    """SIGKILL in the middle of a checkpoint write, then in the middle of a trainer step; each time the same
-    command resumes. Final weights and every step's metrics equal an uninterrupted run's."""
+    """SIGKILL in the middle of a checkpoint write, then in the middle of a trainer step; each time the launcher
+    names the dead rank in one line and the same command resumes. Final weights and every step's metrics equal an
+    uninterrupted run's."""
     import os
 
     import torch
@@ -124,10 +129,12 @@ def test_killed_runs_resume_to_the_same_result(tmp_path):
     ref = launch("ref")
     assert ref.returncode == 0, ref.stderr[-3000:]
     first = launch("crash", "checkpoint_between_model_and_optimizer:step_00000004")
-    assert first.returncode == -9, first.stderr[-3000:]
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert re.fullmatch(r"megatron-rl: rank \d \((trainer|generator)\) died with signal 9 \(SIGKILL\); every rank's "
+                        r"traceback: .*failure.log", first.stderr.strip().splitlines()[-1]), first.stderr[-3000:]
     assert (tmp_path / "crash" / "latest").read_text().strip() == "step_00000002"
     second = launch("crash", "train_step:5")  # resumes at step 2, saves step 4, dies inside step 5
-    assert second.returncode == -9, second.stderr[-3000:]
+    assert second.returncode == 1 and "(trainer) died with signal 9" in second.stderr, second.stderr[-3000:]
     assert (tmp_path / "crash" / "latest").read_text().strip() == "step_00000004"
     third = launch("crash")
     assert third.returncode == 0, third.stderr[-3000:]

@@ -220,3 +220,39 @@ def test_bad_inputs_fail_with_one_line_and_leave_nothing(hf_dir, converted, tmp_
     assert out.stderr.startswith("megatron-rl: convert: ") and "model/.metadata missing" in out.stderr
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(("x", "y", "z"))]
     assert not leftovers, leftovers
+
+
+def test_overwrite_replaces_only_an_empty_dir_or_a_checkpoint(hf_dir, converted, tmp_path):
+    """--overwrite used to delete whatever directory it was given; it now refuses, in one line, anything that is not
+    empty, a conversion's output or a Hugging Face model, and leaves it as it was."""
+    from megatron_rl.checkpointing.convert import ConversionError, convert
+    from megatron_rl.checkpointing.layout import CONVERT_FORMAT, LATEST, META, TRAIN_FORMAT
+
+    root = converted[0]
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("years of work")
+    run_root = tmp_path / "run"
+    (run_root / "step_00000010").mkdir(parents=True)
+    (run_root / LATEST).write_text("step_00000010")
+    step = tmp_path / "step"
+    step.mkdir()
+    (step / META).write_text(json.dumps({"format": TRAIN_FORMAT}))
+    (tmp_path / "file").write_text("x")
+    for dst, why in ((notes, "is neither empty nor a checkpoint"), (run_root, "is a training run's checkpoint"),
+                     (step, "is a training checkpoint of a run"), (tmp_path / "file", "is not a directory")):
+        with pytest.raises(ConversionError, match=why) as e:
+            convert(root / "tp1", dst, "hf", overwrite=True)
+        assert "\n" not in str(e.value) and "not deleting it" in str(e.value)
+    assert (notes / "thesis.tex").read_text() == "years of work" and (run_root / "step_00000010").is_dir()
+    out = _cli(root / "tp1", notes, "--to", "hf", "--overwrite")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not deleting it" in out.stderr, out.stderr
+    # What it may replace: an empty directory, a conversion's output, a Hugging Face model.
+    empty, old_conversion, hf = tmp_path / "empty", tmp_path / "converted", tmp_path / "hf"
+    empty.mkdir()
+    old_conversion.mkdir()
+    (old_conversion / META).write_text(json.dumps({"format": CONVERT_FORMAT}))
+    shutil.copytree(hf_dir[0], hf)
+    for dst in (empty, old_conversion, hf):
+        convert(root / "tp1", dst, "hf", overwrite=True)
+        assert (dst / "config.json").is_file() and not (dst / META).exists()

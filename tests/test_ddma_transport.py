@@ -85,15 +85,31 @@ def test_cli_reshard_check_rejects_impossible_layouts_in_one_line(capsys):
                    "model: tp=4 does not divide the query groups (2)"]
 
 
-def test_quantized_generator_matches_direct_int8_quantization_within_the_bound():
-    from megatron_rl.ddma.quant import INT8_ERROR_OVER_HALF_STEP
+def test_cli_reshard_check_refuses_more_processes_than_the_machine_can_run(capsys, monkeypatch):
+    """--src dp=64 used to start 129 processes on 2 cores without a word."""
+    import megatron_rl.ddma.verify as verify
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(verify, "reshard_check", lambda *a, **kw: pytest.fail("no process may start"))
+    assert main(["reshard-check", "--src", "dp=64", "--dst", "dp=65"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "megatron-rl reshard-check: --src dp=64 --dst dp=65 needs 129 processes, more than 4 per CPU core (2 cores "
+        "here); pass --force to start them"]
+    monkeypatch.setattr(verify, "reshard_check", lambda *a, **kw: {"ok": True})
+    assert main(["reshard-check", "--src", "dp=64", "--dst", "dp=65", "--force"]) == 0
+    assert main(["reshard-check", "--src", "tp=2", "--dst", "tp=2", "--colocated"]) == 0  # 2 processes
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_generator_matches_direct_quantization_within_the_bound(fmt):
+    from megatron_rl.ddma.quant import FORMATS
     from megatron_rl.ddma.verify import reshard_check
     from megatron_rl.models import get_preset
     from megatron_rl.parallel import ParallelLayout
 
     # row-parallel weights (linear_proj, fc2) arrive in column pieces from both trainer ranks: the scales must
     # still be per output channel of the generator's shard
-    summary = reshard_check(get_preset("tiny"), ParallelLayout(tp=2), ParallelLayout(tp=1, pp=2), quantize="int8",
+    summary = reshard_check(get_preset("tiny"), ParallelLayout(tp=2), ParallelLayout(tp=1, pp=2), quantize=fmt,
                             bucket_bytes=16 << 10)
     assert summary["mismatches"] == 0 and summary["ok"], summary
-    assert 0.9 < summary["quant_error_over_bound"] <= INT8_ERROR_OVER_HALF_STEP
+    assert 0.9 < summary["quant_error_over_bound"] <= FORMATS[fmt].ERROR_OVER_HALF_STEP

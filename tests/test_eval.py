@@ -85,6 +85,7 @@ def test_eval_errors_are_one_line(smollm2, tmp_path, capsys):
     err = run(smollm2_ckpt, "--dataset", "math500", "--data-dir", tmp_path / "empty")
     assert "MATH-500 not found at" in err
     assert "--tp=2 does not divide the model's num_attention_heads=9" in run(smollm2_ckpt, "--tp", "2")
+    assert "--pp=4 does not divide the model's num_layers=30" in run(smollm2_ckpt, "--pp", "4")
     assert "--tokenizer" in run(smollm2_ckpt, "--tokenizer", tmp_path / "missing.gguf")
     # A checkpoint that records no tokenizer, evaluated without --tokenizer.
     bare = tmp_path / "bare"
@@ -95,8 +96,8 @@ def test_eval_errors_are_one_line(smollm2, tmp_path, capsys):
     assert "tokenizer" in run(bare, "--limit", "1")
 
 
-def test_eval_at_tp2_equals_tp1(tmp_path, capsys):
-    """A small random Llama with the byte tokenizer: `--tp 2` decodes what `--tp 1` decodes."""
+def test_eval_at_tp2_and_pp2_equals_tp1(tmp_path, capsys):
+    """A small random Llama with the byte tokenizer: `--tp 2` and `--pp 2` decode what `--tp 1` decodes."""
     from megatron_rl.checkpointing.convert import convert
 
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -106,14 +107,16 @@ def test_eval_at_tp2_equals_tp1(tmp_path, capsys):
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "ckpt", to="megatron")
     samples = {}
-    for tp in (1, 2):
-        samples[tp] = tmp_path / f"tp{tp}.jsonl"
+    layouts = ((1, 1), (2, 1), (1, 2))
+    for tp, pp in layouts:
+        samples[tp, pp] = tmp_path / f"tp{tp}pp{pp}.jsonl"
         assert main(["eval", str(tmp_path / "ckpt"), "--tokenizer", "byte", "--no-chat", "--limit", "2",
-                     "--max-new-tokens", "6", "--tp", str(tp), "--samples-out", str(samples[tp])]) == 0
+                     "--max-new-tokens", "6", "--tp", str(tp), "--pp", str(pp),
+                     "--samples-out", str(samples[tp, pp])]) == 0
         assert json.loads(capsys.readouterr().out)["n"] == 2
-    rows = {tp: [json.loads(line) for line in samples[tp].read_text().splitlines()] for tp in (1, 2)}
-    assert rows[1] == rows[2] and all(r["new_tokens"] == 6 for r in rows[1])
-    assert rows[1][0]["prompt"].startswith("Solve the following math problem")  # --no-chat: the bare instruction
+    rows = {k: [json.loads(line) for line in samples[k].read_text().splitlines()] for k in layouts}
+    assert rows[1, 1] == rows[2, 1] == rows[1, 2] and all(r["new_tokens"] == 6 for r in rows[1, 1])
+    assert rows[1, 1][0]["prompt"].startswith("Solve the following math problem")  # --no-chat: the bare instruction
 
 
 def test_checkpoint_root_resolves_through_latest(tmp_path):

@@ -92,3 +92,11 @@ def test_lookahead_decoding_gives_the_same_outputs(tiny_hf):
                            for a, b in zip(x, y)) < 1e-5
             lengths = [[len(t) for t, _, _ in mode[0]] for mode in rank_out]
             assert lengths == [[4, 4, 7, 7, 10, 10, 13, 13, 5, 1], [5, 30]]
+
+
+def test_no_cache_slot_is_an_error_not_a_hang():
+    """generator.max_batch_size=0 used to leave every sequence waiting for a slot, forever."""
+    from megatron_rl.inference.generator import Generator
+
+    with pytest.raises(ValueError, match=r"^generator max_batch_size=0 must be >= 1"):
+        Generator(None, 16, None, max_batch_size=0)

@@ -157,3 +157,25 @@ def test_half_written_and_unknown_paths_exit_2_with_one_line(ckpt, tmp_path, cap
     # A checkpoint converted from a directory without tokenizer files records none.
     with pytest.raises(ValueError, match="records no tokenizer"):
         load_checkpoint_tokenizer(path)
+
+
+def test_checksums_name_a_flipped_shard_and_old_checkpoints_say_they_have_none(ckpt, tmp_path, capsys):
+    from megatron_rl.checkpointing.inspect import format_text, inspect_path, run
+    from megatron_rl.checkpointing.layout import CHECKSUMS, file_checksum
+
+    path, _ = ckpt
+    old, new = tmp_path / "step_00000002", tmp_path / "step_00000004"
+    _fake_training_checkpoint(path, old, 2)
+    _fake_training_checkpoint(path, new, 4)
+    meta = json.loads((new / "megatron_rl.json").read_text())
+    meta[CHECKSUMS] = {rel: file_checksum(new / rel) for rel in meta["files"]}
+    (new / "megatron_rl.json").write_text(json.dumps(meta))
+    assert f"checksums    {len(meta['files'])} files match their CRC-32" in format_text(inspect_path(new))
+    assert "written before checkpoints carried checksums" in format_text(inspect_path(old))
+    shard = sorted((new / "optimizer").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x10  # one bit; the size stays
+    shard.write_bytes(bytes(data))
+    assert run(new) == 2
+    err = capsys.readouterr().err
+    assert err == f"megatron-rl inspect: {shard}: checksum mismatch (flipped bits or a partial copy)\n"

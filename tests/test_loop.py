@@ -94,7 +94,8 @@ def test_pack_matches_a_hand_built_batch():
 class _FakeJob:
     """One colocated rank (trainer, generator and controller) with fake executors that log what they are asked."""
 
-    def __init__(self, n, s, save_interval, resume=None):
+    def __init__(self, n, s, save_interval, resume=None, stop_at_push=None):
+        self.stop_at_push, self.pushes = stop_at_push, 0
         self.cfg = SimpleNamespace(run=SimpleNamespace(steps=n, eval_interval=2), algorithm=SimpleNamespace(kl_coef=0),
                                    checkpoint=SimpleNamespace(save_interval=save_interval))
         self.staleness, self.log, self._resume = s, [], resume
@@ -129,6 +130,10 @@ class _FakeJob:
 
     def resume(self):
         return self._resume
+
+    def stop_requested(self):
+        self.pushes += 1
+        return self.pushes == self.stop_at_push
 
     def push_weights(self, version):
         self.version = version
@@ -170,3 +175,20 @@ def test_resumed_loop_skips_the_warm_start_and_restored_batches():
     assert ("warm-start",) not in job.log and ("checkpoint", 0) not in job.log
     assert [e for e in job.log if e[0] == "generate"] == [("generate", 3, 2)]
     assert [r["step"] for r in rows] == [2, 3] and rows[0]["generated_with_version"] == 1
+
+
+def test_a_stop_request_saves_at_the_next_weight_push_and_leaves():
+    job = _FakeJob(6, 1, save_interval=0, stop_at_push=2)  # the signal arrives during step 0
+    rows = loop.run(job)
+    assert job.log[-4:] == [("batch", 0), ("train", 0), ("checkpoint", 1), ("finish",)]
+    assert [e for e in job.log if e[0] == "generate"] == [("generate", 0, 0), ("generate", 1, 0)]
+    assert [r["step"] for r in rows] == [0]
+    # the checkpoint after step 1 keeps batch 1, generated before the stop, as pending
+    assert list(job.collector.pending(1, 1, 6)) == [1]
+
+
+def test_save_interval_0_keeps_only_the_final_checkpoint():
+    """save_interval=0 used to write no checkpoint at all, so that the run could be neither resumed nor extended."""
+    assert [a for a in job_plan(5, 1, save_interval=0) if isinstance(a, Checkpoint)] == [Checkpoint(5)]
+    assert [a for a in job_plan(5, 1, start=2, save_interval=0, fresh=False) if isinstance(a, Checkpoint)] == [
+        Checkpoint(5)]

@@ -28,6 +28,8 @@ JOBS = {
     # tied embeddings split over two stages (their own DDP bucket), fp32 trainer, a TP3 bf16 generator
     "smollm2-pp2-fp32": ["model.preset=smollm2-135m", "trainer.tp=1", "trainer.pp=2", "trainer.dp=1",
                          "trainer.dtype=fp32", "generator.tp=3", "generator.dtype=bf16", "trainer.sft_warmup_steps=0"],
+    # a two-stage generator: each stage's rank holds its own layers (embedding on the first, output on the last)
+    "tiny-generator-pp2": ["trainer.tp=1", "generator.pp=2", "generator.dtype=bf16", "trainer.sft_warmup_steps=0"],
 }
 
 
@@ -54,8 +56,8 @@ def test_planned_bytes_equal_what_the_job_allocates(overrides, tmp_path):
         t = next(t for t in trainers if (t["pp"], t["dp"]) == (pp, dp))
         assert {k: r.parts[k] for k in ("parameters", "gradients", "main_weights", "optimizer_state")} == {
             k: t[k] for k in ("parameters", "gradients", "main_weights", "optimizer_state")}
-    weights = {m["generator"]["weights"] for m in measured if "generator" in m}
-    assert weights == {plan.generator.ranks[0].parts["weights"]}
+    weights = {(m["generator"]["pp"], m["generator"]["weights"]) for m in measured if "generator" in m}
+    assert weights == {(p, r.parts["weights"]) for p, r in enumerate(plan.generator.ranks)}
 
 
 def test_activation_model_bounds_what_autograd_keeps():
@@ -75,16 +77,20 @@ def test_activation_model_bounds_what_autograd_keeps():
 def recipe_plans():
     cal = load_calibration()
     plans = {}
-    for name in ("llama3-8b", "llama3-70b"):
+    for name in ("llama3-8b", "llama3-70b", "llama3-405b-bf16"):
         cfg = load_config(CONFIGS / f"{name}.yaml")
         plans[name] = (cfg, make_plan(cfg, validate(cfg, cfg.run.world_size), cal))
     return plans
 
 
-def test_8b_and_70b_recipes_fit_on_80_gib(recipe_plans):
+def test_8b_70b_and_405b_bf16_recipes_fit_on_80_gib(recipe_plans):
     for name, (cfg, plan) in recipe_plans.items():
         assert plan.trainer.device_bytes == 80 * GIB
         assert plan.trainer.fits and plan.generator.fits, (name, plan.trainer.worst, plan.generator.worst)
+    # The bf16 405B generator fits as two pipeline stages, each holding about half of a TP8 rank's 101 GB.
+    cfg, plan = recipe_plans["llama3-405b-bf16"]
+    assert cfg.generator.pp == 2 and cfg.generator.quantization == "none" and len(plan.generator.ranks) == 2
+    assert all(45 * GIB < r.parts["weights"] < 50 * GIB for r in plan.generator.ranks)
     # An independent count: a bf16 generator at TP1 holds 2 bytes per parameter of the preset's formula, and 2 more
     # per norm weight (Megatron-Core's local spec keeps RMSNorm weights in fp32).
     cfg, plan = recipe_plans["llama3-8b"]
@@ -213,7 +219,7 @@ def test_checkpoint_reshards_from_metadata(tmp_path, capsys):
     (["-c", str(CONFIGS / "llama3-8b.yaml"), "trainer.tp=3"], "trainer.tp=3 does not divide"),
     (["--gpu-memory", "lots"], "--gpu-memory 'lots' is not a device memory size"),
     (["--gpu-memory", "0"], "--gpu-memory 0.0 is not a device memory size"),
-    (["generator.pp=2"], "generator.pp=2"),
+    (["generator.pp=3"], "generator.pp=3 does not divide model.num_layers=4"),
 ])
 def test_bad_inputs_get_one_line(args, needle, capsys):
     from megatron_rl import cli
@@ -237,3 +243,33 @@ def test_checkpoint_of_another_model_and_unsourced_calibration_get_one_line(tmp_
     assert cli.main(["plan", "--calibration", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert "peak_tflops has no source" in err and "\n" not in err, err
+
+
+def test_an_fp8_generator_is_planned_with_int8s_bytes():
+    """Both hold one byte per quantized weight and a float32 scale per row; the planner builds the fp8 stage itself
+    (its Fp8Weights on the meta device), and it holds less than the dense bf16 generator."""
+    cal = load_calibration()
+    weights = {}
+    for q in ("none", "int8", "fp8"):
+        cfg = load_config(None, ["generator.tp=2", "generator.dtype=bf16", f"generator.quantization={q}"])
+        weights[q] = make_plan(cfg, validate(cfg), cal).generator.ranks[0].parts["weights"]
+    assert weights["fp8"] == weights["int8"] < weights["none"]
+
+
+def test_pipelined_generator_decode_model():
+    """A decode step of a PP generator is pp lock-step ticks, each reading a stage's weights and one micro-batch's
+    KV cache: with pp micro-batches in flight the step reads the KV cache once, with one micro-batch pp times."""
+    import dataclasses
+
+    from megatron_rl.planning.steptime import GeneratorShape, ModelCost, Workload, generation_time
+
+    cal = load_calibration()
+    w, cost = Workload(64, 100, 50), ModelCost(10**9, 4, 1024)
+    stage_weights, kv_token, context = 1e9, 1e5, 100 + 50 / 2
+    one = GeneratorShape(tp=1, pp=2, replicas=1, slots=64, weight_bytes_per_gpu=int(stage_weights),
+                         kv_bytes_per_token_per_gpu=kv_token)
+    decode = {m: generation_time(w, cost, dataclasses.replace(one, micro_batches=m), cal, 1.0).detail["decode_s"]
+              for m in (1, 2)}
+    per_byte = 50 / (cal.hbm_bandwidth_gbps * 1e9)
+    assert decode[1] == pytest.approx(per_byte * 2 * (stage_weights + 64 * context * kv_token))
+    assert decode[2] == pytest.approx(per_byte * (2 * stage_weights + 64 * context * kv_token))

@@ -441,3 +441,35 @@ def test_reward_model_scores_batches_as_one_text_at_a_time(tmp_path):
         get_reward_fn("reward-model", model=str(tmp_path / "two"))
     with pytest.raises(ValueError, match="not a Hugging Face model directory"):
         get_reward_fn("reward-model", model=str(tmp_path))
+
+
+# ---- a reward function that hangs or fails on every call ----------------------------------------------------------
+
+
+def test_a_hanging_function_costs_a_batch_its_batch_timeout_not_one_timeout_per_response(caplog):
+    caplog.set_level(logging.WARNING)
+    with FunctionReward("reward_fns:sleeps_forever", timeout_s=1.0, num_workers=2, batch_timeout_s=2.0) as fn:
+        t0 = time.monotonic()
+        assert fn.score([("p", str(i), None) for i in range(12)]) == [0.0] * 12
+        elapsed = time.monotonic() - t0
+        assert elapsed < 6, elapsed  # 12 responses x 1 s one after another on 2 workers would be 6 s and more
+        assert fn.failures == 12 and fn.failing_batches == 1
+        messages = " | ".join(r.getMessage() for r in caplog.records)
+        assert "timed out after 1 s" in messages and "batch timed out after 2 s" in messages
+
+
+def test_a_function_failing_on_most_responses_stops_after_three_batches_in_a_row():
+    from megatron_rl.rewards.function import MAX_FAILING_BATCHES, RewardFailureError
+
+    with FunctionReward("test_rewards:misbehaving_reward", num_workers=2) as fn:
+        mostly_bad = [("p", r, "ok") for r in ("raise", "raise", "ok")]
+        assert fn.score(mostly_bad) == [0.0, 0.0, 1.0] and fn.failures == 2 and fn.failing_batches == 1
+        assert fn.score([("p", r, "ok") for r in ("raise", "ok")]) == [0.0, 1.0]  # half is not more than half
+        assert fn.failures == 1 and fn.failing_batches == 0
+        for _ in range(MAX_FAILING_BATCHES - 1):
+            fn.score(mostly_bad)
+        with pytest.raises(RewardFailureError) as e:
+            fn.score(mostly_bad)
+    assert str(e.value) == ("reward function 'test_rewards:misbehaving_reward' failed on 2 of 3 responses, and on "
+                            "more than half in each of the last 3 batches (last error: RuntimeError: boom); "
+                            "stopping: fix the function, or raise reward.timeout_s / reward.num_workers")

@@ -357,9 +357,44 @@ def _check_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
         raise ConversionError(f"--pp {pp} does not divide num_layers={cfg.num_layers}")
 
 
-def _prepare_dst(dst: Path, overwrite: bool) -> Path:
-    if dst.exists() and not overwrite:
+def _overwrite_problem(dst: Path) -> Optional[str]:
+    """Why --overwrite must not delete `dst` (None when it may): only an empty directory, a checkpoint written by
+    `convert --to megatron` or a Hugging Face model directory (config.json and weights) is replaced."""
+    if dst.is_symlink() or not dst.is_dir():
+        return "is not a directory"
+    names = {p.name for p in dst.iterdir()}
+    if not names:
+        return None
+    if META in names:
+        try:
+            fmt = json.loads((dst / META).read_text()).get("format")
+        except (OSError, ValueError, AttributeError):
+            fmt = None
+        if fmt == CONVERT_FORMAT:
+            return None
+        if fmt == TRAIN_FORMAT:
+            return "is a training checkpoint of a run"
+        return f"has a {META} that is not a conversion's"
+    if is_run_root(dst):
+        return "is a training run's checkpoint directory"
+    if "config.json" in names and any(n.endswith((".safetensors", ".safetensors.index.json", ".bin")) for n in names):
+        return None
+    return f"is neither empty nor a checkpoint (no {META}, no config.json with weights)"
+
+
+def _check_dst(dst: Path, overwrite: bool) -> None:
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if not overwrite:
         raise ConversionError(f"{dst} exists (pass --overwrite to replace it)")
+    problem = _overwrite_problem(dst)
+    if problem:
+        raise ConversionError(f"{dst} {problem}: --overwrite only replaces an empty directory, a converted "
+                              f"checkpoint or a Hugging Face model directory; not deleting it")
+
+
+def _prepare_dst(dst: Path, overwrite: bool) -> Path:
+    _check_dst(dst, overwrite)
     dst.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=dst.name + ".tmp.", dir=dst.parent))
 
@@ -580,10 +615,9 @@ def convert(src: Path, dst: Path, to: str, dtype: str = "float32", overwrite: bo
     if not src.exists():
         raise ConversionError(f"{src}: does not exist")
     fmt = detect_format(src)
-    if dst.exists() and not overwrite:
-        raise ConversionError(f"{dst} exists (pass --overwrite to replace it)")
     if dst.resolve() == src.resolve():
         raise ConversionError(f"{dst}: the destination is the source")
+    _check_dst(dst, overwrite)  # before any work: what --overwrite may delete
     if to == "megatron":
         if fmt == "megatron":
             raise ConversionError(f"{src} is already a megatron-rl checkpoint")

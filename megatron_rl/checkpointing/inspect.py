@@ -3,13 +3,15 @@
 Understands
 - a conversion checkpoint: `DIR/megatron_rl.json` (format "megatron-rl/dist_checkpointing") + `DIR/model/`;
 - a training checkpoint: `DIR/megatron_rl.json` (format "megatron-rl/train": step, weight version, layout, dtype,
-  model, tokenizer, optionally a manifest of every file with its size) + `DIR/model/` + `DIR/optimizer/` +
-  `DIR/rl_state.pt`;
+  model, tokenizer, optionally a manifest of every file with its size and checksum) + `DIR/model/` +
+  `DIR/optimizer/` + `DIR/rl_state.pt`;
 - a run's checkpoint root: `ROOT/step_00000042/`-style checkpoints, `ROOT/latest` naming the newest complete one,
   and `*.tmp*` directories, which are incomplete writes;
 - a bare Megatron-Core dist_checkpointing (torch_dist) directory.
 `model/` and `optimizer/` are read through torch.distributed.checkpoint's `.metadata` (global shapes and dtypes of
 every tensor). A checkpoint missing any of that is reported in one line naming the path and what is missing.
+The one thing read beyond metadata: the files of a checkpoint with checksums, to check them (a file whose content
+changed is named in one line).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from megatron_rl.checkpointing.layout import (DCP_METADATA, FORMATS, LATEST, META, MODEL_DIR, OPTIMIZER_DIR, RL_STATE,
-                                              RNG_DIR, STEP_PREFIX, TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError,
-                                              InspectError, manifest_problems)
+from megatron_rl.checkpointing.layout import (CHECKSUM_MISMATCH, CHECKSUMS, DCP_METADATA, FORMATS, LATEST, MANIFEST,
+                                              META, MODEL_DIR, OPTIMIZER_DIR, RL_STATE, RNG_DIR, STEP_PREFIX,
+                                              TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError, InspectError,
+                                              checksum_mismatches, manifest_problems)
 from megatron_rl.checkpointing.layout import read_latest as read_pointer
 from megatron_rl.models.presets import ModelConfig
 
@@ -178,6 +181,16 @@ def inspect_checkpoint(ckpt: Path) -> dict:
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise InspectError(f"{ckpt}: corrupt checkpoint: {problems[0]}{more}")
+    mismatches = checksum_mismatches(ckpt, meta)
+    if mismatches:
+        more = f" (and {len(mismatches) - 1} more files)" if len(mismatches) > 1 else ""
+        raise InspectError(f"{ckpt / mismatches[0]}: {CHECKSUM_MISMATCH}{more}")
+    if meta.get(CHECKSUMS):
+        checksums = f"{len(meta[CHECKSUMS])} files match their CRC-32"
+    elif meta.get(MANIFEST):
+        checksums = "none (written before checkpoints carried checksums): file sizes checked only"
+    else:
+        checksums = "none recorded"
     cfg = model_config(meta) if meta.get("model") else None
     layout = meta.get("layout")
     total = dir_size(ckpt)
@@ -195,7 +208,7 @@ def inspect_checkpoint(ckpt: Path) -> dict:
             "parameters": sum(t["numel"] for t in tensors),
             "padded_vocab_size": next((t["shape"][0] for t in tensors
                                        if t["name"] == "embedding.word_embeddings.weight"), None),
-            "tensors": tensors, "optimizer": optimizer, "size": sizes}
+            "tensors": tensors, "optimizer": optimizer, "size": sizes, "checksums": checksums}
     return info
 
 
@@ -260,6 +273,8 @@ def _checkpoint_text(info: dict) -> list[str]:
     if opt:
         lines.append(f"optimizer    {opt['tensors']} tensors, {opt['numel']:,} elements, {human_bytes(opt['bytes'])}")
     lines.append("on disk      " + ", ".join(f"{k} {human_bytes(v)}" for k, v in info["size"].items() if v))
+    if info.get("checksums"):
+        lines.append(f"checksums    {info['checksums']}")
     lines.append("")
     rows = [["tensor", "global shape", "dtype", "size"]]
     for t in info["tensors"]:

@@ -4,7 +4,7 @@ Layout of a run's checkpoint root (see checkpoints/README.md):
 
     ROOT/step_00000042/           one complete checkpoint (the name is the number of trainer steps done)
         megatron_rl.json          format, step, weight version, the layout it was written with, model shape,
-                                  tokenizer, and a manifest (every file with its size) written last
+                                  tokenizer, and a manifest (every file with its size and CRC-32) written last
         model/                    Megatron-Core dist_checkpointing (torch_dist) of the GPTModel: the same as a
                                   converted checkpoint, so `convert --to hf`, `eval` and `inspect` read it
         optimizer/                dist_checkpointing of the optimizer in its fully reshardable form (the
@@ -21,6 +21,11 @@ Layout of a run's checkpoint root (see checkpoints/README.md):
 
 Every rank of the torch.distributed world calls `save` / `load` (dist_checkpointing coordinates over the default
 group); ranks that hold no trainer state (generator executors) pass `engine=None` and write nothing.
+
+A save refuses non-finite state (weights, main parameters, Adam moments) on any rank. Each file's checksum is
+computed right after the write by the rank that wrote it (its shards, its RNG file; rank 0 the rest), while the file
+is still in that node's page cache; `find` and `load` check the checksums with the files split over the ranks, so a
+corrupt shard is named in one line and `fallback` can skip it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -39,8 +45,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.checkpointing.layout import (LATEST, MANIFEST, META, MODEL_DIR, OPTIMIZER_DIR, RL_STATE, RNG_DIR,
-                                              STEP_DIR, TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError, manifest,
+from megatron_rl.checkpointing.layout import (CHECKSUM_MISMATCH, CHECKSUMS, LATEST, MANIFEST, META, MODEL_DIR,
+                                              OPTIMIZER_DIR, RL_STATE, RNG_DIR, STEP_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
+                                              CheckpointError, checksum_mismatches, file_checksum, manifest,
                                               manifest_problems, read_latest, step_dir_name)
 from megatron_rl.checkpointing.tokenizer import save_tokenizer
 from megatron_rl.failpoints import failpoint
@@ -195,6 +202,41 @@ def _no_common(common_state_dict: dict) -> dict:
     return {}
 
 
+def _device() -> Optional[torch.device]:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def _state_finite_everywhere(engine) -> bool:
+    """Collective over the world: is the trainer state of every rank finite (`TrainEngine.state_finite`)?"""
+    bad = torch.zeros(1, device=_device())
+    if engine is not None and not engine.state_finite():
+        bad.fill_(1.0)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0
+
+
+# The files a rank writes itself: dist_checkpointing's shards `[prefix]__<rank>_<i>.distcp`, our `rng/rank_<rank>.pt`.
+_WRITER_RANK = re.compile(r"__(\d+)_\d+\.distcp$|^rank_(\d+)\.pt$")
+
+
+def _writer_rank(name: str, world_size: int) -> int:
+    """The rank that wrote the checkpoint file called `name` (rank 0 for files it cannot tell)."""
+    m = _WRITER_RANK.search(name)
+    rank = int(m.group(1) or m.group(2)) if m else 0
+    return rank if rank < world_size else 0
+
+
+def _checksums(tmp: Path) -> Optional[dict[str, str]]:
+    """Collective: the checksum of every file under `tmp`, each computed by the rank that wrote it; the whole map
+    on rank 0 (None elsewhere)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    mine = {rel: file_checksum(tmp / rel) for rel in files if _writer_rank(Path(rel).name, world) == rank}
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return {rel: c for part in parts for rel, c in part.items()} if rank == 0 else None
+
+
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete-looking checkpoint directories under `root`, oldest first (`*.tmp*` writes excluded)."""
     if not root.is_dir():
@@ -207,9 +249,10 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def verify(path: Path) -> dict:
-    """Check a checkpoint is complete and unmodified (every file of the manifest present with its size);
-    returns its metadata, else raises CheckpointError naming what is wrong."""
+def verify(path: Path, checksums: bool = False) -> dict:
+    """Check a checkpoint is complete (every file of the manifest present with its size) and, with `checksums`,
+    unmodified (every file's content matches its checksum; this reads every file); returns its metadata, else
+    raises CheckpointError naming what is wrong in one line."""
     path = Path(path)
     meta_path = path / META
     if not path.is_dir():
@@ -227,7 +270,15 @@ def verify(path: Path) -> dict:
     problems = manifest_problems(path, meta)
     if problems:
         raise CheckpointError(f"{path}: corrupt checkpoint ({problems[0]})")
+    if checksums:
+        _raise_mismatch(path, checksum_mismatches(path, meta))
     return meta
+
+
+def _raise_mismatch(path: Path, mismatches: list[str]) -> None:
+    if mismatches:
+        more = f" (and {len(mismatches) - 1} more files)" if len(mismatches) > 1 else ""
+        raise CheckpointError(f"{path / mismatches[0]}: {CHECKSUM_MISMATCH}{more}")
 
 
 @dataclasses.dataclass
@@ -241,6 +292,7 @@ class TrainCheckpointer:
         self.root = Path(self.root)
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+        self._verified: set[Path] = set()  # checkpoints whose checksums `verify` has read (find, then load)
 
     # ---- save ------------------------------------------------------------------------------------------------
     def save(self, step: int, engine=None, *, reference=None, layout=None, model_cfg=None,
@@ -254,7 +306,11 @@ class TrainCheckpointer:
         rank = dist.get_rank()
         name = step_dir_name(step)
         final, tmp = self.root / name, self.root / f"{name}.tmp"
+        self._verified.discard(final)
         t0 = time.perf_counter()
+        if not _state_finite_everywhere(engine):
+            raise CheckpointError(f"{final}: not written: the trainer's weights or optimizer state hold non-finite "
+                                  f"values (the last finite state is the newest checkpoint)")
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -287,6 +343,7 @@ class TrainCheckpointer:
             # The checkpoint carries its tokenizer's files, so that it stands on its own (eval, convert, resume).
             tokenizer = save_tokenizer(Path(tokenizer["source"]), tmp / TOKENIZER_DIR)
         dist.barrier()
+        checksums = _checksums(tmp)
         if rank == 0:
             meta = {
                 "format": TRAIN_FORMAT, "step": step,
@@ -301,6 +358,7 @@ class TrainCheckpointer:
                 **(extra or {}),
             }
             meta[MANIFEST] = manifest(tmp)
+            meta[CHECKSUMS] = checksums
             _fsync_write(tmp / META, json.dumps(meta, indent=2))
             failpoint("checkpoint_before_rename", name)
             if final.exists():  # an earlier run saved this step (e.g. a resume that repeats it): replace it
@@ -325,6 +383,26 @@ class TrainCheckpointer:
             shutil.rmtree(p, ignore_errors=True)
 
     # ---- find and load ---------------------------------------------------------------------------------------
+    def verify(self, path: Path) -> dict:
+        """`verify(path, checksums=True)`, collective when torch.distributed is initialized: each rank reads a
+        share of the files, and every rank gets the same answer. Remembered, so that `load` after `find` reads the
+        files once."""
+        path = Path(path)
+        meta = verify(path)
+        if path in self._verified:
+            return meta
+        files = sorted(meta.get(CHECKSUMS) or {})
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            rank, world = dist.get_rank(), dist.get_world_size()
+            parts: list = [None] * world
+            dist.all_gather_object(parts, checksum_mismatches(path, meta, files[rank::world]))
+            mismatches = sorted(rel for part in parts for rel in part)
+        else:
+            mismatches = checksum_mismatches(path, meta, files)
+        _raise_mismatch(path, mismatches)
+        self._verified.add(path)
+        return meta
+
     def find(self, fallback: bool = False) -> Optional[Path]:
         """The checkpoint to resume from: the one `latest` names, verified. None when the run has none.
 
@@ -337,7 +415,7 @@ class TrainCheckpointer:
                                       f"step directory explicitly or restore the pointer")
             return None
         try:
-            verify(latest)
+            self.verify(latest)
             return latest
         except CheckpointError as e:
             if not fallback:
@@ -348,7 +426,7 @@ class TrainCheckpointer:
             if p == latest:
                 continue
             try:
-                verify(p)
+                self.verify(p)
                 return p
             except CheckpointError:
                 continue
@@ -362,7 +440,7 @@ class TrainCheckpointer:
         from megatron.core import dist_checkpointing
 
         path = Path(path)
-        meta = verify(path)
+        meta = self.verify(path)
         if reference is not None and not saved_with_reference(path):
             raise CheckpointError(f"{path}: saved without a KL reference model, which this run needs (it was "
                                   f"written by a run with algorithm.kl_coef = 0?)")

@@ -41,6 +41,7 @@ class Rollouts:
     reward_s: float
     wait_s: float
     eval_reward: Optional[float] = None
+    reward_failures: int = 0  # responses the reward function could not score (raised, timed out): scored 0.0
 
 
 def pack(rollouts: list[Rollouts], pad_id: int) -> RolloutBatch:
@@ -125,6 +126,7 @@ def metrics_row(k: int, parts: list[Rollouts], batch: RolloutBatch, stats: dict,
            "time/generation_s": max(p.gen_s for p in parts), "time/reward_s": max(p.reward_s for p in parts),
            "time/train_s": train_s, "time/trainer_wait_s": recv_s,
            "time/generator_wait_s": max(p.wait_s for p in parts),
+           "reward_failures": sum(p.reward_failures for p in parts),
            "samples": [t for p in parts for t in p.texts][:4]}
     evals = [p.eval_reward for p in parts if p.eval_reward is not None]
     if evals:

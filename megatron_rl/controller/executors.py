@@ -148,38 +148,41 @@ class Generated:
 
 class GeneratorExecutor:
     """One rank of the generator executor. Replica d (of generator.dp) samples prompts d, d + dp, ... of each
-    batch; its TP ranks sample together and its leader (tp rank 0) gets the outputs."""
+    batch; its TP ranks (and pipeline stages) sample together and its leader (tp rank 0 of the first stage) gets
+    the outputs."""
 
     def __init__(self, cfg: JobConfig, model_cfg: ModelConfig, g: ExecutorGroups, task: Task, tokenizer,
                  encode: Callable[[str], list[int]]):
         self.cfg, self.g, self.task, self.tok, self.encode = cfg, g, task, tokenizer, encode
         self.stop_ids = tuple(sorted(tokenizer.stop_ids))
         attention = cfg.generator.attention
-        if cfg.generator.quantization == "int8" and attention == "auto":
-            attention = "sdpa"  # int8 layers are Megatron-Core's own linears, not transformer-engine's
+        quantized = cfg.generator.quantization != "none"
+        if quantized and attention == "auto":
+            attention = "sdpa"  # 8-bit layers are Megatron-Core's own linears, not transformer-engine's
         build = dict(attention=attention, seed=cfg.run.seed + 1, params_dtype=resolve_dtype(cfg.generator.dtype))
-        self.int8: dict = {}
-        if cfg.generator.quantization == "int8":
-            from megatron_rl.inference.quantized import build_int8_generator
+        self.quantized: dict = {}  # local name -> quant.QuantizedWeight (int8 or fp8)
+        if quantized:
+            from megatron_rl.inference.quantized import build_quantized_generator
 
             # Never holds the full-precision matrices; DDMA writes every weight before the first sample.
-            self.model, self.int8 = build_int8_generator(model_cfg, g.layout, g.pgs, **build)
+            self.model, self.quantized = build_quantized_generator(cfg.generator.quantization, model_cfg, g.layout,
+                                                                   g.pgs, **build)
         else:
             self.model = build_gpt_model(model_cfg, g.layout, g.pgs, **build)
         self.generator = Generator(self.model, model_cfg.vocab_size, g.pgs.tp,
                                    max_batch_size=cfg.generator.max_batch_size,
                                    max_len=cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens,
-                                   tokenizer=tokenizer)
+                                   tokenizer=tokenizer, pp_group=g.pgs.pp)
 
     @property
     def is_leader(self) -> bool:
-        return self.g.tp_rank == 0
+        return self.g.tp_rank == 0 and self.g.pp_rank == 0  # Job.leaders: local rank (0, 0, d)
 
     def weights(self) -> dict:
-        """What DDMA writes into: the parameters, with the int8 buffers (written in place) where quantized."""
-        if not self.int8:
+        """What DDMA writes into: the parameters, with the 8-bit buffers (written in place) where quantized."""
+        if not self.quantized:
             return self.model
-        return {**dict(self.model.named_parameters()), **self.int8}
+        return {**dict(self.model.named_parameters()), **self.quantized}
 
     def _sampling(self, seed: int, n: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -222,10 +225,12 @@ def score(task: Task, tokenizer, gen: Generated, *, wait_s: float, eval_reward: 
     t0 = time.perf_counter()
     texts = [tokenizer.decode(o.token_ids) for o in gen.outputs]
     rewards = task.score(gen.problems, texts)
+    # A dataset task's RewardFunction counts the responses it could not score (the synthetic task cannot fail).
+    failures = getattr(getattr(task, "reward", None), "failures", 0)
     reward_s = time.perf_counter() - t0
     return Rollouts(gen.batch, gen.version, [o.prompt_ids for o in gen.outputs], [o.token_ids for o in gen.outputs],
                     [o.logprobs for o in gen.outputs], rewards, gen.groups, texts[:4], gen.gen_s, reward_s, wait_s,
-                    eval_reward)
+                    eval_reward, reward_failures=failures)
 
 
 class WeightPush:

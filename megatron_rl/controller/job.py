@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpointing import initial
@@ -20,6 +21,7 @@ from megatron_rl.checkpointing.training import (CheckpointError, TrainCheckpoint
                                                 step_dir_name, verify)
 from megatron_rl.config import JobConfig
 from megatron_rl.controller.channels import Outbox, recv_object
+from megatron_rl.controller import signals
 from megatron_rl.controller.collector import Collector, Rollouts
 from megatron_rl.controller.executors import GeneratorExecutor, TrainerExecutor, WeightPush, build_policy
 from megatron_rl.controller.tasks import build_task
@@ -52,6 +54,9 @@ class Job:
         self.leaders = [self.g.placement.first_rank + gl.local_rank(0, 0, d) for d in range(gl.dp)]
         self.trainer_group = dist.new_group(list(self.t.placement.ranks), backend="gloo")
         self.control_group = dist.new_group(sorted({0, *self.leaders}), backend="gloo")
+        self.world_group = dist.new_group(backend="gloo")  # small control collectives over every rank
+        self.stop_signal = 0  # the signal that stopped the run (`stop_requested`), 0 while it runs
+        self.saved_version: Optional[int] = None  # the newest state saved or resumed from
 
         self.initial = initial.megatron_checkpoint(cfg.model.checkpoint)
         self.tok = initial.job_tokenizer(cfg)
@@ -105,6 +110,14 @@ class Job:
         failpoint("train_step", str(k))
         return msg[0], msg[1]
 
+    def stop_requested(self) -> bool:
+        """Collective over the world: has any rank received SIGTERM or SIGINT (`controller/signals.py`)? Sets
+        `stop_signal` (SIGTERM wins over SIGINT)."""
+        flag = torch.tensor([signals.requested()], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_group)
+        self.stop_signal = int(flag.item())
+        return self.stop_signal != 0
+
     def finish(self) -> None:
         if self.outbox is not None:
             self.outbox.flush()
@@ -113,7 +126,10 @@ class Job:
     def checkpoint(self, version: int) -> None:
         """Collective over the world: the state after `version` trainer steps. The rollouts of batches that were
         generated with older weights (batches version .. version + s - 1) cannot be regenerated after a restart,
-        so the controller collects them first and they go into the checkpoint."""
+        so the controller collects them first and they go into the checkpoint. A no-op when that state is the
+        one last saved or resumed from."""
+        if version == self.saved_version:
+            return
         rl_state = None
         engine = self.trainer.engine if self.trainer is not None else None
         if self.collector is not None:
@@ -125,6 +141,7 @@ class Job:
                        rl_state=rl_state,
                        tokenizer=initial.tokenizer_entry(self.cfg, self.tok, self.initial),
                        extra={"run": self.cfg.run.name, "mode": self.cfg.rollout.mode, "staleness": self.staleness})
+        self.saved_version = version
         if self.rank == 0:
             self.echo(f"checkpoint {step_dir_name(version)} saved ({self.ckpt.last_save_s:.1f} s)")
 
@@ -156,4 +173,5 @@ class Job:
             self.echo(f"resumed from {path} (step {rl['step']}, {len(pending)} rollout batches restored)")
         if self.trainer is not None:
             self.trainer.engine.set_peak_lr(self.cfg.trainer.lr)  # the restored schedule, at this run's trainer.lr
+        self.saved_version = int(rl["step"])
         return int(rl["step"]), {int(b) for b in pending}

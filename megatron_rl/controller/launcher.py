@@ -16,14 +16,21 @@ SLURM_JOB_NODELIST (`scontrol show hostnames`), and the port MASTER_PORT if set,
 Every rank checks the configuration against the launched world before any collective, so a world of the wrong
 size ends at once, with one line (printed by rank 0), on every rank.
 
+How a run ends, in both launchers: the run directory is locked while the job runs (`controller/runlock.py`; the
+local launcher takes the lock, or rank 0 of a launched world); a SIGTERM or SIGINT stops it at the next weight push
+with a checkpoint (`controller/signals.py`), exit code 128 + the signal; a rank that fails is named in one line
+(`JobFailed`), its traceback, and every other rank's, in `failure.log` in the run directory, exit code 1.
+
 `python -m megatron_rl.controller.launcher world-size [-c FILE] [overrides]` prints the number of ranks a config
 needs (launch/local.sh uses it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +40,9 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_rl.config import ConfigError, JobConfig, validate
+from megatron_rl.controller import signals
+from megatron_rl.controller.rundir import check_run_dir
+from megatron_rl.controller.runlock import RunLock
 from megatron_rl.models.presets import ModelConfig
 
 LAUNCHERS = ("auto", "local", "env")
@@ -105,6 +115,37 @@ def env_world(environ: Optional[dict] = None) -> EnvWorld:
                       "or srun (SLURM_PROCID, SLURM_NTASKS); none is set")
 
 
+class JobFailed(RuntimeError):
+    """The job ended without finishing: `str(e)` is the one line the user sees, `exit_code` the command's."""
+
+    def __init__(self, line: str, exit_code: int):
+        super().__init__(line)
+        self.exit_code = exit_code
+
+
+def rank_role(cfg: JobConfig, rank: int) -> str:
+    if cfg.generator.colocated:
+        return "trainer and generator"
+    return "trainer" if rank < cfg.trainer.layout.size else "generator"
+
+
+FAILURE_LOG = "failure.log"
+
+
+def _say(text: str) -> None:
+    print(f"megatron-rl: {text}", file=sys.stderr, flush=True)
+
+
+def _say_below_bar(text: str) -> None:
+    print(below_bar(f"megatron-rl: {text}"), file=sys.stderr, flush=True)
+
+
+def below_bar(line: str) -> str:
+    """A line printed while rank 0's progress bar may stand unfinished on the console: it replaces the bar on a
+    terminal (the bar is drawn again below it) and starts a line of its own in a log."""
+    return ("\r\033[K" if sys.stderr.isatty() else "\n") + line
+
+
 def _executors_text(cfg: JobConfig) -> str:
     t, g = cfg.trainer.layout.size, cfg.generator.layout.size
     return f"trainer {t}, generator {g} colocated" if cfg.generator.colocated else f"trainer {t} + generator {g}"
@@ -142,14 +183,64 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
         writer.write(row)
 
     try:
-        rows = loop.run(Job(cfg, model_cfg, Path(run_dir), echo), progress, on_row=on_row)
+        job = Job(cfg, model_cfg, Path(run_dir), echo)
+        rows = loop.run(job, progress, on_row=on_row)
     finally:
         if bar is not None:
             bar.close()
         if writer is not None:
             writer.close()
-    return {"rows": rows, "start_step": rows[0]["step"] if rows else cfg.run.steps,
-            "time_s": time.perf_counter() - t0}
+    stopped = job.saved_version if job.stop_signal else cfg.run.steps
+    result = {"rows": rows, "start_step": rows[0]["step"] if rows else stopped, "time_s": time.perf_counter() - t0}
+    if job.stop_signal:
+        from megatron_rl.checkpointing.training import step_dir_name
+
+        result["stopped"] = {"stopped_by": signals.name(job.stop_signal), "stopped_after_step": job.saved_version,
+                             "checkpoint": step_dir_name(job.saved_version)}
+    return result
+
+
+def exit_code(summary: Optional[dict]) -> int:
+    """The command's exit code for a job that ended with this summary: 0, or 128 + the signal that stopped it."""
+    if summary and summary.get("stopped_by"):
+        return signals.exit_code(signal.Signals[summary["stopped_by"]])
+    return 0
+
+
+def stopped_line(summary: dict) -> str:
+    return signals.stopped_line(signal.Signals[summary["stopped_by"]], summary["stopped_after_step"],
+                                summary["checkpoint"])
+
+
+def _latest(run_dir: Path) -> str:
+    from megatron_rl.checkpointing.layout import read_latest
+
+    try:
+        latest = read_latest(run_dir)
+    except Exception:  # noqa: BLE001 - only for the message
+        latest = None
+    return f"latest checkpoint {latest.name}" if latest is not None else "no checkpoint saved"
+
+
+def _failed(cfg: JobConfig, run_dir: Path, e) -> JobFailed:
+    """The one line (and failure.log) for ranks of the local launcher that failed, died or were killed."""
+    log = run_dir / FAILURE_LOG
+    with open(log, "w") as f:
+        f.write(f"megatron-rl train, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {len(e.failures)} of {e.world_size} "
+                f"ranks ended without a result (likely cause first)\n")
+        for fail in e.failures:
+            f.write(f"\n--- rank {fail.rank} ({rank_role(cfg, fail.rank)}): {fail.cause} ---\n{fail.report}\n")
+    if e.killed:
+        how = ("at a second SIGINT" if e.killed == "twice"
+               else f"run.stop_grace_s={cfg.run.stop_grace_s:g} s after it")
+        return JobFailed(f"megatron-rl: stopped by {signals.name(e.signal)}: ranks killed {how}; "
+                         f"{_latest(run_dir)}; relaunch to resume", signals.exit_code(e.signal))
+    first = e.first
+    what = first.cause if first.cause.startswith(("died", "exited")) else f"failed: {first.cause}"
+    line = f"megatron-rl: rank {first.rank} ({rank_role(cfg, first.rank)}) {what}; every rank's traceback: {log}"
+    if e.signal:
+        line = f"megatron-rl: stopped by {signals.name(e.signal)}: {line.removeprefix('megatron-rl: ')}"
+    return JobFailed(line, signals.exit_code(e.signal) if e.signal else 1)
 
 
 def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
@@ -165,14 +256,24 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
         backend = resolve_backend(cfg.run.backend, world, local_gpus())
     except LaunchError as e:
         raise ConfigError(str(e)) from None
-    run_dir = prepare_run_dir(cfg)
-    cfg = initial.prepare(cfg, run_dir, log=lambda text: print(f"megatron-rl: {text}", file=sys.stderr, flush=True))
-    t0 = time.perf_counter()
-    # No time limit on the whole job (a run takes as long as its steps); a dead or hung rank still ends it through
-    # the process group's timeout.
-    results = run_local(rank_main, world, cfg, model_cfg, str(run_dir), backend=backend, timeout=None,
-                        dist_timeout_s=dist_timeout_s())
-    return write_summary(cfg, results[0], run_dir, time.perf_counter() - t0, {"backend": backend})
+    from megatron_rl.parallel.spawn import RanksFailed
+
+    with RunLock(run_dir_of(cfg), warn=_say):  # before anything is written into the run directory
+        run_dir = prepare_run_dir(cfg)
+        cfg = initial.prepare(cfg, run_dir, log=_say)
+        t0 = time.perf_counter()
+        # No time limit on the whole job (a run takes as long as its steps); a dead or hung rank still ends it
+        # through the process group's timeout.
+        try:
+            results = run_local(rank_main, world, cfg, model_cfg, str(run_dir), backend=backend, timeout=None,
+                                dist_timeout_s=dist_timeout_s(), stop_grace_s=cfg.run.stop_grace_s,
+                                on_signal=lambda signum: _say_below_bar(
+                                    f"{signals.name(signum)}: stopping at the next weight push with a checkpoint "
+                                    f"(ranks killed after run.stop_grace_s={cfg.run.stop_grace_s:g} s"
+                                    f"{'; Ctrl-C again kills them now' if signum == signal.SIGINT else ''})"))
+        except RanksFailed as e:
+            raise _failed(cfg, run_dir, e) from None
+        return write_summary(cfg, results[0], run_dir, time.perf_counter() - t0, {"backend": backend})
 
 
 def check_world(cfg: JobConfig, world_size: int) -> ModelConfig:
@@ -194,8 +295,11 @@ def prepare_run_dir(cfg: JobConfig) -> Path:
     import yaml
 
     run_dir = run_dir_of(cfg)
+    check_run_dir(cfg, run_dir)  # a resume that would change what the run trains on is refused here
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tmp = run_dir / "config.yaml.tmp"  # written whole, then renamed: other ranks may read it
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tmp.replace(run_dir / "config.yaml")
     return run_dir
 
 
@@ -215,7 +319,7 @@ def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extr
         "eval_reward_gain": (evals[-1] - evals[0]) if len(evals) > 1 else None,
         "mean_step_s": sum(r["time/total_s"] for r in rows) / max(len(rows), 1),
         "mode": cfg.rollout.mode, "staleness": cfg.rollout.staleness if cfg.rollout.mode == "async" else 0,
-        **(extra or {}),
+        **result.get("stopped", {}), **(extra or {}),
     }
     plot = plot_run(rows, run_dir / "metrics.png",
                     title=f"{cfg.model.name}: {cfg.rollout.mode} AIPO, trainer tp={cfg.trainer.tp}, "
@@ -259,10 +363,13 @@ def dist_timeout_s() -> float:
 
 
 def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optional[float] = None) -> Optional[dict]:
-    """Run the job as one rank of an externally started world. Returns the summary on rank 0, None elsewhere.
+    """Run the job as one rank of an externally started world. Returns the summary on rank 0; elsewhere None, or
+    the stop (`stopped_by`, `stopped_after_step`, `checkpoint`) when a signal stopped the job.
 
-    Raises ConfigError (on every rank, before any collective) when the world does not fit the config.
+    Raises ConfigError (on every rank, before any collective) when the world does not fit the config,
+    RunDirLocked (rank 0) when another job holds the run directory, JobFailed when this rank fails.
     """
+    signals.install()  # from here on a SIGTERM or SIGINT stops the job at its next consistent point
     world = world or env_world()
     if not 0 <= world.rank < world.world_size:
         raise ConfigError(f"rank {world.rank} is outside the world of {world.world_size}")
@@ -289,21 +396,44 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
         torch.cuda.set_device(world.local_rank % cuda_devices)
     activate()  # a no-op when CUDA is present
     run_dir = run_dir_of(cfg)
-    if world.rank == 0:
-        prepare_run_dir(cfg)
-    if timeout_s is None:
-        timeout_s = dist_timeout_s()
-    t0 = time.perf_counter()
-    dist.init_process_group(backend, rank=world.rank, world_size=world.world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    try:
-        result = rank_main(world.rank, world.world_size, cfg, model_cfg, str(run_dir))
-    finally:
-        dist.destroy_process_group()
-    if world.rank != 0:
-        return None
-    return write_summary(cfg, result, run_dir, time.perf_counter() - t0,
-                         {"launcher": f"env ({world.source})", "world_size": world.world_size, "backend": backend})
+    check_run_dir(cfg, run_dir)  # every rank (it only reads), so that a refusal does not leave others waiting
+    with RunLock(run_dir, warn=_say) if world.rank == 0 else contextlib.nullcontext():
+        if world.rank == 0:
+            prepare_run_dir(cfg)
+        if timeout_s is None:
+            timeout_s = dist_timeout_s()
+        t0 = time.perf_counter()
+        dist.init_process_group(backend, rank=world.rank, world_size=world.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            result = rank_main(world.rank, world.world_size, cfg, model_cfg, str(run_dir))
+        except Exception as e:
+            raise _rank_failed(cfg, run_dir, world.rank, e) from None
+        finally:
+            dist.destroy_process_group()
+        if world.rank != 0:
+            return result.get("stopped")
+        return write_summary(cfg, result, run_dir, time.perf_counter() - t0,
+                             {"launcher": f"env ({world.source})", "world_size": world.world_size,
+                              "backend": backend})
+
+
+def _rank_failed(cfg: JobConfig, run_dir: Path, rank: int, e: Exception) -> JobFailed:
+    """A rank of a launched world failed: its traceback goes to failure.log; the line names the rank and the cause
+    (empty for an error that only reports a failed peer: that peer prints the cause)."""
+    import traceback
+
+    from megatron_rl.parallel.spawn import cause_of, is_peer_error
+
+    cause = cause_of(e)
+    log = run_dir / FAILURE_LOG
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:  # every rank appends its own report
+        f.write(f"\n--- rank {rank} ({rank_role(cfg, rank)}), {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {cause} ---\n"
+                f"{traceback.format_exc()}")
+    line = "" if is_peer_error(cause) else \
+        f"megatron-rl: rank {rank} ({rank_role(cfg, rank)}) failed: {cause}; traceback in {log}"
+    return JobFailed(line, 1)
 
 
 def _main(argv: Optional[list[str]] = None) -> int:

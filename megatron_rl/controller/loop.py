@@ -10,6 +10,10 @@ its roles give it: generator ranks generate and score, trainer ranks train, both
 in checkpoints. A colocated rank does everything, one action after the other; with separate executors the
 generator runs up to `rollout.staleness` batches ahead of the trainer, held back only by the weight pushes it
 needs, and AIPO corrects for the lag.
+
+A SIGTERM or SIGINT ends the run at the next weight push, where every rank is: all save the state there (the
+trainer has taken `version` steps; the generator has produced exactly the batches the checkpoint keeps as pending)
+and leave the loop (`controller/signals.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +49,11 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
     wait_s = 0.0  # how long the generator waited for the weights of its next batch
     for action in plan:
         if isinstance(action, PushWeights):
-            wait_s = job.push_weights(action.version)
+            t0 = time.perf_counter()
+            if job.stop_requested():
+                job.checkpoint(action.version)
+                break
+            wait_s = time.perf_counter() - t0 + job.push_weights(action.version)
 
         elif isinstance(action, Generate) and job.generator is not None:
             generated = job.generator.generate(action.batch, action.version)

@@ -78,8 +78,9 @@ Action = Union[PushWeights, Generate, Train, Checkpoint]
 
 
 def save_after(step: int, num_steps: int, save_interval: int) -> bool:
-    """Is a checkpoint written after trainer step `step`? Every `save_interval` steps and after the last one."""
-    return save_interval > 0 and ((step + 1) % save_interval == 0 or step == num_steps - 1)
+    """Is a checkpoint written after trainer step `step`? Every `save_interval` steps and after the last one (with
+    `save_interval` 0, only after the last one: a finished run can always be extended)."""
+    return step == num_steps - 1 or (save_interval > 0 and (step + 1) % save_interval == 0)
 
 
 def evaluate_at(batch: int, num_steps: int, eval_interval: int) -> bool:
@@ -92,7 +93,8 @@ def job_plan(num_steps: int, staleness: int, *, start: int = 0, restored: Iterab
     """The actions of a run that starts after `start` trainer steps, in the order every rank performs them.
 
     `restored`: batches whose rollouts came back with the checkpoint (generated before it, not again). `fresh`: the
-    run starts from scratch, so the starting state (after any warm start) is saved as version 0 first.
+    run starts from scratch, so the starting state (after any warm start) is saved as version 0 first, unless
+    `save_interval` is 0 (only the final checkpoint).
 
         [Checkpoint(0)]  PushWeights(start)  Generate(start .. start+s-1)
         for k in start .. n-1:  Generate(k+s)  Train(k)  [Checkpoint(k+1)]  [PushWeights(k+1)]

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_rl.data import (ChatPromptBuilder, DataError, JsonlPromptDataset, PromptRecord, ResumableSampler,
-                              default_data_dir, load_gsm8k, load_math500)
+                              load_gsm8k, load_math500)
+from megatron_rl.data.datasets import dataset_files
 from megatron_rl.data.registry import DATASETS, dataset_key
 from megatron_rl.data.word_problems import WordProblems
 from megatron_rl.rewards import get_reward_fn
@@ -173,18 +174,15 @@ def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
     if key is None:
         return AdditionTask(max_operand=20, eval_size=data.eval_size, seed=cfg.run.seed,
                             demo_accuracy=data.demo_accuracy)
-    spec = DATASETS[key]
-    instruction, train_rel, eval_rel = spec.instruction, spec.train_file, spec.eval_file
+    instruction = DATASETS[key].instruction
     if key == "word-problems":
         problems = WordProblems()  # one fixed problem set, whatever the run seed
         train, heldout = problems.records("train", 5000), problems.records("eval", data.eval_size)
         return _dataset_task(cfg, tokenizer, key, instruction, train, heldout, with_reward)
-    root = default_data_dir()
-    train_path = Path(data.path) if data.path else (root / train_rel if train_rel else None)
+    train_path, eval_path = dataset_files(key, data.path, data.eval_path)
     if train_path is None:
         raise ValueError("data.dataset='jsonl' needs data.path")
     records = _load(train_path, data, key)
-    eval_path = Path(data.eval_path) if data.eval_path else (root / eval_rel if eval_rel and not data.path else None)
     if eval_path is not None:
         train, heldout = records, _load(eval_path, data, key)[: data.eval_size]
     else:  # one file: hold out its first eval_size records

@@ -32,6 +32,20 @@ def _resolve(path: Optional[PathLike], default_relative: str, what: str) -> Path
     return p
 
 
+def dataset_files(name: str, path: Optional[PathLike] = None, eval_path: Optional[PathLike] = None
+                  ) -> tuple[Optional[Path], Optional[Path]]:
+    """The (train, held-out) files a job on dataset `name` reads: `path` and `eval_path` when given, else the
+    dataset's files in the data directory (its held-out file only with its own train file). A held-out file of None:
+    the train file's first records are held out; (None, None): a dataset generated in code."""
+    spec = resolve_dataset(name)
+    if spec.generated:
+        return None, None
+    root = default_data_dir()
+    train = Path(path) if path else (root / spec.train_file if spec.train_file else None)
+    heldout = Path(eval_path) if eval_path else (root / spec.eval_file if spec.eval_file and not path else None)
+    return train, heldout
+
+
 def gsm8k_final_answer(solution: str) -> str:
     """The reference from a GSM8K solution: the text after the last `#### `, commas removed (`1,600` -> `1600`)."""
     if not isinstance(solution, str) or "####" not in solution:

@@ -49,13 +49,18 @@ class JsonlPromptDataset(Sequence[PromptRecord]):
         if not self.path.is_file():
             raise DataError(f"{self.path}: no such file")
         self.records: list[PromptRecord] = []
-        with self.path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with self.path.open("rb") as f:  # decoded line by line, so that bad bytes are named by their line
+            for lineno, raw in enumerate(f, start=1):
                 if limit is not None and len(self.records) >= limit:
                     break
+                where = f"{self.path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})") \
+                        from None
                 if not line.strip():
                     continue
-                where = f"{self.path}:{lineno}"
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:

@@ -3,7 +3,7 @@
 descriptors  where every parameter lives in a layout, from the config alone
 planner      (trainer layout, generator layout) -> every copy, for every rank (pure, cached)
 transport    execute a plan with point-to-point messages, in place, with bounded staging
-quant        int8 weight-only quantize-on-receive
+quant        int8 / fp8 weight-only quantize-on-receive
 local        execute a whole plan inside one process (one GPU holding both layouts)
 version      which trainer step a generator's weights come from
 sync         WeightSync: the object the controller calls after every trainer step

@@ -14,7 +14,7 @@ Typical use (every rank, after `build_topology`):
                        step=trainer_step if trainer member else None)
     weight_version(generator_model).step  # == trainer_step on generator ranks (also sync.version)
 
-`generator_model` may also be a {local name: tensor or quant.Int8Weight} mapping (int8 quantize-on-receive, see
+`generator_model` may also be a {local name: tensor or quant.QuantizedWeight} mapping (int8/fp8 quantize-on-receive, see
 `megatron_rl/ddma/quant.py`); then the version is read from `sync.version`. A rank in neither executor need not
 call `sync()`: nothing is sent to or from it.
 """

@@ -10,7 +10,7 @@ Every participating rank runs `execute_plan` with the same plan and settings:
    them: TP splits of row-major weights along dim 0, whole norms) goes straight from the source parameter's storage
    into the destination parameter's storage, one message per slice, all in one `batch_isend_irecv`: no staging,
    no copies. The local (colocated) copies and the zeroing of vocabulary padding run while these messages fly.
-3. Staged rounds: the other slices (columns of row-parallel weights, dtype casts, int8 quantize-on-receive) go
+3. Staged rounds: the other slices (columns of row-parallel weights, dtype casts, int8/fp8 quantize-on-receive) go
    through a staging arena. They are grouped into rounds (first fit, in plan order; slices larger than a bucket
    are first cut into row slices) such that on every rank the bytes it sends plus receives in a round fit in
    `bucket_bytes`. Per round and peer, the slices that need packing at both ends travel as one flat message; a
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_rl.ddma.descriptors import logical_params
 from megatron_rl.ddma.planner import Box, Copy, ReshardPlan, RankPlan, box_numel
-from megatron_rl.ddma.quant import Int8Weight, is_quantized
+from megatron_rl.ddma.quant import QuantizedWeight, is_quantized, weight_format
 from megatron_rl.ddma.wide_copy import copy_slice
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -59,8 +59,9 @@ class TransportSettings:
         dtypes in the handshake. A dtype casts every slice to it (e.g. bf16 to halve the bytes of an fp32 trainer).
         Received values are cast to the destination parameter's dtype when written. Local (colocated) copies go
         through the same cast, so the result does not depend on where a slice came from.
-    quantize: None, or "int8": the destination holds 2-D weights as `quant.Int8Weight` (int8 + per-row scales),
-        quantized on receive (see `megatron_rl/ddma/quant.py`); `quantize_vocab` includes the vocabulary tensors.
+    quantize: None, "int8" or "fp8": the destination holds 2-D weights as `quant.Int8Weight` / `quant.Fp8Weight`
+        (8-bit codes + per-row scales), quantized on receive (see `megatron_rl/ddma/quant.py`); `quantize_vocab`
+        includes the vocabulary tensors.
     """
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -89,7 +90,7 @@ class TransferStats:
     peak_staging_bytes: int = 0
     seconds: float = 0.0
     step: Optional[int] = None  # the trainer step agreed in the handshake
-    bytes_scales: int = 0  # row maxima sent ahead of int8 quantize-on-receive
+    bytes_scales: int = 0  # row maxima sent ahead of quantize-on-receive
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -105,15 +106,15 @@ def _view(t: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 def _write(target, box: Box, values: torch.Tensor) -> None:
-    """Write a slice into a destination parameter (cast to its dtype) or quantize it into an Int8Weight."""
-    if isinstance(target, Int8Weight):
+    """Write a slice into a destination parameter (cast to its dtype) or quantize it into a QuantizedWeight."""
+    if isinstance(target, QuantizedWeight):
         target.write(box, values)
     else:
         copy_slice(_view(target, box), values)
 
 
 def _zero(target, box: Box) -> None:
-    if isinstance(target, Int8Weight):
+    if isinstance(target, QuantizedWeight):
         target.zero(box)
     else:
         _view(target, box).zero_()
@@ -173,14 +174,16 @@ def schedule(plan: ReshardPlan, bucket_elements: int) -> tuple[tuple[tuple[Copy,
 
 
 def _quantized_names(plan: ReshardPlan, settings: TransportSettings) -> frozenset[str]:
-    """Logical names of the parameters the destination holds as int8 under these settings."""
+    """Logical names of the parameters the destination holds quantized under these settings."""
     return frozenset(p.name for p in logical_params(plan.dst.model)
                      if is_quantized(p, settings.quantize, settings.quantize_vocab))
 
 
 def _check_params(rp: RankPlan, src_params: Optional[Mapping[str, torch.Tensor]],
-                  dst_params: Optional[Mapping[str, torch.Tensor]], quantized: frozenset[str] = frozenset()) -> None:
-    """Every parameter the plan touches on this rank must exist and be large enough (before any message)."""
+                  dst_params: Optional[Mapping[str, torch.Tensor]], quantized: frozenset[str] = frozenset(),
+                  fmt: Optional[type[QuantizedWeight]] = None) -> None:
+    """Every parameter the plan touches on this rank must exist and be large enough (before any message); the
+    `quantized` ones must be `fmt` weights, the others tensors."""
 
     def need(params, role, name, box):
         if params is None:
@@ -201,8 +204,10 @@ def _check_params(rp: RankPlan, src_params: Optional[Mapping[str, torch.Tensor]]
                              f"{src_params[c.src_param].dtype}, which DDMA cannot send")
     for c in rp.recvs + rp.local:
         need(dst_params, "destination", c.dst_param, c.dst_box)
-        if (c.name in quantized) != isinstance(dst_params[c.dst_param], Int8Weight):
-            want = "an Int8Weight (quantize='int8')" if c.name in quantized else "a tensor"
+        target = dst_params[c.dst_param]
+        if (c.name in quantized) != isinstance(target, QuantizedWeight) or (c.name in quantized
+                                                                            and type(target) is not fmt):
+            want = f"a {fmt.__name__} (quantize={fmt.FORMAT!r})" if c.name in quantized else "a tensor"
             raise ValueError(f"rank {rp.rank}: destination parameter {c.dst_param!r} must be {want}")
     for z in rp.zero_fills:
         need(dst_params, "destination", z.param, z.box)
@@ -212,7 +217,7 @@ class PeerCheckFailed(RuntimeError):
     """A peer rank reported that its parameters do not match the plan; nothing was transferred."""
 
 
-_NOT_A_TENSOR = -2  # dtype code of a destination that is not a plain tensor (an Int8Weight)
+_NOT_A_TENSOR = -2  # dtype code of a destination that is not a plain tensor (a QuantizedWeight)
 _UNKNOWN = -1  # dtype code sent by a rank whose parameters failed the check, and the step code of "no step"
 
 
@@ -226,7 +231,7 @@ class Handshake:
     src_dtypes: the dtype code (index in WIRE_DTYPES) of each distinct source parameter this rank sends to the
         peer, in plan order (`_params_to`).
     dst_dtypes: the dtype code of each distinct destination parameter this rank receives from the peer, in plan
-        order (`_params_from`); `_NOT_A_TENSOR` for an Int8Weight.
+        order (`_params_from`); `_NOT_A_TENSOR` for a QuantizedWeight.
 
     With both messages of a pair, each end knows the dtypes at both ends of every slice the pair moves, which
     decides how the slice travels. On the wire: one int64 tensor [ok, step or -1, *src_dtypes, *dst_dtypes]; the
@@ -292,7 +297,8 @@ def _handshake(rp: RankPlan, ok: bool, step: Optional[int], src_params, dst_para
 
 
 def _check_and_agree(plan: ReshardPlan, rp: RankPlan, step: Optional[int], src_params, dst_params,
-                     quantized: frozenset[str], device) -> tuple[dict[int, Handshake], Optional[int]]:
+                     quantized: frozenset[str], device,
+                     fmt: Optional[type[QuantizedWeight]] = None) -> tuple[dict[int, Handshake], Optional[int]]:
     """Phase 1: check this rank's parameters against the plan, exchange handshakes, and agree on the step.
 
     The check's verdict travels in the handshake before this rank raises it, so a mismatch anywhere stops every
@@ -301,7 +307,7 @@ def _check_and_agree(plan: ReshardPlan, rp: RankPlan, step: Optional[int], src_p
     """
     error: Optional[ValueError] = None
     try:
-        _check_params(rp, src_params, dst_params, quantized)
+        _check_params(rp, src_params, dst_params, quantized, fmt)
     except ValueError as e:
         error = e
     received = _handshake(rp, error is None, step, src_params, dst_params, device)
@@ -320,7 +326,7 @@ def _check_and_agree(plan: ReshardPlan, rp: RankPlan, step: Optional[int], src_p
 
 def _slice_dtypes(rp: RankPlan, received: Mapping[int, Handshake], src_params, dst_params):
     """Both dtypes of every slice this rank sends or receives: {(src rank, src param): dtype} and
-    {(dst rank, dst param): dtype or None (an Int8Weight)}, from the peers' handshakes and this rank's own
+    {(dst rank, dst param): dtype or None (a QuantizedWeight)}, from the peers' handshakes and this rank's own
     parameters."""
     src_dtype: dict[tuple[int, str], Optional[torch.dtype]] = {}
     dst_dtype: dict[tuple[int, str], Optional[torch.dtype]] = {}
@@ -502,7 +508,7 @@ def execute_plan(
     """Run this rank's part of `plan`: send from `src_params`, write into `dst_params` in place.
 
     `src_params` / `dst_params` map local parameter names to tensors (e.g. `dict(model.named_parameters())`; with
-    `quantize="int8"`, `quant.Int8Weight`s for the quantized ones) and are None on ranks outside the source /
+    `quantize`, `quant.QuantizedWeight`s for the quantized ones) and are None on ranks outside the source /
     destination executor; peers are global ranks of the default group. `step` (trainer ranks) travels in the
     handshake; the agreed value comes back in `stats.step`. A rank whose parameters do not fit the plan raises
     ValueError, and its peers raise PeerCheckFailed, before any weight moves. Pass the same `workspace` dict to
@@ -514,13 +520,13 @@ def execute_plan(
     quantized = _quantized_names(plan, settings)
     any_params = dst_params or src_params
     device = next(iter(any_params.values())).device if any_params else torch.device("cpu")
-    received, agreed_step = _check_and_agree(plan, rp, step, src_params, dst_params, quantized, device)
+    fmt = weight_format(settings.quantize) if settings.quantize else None
+    received, agreed_step = _check_and_agree(plan, rp, step, src_params, dst_params, quantized, device, fmt)
     stats = TransferStats(step=agreed_step)
     if not (rp.sends or rp.recvs or rp.local or rp.zero_fills):
         return stats
     if quantized:
-        stats.bytes_scales = _exchange_int8_scales(rp, src_params, dst_params, quantized, settings.wire_dtype,
-                                                   device)
+        stats.bytes_scales = _exchange_scales(rp, src_params, dst_params, quantized, settings.wire_dtype, device)
     transfer = _RankTransfer(plan, rp, settings, src_params, dst_params, quantized, received, stats, device)
     transfer.direct_phase()
     transfer.staged_rounds(workspace)
@@ -530,9 +536,9 @@ def execute_plan(
     return stats
 
 
-def _exchange_int8_scales(rp: RankPlan, src_params, dst_params, quantized: frozenset[str],
-                          wire: Optional[torch.dtype], device) -> int:
-    """Set the scales of this rank's Int8Weights from the row maxima of every slice they will receive.
+def _exchange_scales(rp: RankPlan, src_params, dst_params, quantized: frozenset[str],
+                     wire: Optional[torch.dtype], device) -> int:
+    """Set the scales of this rank's QuantizedWeights from the row maxima of every slice they will receive.
 
     Senders reduce each slice to its per-row absolute maximum (after the wire cast, so that the scale matches the
     values that arrive) and send those, one message per peer, before any weight moves. Returns bytes sent.

@@ -3,8 +3,8 @@
 The trainer is filled with pseudo-random weights that are a pure function of (seed, parameter name, logical index),
 so each rank computes exactly its own shard (no rank builds a full tensor, so this also runs for larger presets).
 The generator starts as NaN, DDMA runs, and each generator parameter is compared bit for bit with the same logical
-weights sliced directly into the generator's layout (padding rows zero). With `quantize="int8"` the int8 weights
-and scales must equal `quantize_int8` of that direct slice, bit for bit, and dequantize to within half a step.
+weights sliced directly into the generator's layout (padding rows zero). With `quantize="int8"` or `"fp8"` the codes
+and scales must equal `quant.quantize` of that direct slice, bit for bit, and dequantize to within half a step.
 `tests/test_ddma_transport.py` checks the same against `load_full_state_dict`, an independent slicing path.
 """
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_rl.ddma.descriptors import LocalParam, stage_params
 from megatron_rl.ddma.planner import plan_reshard
-from megatron_rl.ddma.quant import INT8_ERROR_OVER_HALF_STEP, int8_targets, quantize_int8
+from megatron_rl.ddma.quant import quantize as quantize_shard, quantized_targets, weight_format
 from megatron_rl.ddma.sync import WeightSync
 from megatron_rl.ddma.transport import DEFAULT_BUCKET_BYTES, TransportSettings
 from megatron_rl.models.presets import ModelConfig
@@ -119,7 +119,7 @@ def reshard_check_worker(rank: int, world_size: int, cfg_kw: dict, src: str, dst
     sync = WeightSync(cfg, t, g, settings=settings)
     targets = {}
     if generator is not None and quantize:
-        targets = int8_targets(cfg, g.layout, g.pp_rank, g.tp_rank)
+        targets = quantized_targets(quantize, cfg, g.layout, g.pp_rank, g.tp_rank)
     dst = None if generator is None else {**dict(generator.named_parameters()), **targets}
     dist.barrier()
     t0 = time.perf_counter()
@@ -141,10 +141,10 @@ def reshard_check_worker(rank: int, world_size: int, cfg_kw: dict, src: str, dst
                 want = reference_shard(expected[name], seed, wire).to(p.dtype)
             if name in targets:
                 # exactly what quantizing the local full-precision shard gives, and within half a step of it
-                q, direct = targets[name], quantize_int8(want)
+                q, direct = targets[name], quantize_shard(want, quantize)
                 out["mismatches"] += count_mismatches(q.qweight, direct.qweight)
                 out["mismatches"] += count_mismatches(q.scale, direct.scale)
-                err = (q.dequantize() - want.float()).abs() / (q.scale[:, None] / 2)
+                err = (q.dequantize() - want.float()).abs() / q.half_step(want)
                 out["quant_error_over_bound"] = max(out["quant_error_over_bound"], float(err.max()))
             else:
                 out["mismatches"] += count_mismatches(p, want)
@@ -191,5 +191,6 @@ def reshard_check(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
         "plan": plan.summary(),
     }
     summary["ok"] = (mismatches == 0 and summary["version"] == 7 and summary["elements_checked"] > 0
-                     and summary["quant_error_over_bound"] <= INT8_ERROR_OVER_HALF_STEP)
+                     and (quantize is None
+                          or summary["quant_error_over_bound"] <= weight_format(quantize).ERROR_OVER_HALF_STEP))
     return summary

@@ -2,8 +2,8 @@
 
 CKPT is a megatron-rl checkpoint directory (`megatron_rl.json` with the model shape, `model/` with the Megatron-Core
 dist_checkpointing of the GPTModel: what `convert --to megatron` and training write), or a run's checkpoint root
-whose `latest` file names the newest `step_*` directory. The model is loaded at `tp` local processes and decoded
-with our generator (continuous batching, greedy); every response is scored with the dataset's verifier.
+whose `latest` file names the newest `step_*` directory. The model is loaded at `tp` x `pp` local processes and
+decoded with our generator (continuous batching, greedy); every response is scored with the dataset's verifier.
 
 Prompts: the dataset's instruction (GSM8K: answer after `####`; MATH: answer in `\\boxed{}`) around the problem,
 through the tokenizer's chat template when `chat` is on (the default when the tokenizer has one), tokenized with
@@ -50,6 +50,7 @@ class EvalSettings:
     max_new_tokens: int = 512
     batch_size: int = 64
     tp: int = 1
+    pp: int = 1  # pipeline stages (tp * pp local processes)
     chat: Optional[bool] = None  # None: on when the tokenizer has a chat template
     samples_out: Optional[str] = None
     tokenizer: Optional[str] = None
@@ -144,7 +145,7 @@ def encode_prompt(tok, text: str) -> list[int]:
 
 # ---- generation on local ranks -------------------------------------------------------------------------------------
 def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts: list, max_new_tokens: int,
-                     stop_ids: tuple, batch_size: int, max_len: int):
+                     stop_ids: tuple, batch_size: int, max_len: int, pp: int = 1):
     # torch and Megatron-Core load in the worker processes only: `eval`'s argument errors stay fast.
     import torch
     from megatron.core import dist_checkpointing
@@ -153,15 +154,15 @@ def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts:
     from megatron_rl.models import build_gpt_model
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 
-    g = build_topology([ExecutorPlacement("eval", ParallelLayout(tp=world_size))])["eval"]
+    g = build_topology([ExecutorPlacement("eval", ParallelLayout(tp=world_size // pp, pp=pp))])["eval"]
     model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa")
     model = model.to(getattr(torch, dtype))
     state = dist_checkpointing.load(model.sharded_state_dict(metadata={"dp_cp_group": g.pgs.dp_cp}), model_dir)
     model.load_state_dict(state)
-    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch_size, max_len=max_len)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch_size, max_len=max_len, pp_group=g.pgs.pp)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids))
     outs = gen.generate([GenerationRequest(p, params, request_id=str(i)) for i, p in enumerate(prompts)])
-    if rank != 0:
+    if rank != 0:  # tp rank 0 of the first stage: every rank of the replica has the outputs
         return None
     return [(o.token_ids, o.finish_reason, o.error) for o in outs], dict(gen.stats)
 
@@ -181,13 +182,16 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
     cfg, meta = read_checkpoint_meta(ckpt)
     spec = DATASETS[dataset_key(s.dataset)]
     records = load_problems(spec.name, s.data_dir, s.limit)
-    for name, value in (("--max-new-tokens", s.max_new_tokens), ("--batch-size", s.batch_size), ("--tp", s.tp)):
+    for name, value in (("--max-new-tokens", s.max_new_tokens), ("--batch-size", s.batch_size), ("--tp", s.tp),
+                        ("--pp", s.pp)):
         if value < 1:
             raise EvalError(f"{name}={value} must be >= 1")
     for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups),
                     ("ffn_hidden_size", cfg.ffn_hidden_size)):
         if n % s.tp:
             raise EvalError(f"--tp={s.tp} does not divide the model's {what}={n}")
+    if cfg.num_layers % s.pp:
+        raise EvalError(f"--pp={s.pp} does not divide the model's num_layers={cfg.num_layers}")
     dtype = _dtype_of(meta)
     tok = checkpoint_tokenizer(ckpt, s.tokenizer)
     if tok.vocab_size > cfg.vocab_size:
@@ -201,11 +205,11 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
     from megatron_rl.parallel.spawn import LaunchError, run_local  # imports torch: after the argument checks
 
     try:
-        results = run_local(_generate_worker, s.tp, cfg, str(ckpt / MODEL_DIR), dtype, prompts, s.max_new_tokens,
-                            tuple(sorted(tok.stop_ids)), s.batch_size, max_len, backend="auto", timeout=None,
-                            dist_timeout_s=1800.0)
+        results = run_local(_generate_worker, s.tp * s.pp, cfg, str(ckpt / MODEL_DIR), dtype, prompts,
+                            s.max_new_tokens, tuple(sorted(tok.stop_ids)), s.batch_size, max_len, s.pp,
+                            backend="auto", timeout=None, dist_timeout_s=1800.0)
     except LaunchError as e:
-        raise EvalError(f"--tp={s.tp}: {e}") from None
+        raise EvalError(f"--tp={s.tp} --pp={s.pp}: {e}") from None
     outs, stats = results[0]
     responses = [tok.decode(ids) for ids, _, _ in outs]
     with get_reward_fn(spec.verifier) as verifier:

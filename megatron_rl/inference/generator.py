@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.inference.kv_forward import IncrementalForward
+from megatron_rl.inference.pipeline import PipelinedDecode
 from megatron_rl.inference.sampling import SamplingParams, sample
 
 logger = logging.getLogger(__name__)
@@ -144,11 +145,17 @@ class _DecodeStep:
 
 
 class Generator:
-    """Batched sampling for one generator replica (all of its TP ranks call `generate` with the same requests)."""
+    """Batched sampling for one generator replica (all of its ranks call `generate` with the same requests).
+
+    With a `pp_group` of more than one stage, `model` is this rank's stage and decoding is pipelined
+    (`megatron_rl.inference.pipeline`); every rank returns the outputs."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, tp_group, max_batch_size: int = 64,
                  max_len: Optional[int] = None, tokenizer=None, cuda_graphs: Optional[bool] = None,
-                 lookahead: Optional[bool] = None):
+                 lookahead: Optional[bool] = None, pp_group=None):
+        if max_batch_size < 1:  # no cache slot: no sequence could ever start, and `generate` would spin
+            raise ValueError(f"generator max_batch_size={max_batch_size} must be >= 1 (the number of sequences "
+                             f"decoded at once)")
         self.model = model
         self.vocab_size = vocab_size
         self.tp_group = tp_group
@@ -156,6 +163,11 @@ class Generator:
         self.max_len = max_len or model.max_sequence_length
         self.tokenizer = tokenizer
         self.forward = IncrementalForward(model, tp_group)
+        self.pipeline = None
+        if pp_group is not None and pp_group.size() > 1:
+            self.pipeline = PipelinedDecode(self.forward, pp_group, self._full_logits, self._stopped)
+        elif not (model.pre_process and model.post_process):
+            raise ValueError("the model is one pipeline stage: the generator needs its pp_group")
         self.cuda_graphs = torch.cuda.is_available() if cuda_graphs is None else cuda_graphs
         # Launch step t + 1 before reading step t's tokens (on by default with CUDA, where it hides the host's
         # bookkeeping behind the GPU's work; on a CPU there is nothing to overlap). A sequence that ends at step t
@@ -264,6 +276,8 @@ class Generator:
     def _run(self, pending: list[_Seq], cache, device) -> None:
         filtering = any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in pending)
         noise = any(s.params.temperature > 0 for s in pending)
+        if self.pipeline is not None:
+            return self.pipeline.run(pending, cache, device, filtering, noise)
         key = (filtering, noise)
         if key not in self._steps:
             use_graph = self.cuda_graphs and device.type == "cuda"
@@ -285,6 +299,8 @@ class Generator:
                 seq.slot = free.pop(0)
                 by_slot[seq.slot] = seq
                 admitted.append(seq)
+            if not (by_slot or in_flight):  # nothing runs and nothing could start: never spin
+                raise RuntimeError(f"{len(waiting)} sequences wait for a cache of {cache.slots} slots")
             self._prefill(admitted, cache, device)
             step.admit(admitted)
             current = None

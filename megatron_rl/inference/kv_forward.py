@@ -60,11 +60,10 @@ class KVCache:
 
 
 class IncrementalForward:
-    """Runs chunks of tokens for chosen cache slots through the model and returns vocab-parallel logits."""
+    """Runs chunks of tokens for chosen cache slots through the model (one pipeline stage of it) and returns
+    vocab-parallel logits (last stage) or the stage's output activations (the other stages)."""
 
     def __init__(self, model: torch.nn.Module, tp_group):
-        if not (model.pre_process and model.post_process):
-            raise ValueError("the generator runs the whole model on each rank: generator.pp must be 1")
         self.model = model
         self.tp_group = tp_group
         cfg = model.config
@@ -74,8 +73,12 @@ class IncrementalForward:
         self.head_dim = cfg.kv_channels
         self.scale = 1.0 / self.head_dim ** 0.5
         self.layers = list(model.decoder.layers)
+        # The residual stream's and the KV cache's dtype: the stage's matrices' (a bf16 model keeps fp32 norms; a
+        # middle stage with 8-bit matrices has no full-precision matrix left, and computes in params_dtype).
+        matrices = [p.dtype for p in model.parameters() if p.dim() >= 2]
+        self.dtype = matrices[0] if matrices else model.config.params_dtype
         self._rope = None
-        # The lean path needs Megatron-Core's own linears (the int8 generator's subclasses only change where the
+        # The lean path needs Megatron-Core's own linears (the 8-bit generator's subclasses only change where the
         # weight comes from); transformer-engine's fold the norms into them.
         local = (ColumnParallelLinear, RowParallelLinear)
         self._lean = all(isinstance(lin, local) for m in self.layers
@@ -85,8 +88,8 @@ class IncrementalForward:
         self._rotate = apply_rope if "rope" in fusions else _apply_rotary_pos_emb_bshd
 
     def allocate_cache(self, slots: int, max_len: int) -> KVCache:
-        p = next(self.model.parameters())
-        return KVCache.allocate(len(self.layers), slots, self.groups, max_len, self.head_dim, p.dtype, p.device)
+        device = next(self.model.parameters()).device
+        return KVCache.allocate(len(self.layers), slots, self.groups, max_len, self.head_dim, self.dtype, device)
 
     def prepare(self, max_len: int) -> None:
         """Build what the loop needs outside it (the RoPE table for `max_len` positions)."""
@@ -137,28 +140,34 @@ class IncrementalForward:
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def __call__(self, tokens: Optional[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor,
                  cache: KVCache, kv_len: Optional[int] = None, all_slots: bool = False,
-                 logits: bool = True) -> Optional[torch.Tensor]:
+                 logits: bool = True, hidden: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """tokens, positions [b, s] (right-padded chunks are fine: padding positions write cache entries that are
         overwritten before they are attended to); slots [b]. Returns logits [b, s, vocab / tp].
+
+        A pipeline stage other than the first takes the previous stage's output `hidden` [s, b, h] instead of
+        `tokens`; a stage other than the last returns its own output [s, b, h] (with or without `logits`).
 
         `kv_len` bounds the cache prefix attention reads (default: the largest position + 1, which costs a
         device-to-host sync; CUDA-graph decoding passes the cache length instead). `all_slots` says that `slots`
         is every slot in order (the decode step), so attention reads the cache in place. `logits=False` only
         fills the cache (a prefill, whose logits nobody reads) and skips the output layer."""
-        b, s = tokens.shape
+        b, s = positions.shape
         angles = self._rope_angles(cache.max_len)[positions.T.reshape(-1)].view(s, b, 1, -1)
         # Keys a query may attend to: the cache prefix of its own slot up to its own position.
         if kv_len is None:
             kv_len = int(positions.max()) + 1
-        cols = torch.arange(kv_len, device=tokens.device)
+        cols = torch.arange(kv_len, device=positions.device)
         attend = cols[None, None, :] <= positions[:, :, None]  # [b, s, kv_len]
         attend = attend[:, None]  # [b, 1, s, kv_len]
-        hidden = self.model.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
+        if self.model.pre_process:
+            hidden = self.model.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
+        elif hidden is None:
+            raise ValueError("a pipeline stage after the first needs the previous stage's output (hidden)")
         # On CPUs the rotation's cos/sin are computed once per forward, not twice per layer.
         rope = None
-        if self._lean and not tokens.is_cuda and self._rotate is _apply_rotary_pos_emb_bshd:
+        if self._lean and not positions.is_cuda and self._rotate is _apply_rotary_pos_emb_bshd:
             rope = (angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype))
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
         for i, layer in enumerate(self.layers):
@@ -184,6 +193,8 @@ class IncrementalForward:
             context = self._attend(q.permute(1, 2, 0, 3), keys, values, attend)
             hidden = hidden + self._linear(attn.linear_proj, context)
             hidden = hidden + self._mlp(layer.mlp, layer.pre_mlp_layernorm(hidden))
+        if not self.model.post_process:
+            return hidden
         if not logits:
             return None
         hidden = self.model.decoder.final_layernorm(hidden)

@@ -5,14 +5,26 @@ from a fork server that has already imported torch and Megatron-Core, so an 8-ra
 instead of paying the import on every rank. With CUDA they are spawned (fresh interpreters: a process must not
 inherit CUDA state through fork, and importing Megatron-Core or a preloaded extension may touch it), rank r takes
 GPU r, and the default backend is NCCL.
+
+Each rank leads a process group of its own, which every process it starts joins (checkpoint writers, reward
+workers): a terminal's Ctrl-C reaches only this process, which decides what the ranks do, and ending a rank's group
+ends all it started. With `stop_grace_s`, SIGTERM and SIGINT are forwarded to the ranks, which note them
+(`controller/signals.py`) and stop at their next consistent point; past the grace time, or at a second SIGINT, the
+ranks' groups are killed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
 import os
+import signal
 import socket
+import threading
+import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -59,8 +71,30 @@ def resolve_backend(backend: str, world_size: int, cuda_devices: int) -> str:
     return backend
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s: float, fn: Callable, args: tuple,
-            queue) -> None:
+def _lead_own_group() -> None:
+    """Make this rank the leader of a process group of its own, and end it (SIGKILL) if its parent dies: a rank
+    whose launcher was killed must not train on as an orphan. (PR_SET_PDEATHSIG is Linux's; elsewhere a no-op.)"""
+    os.setpgid(0, 0)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def cause_of(exc: BaseException) -> str:
+    """One line for an exception: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s: float, note_signals: bool,
+            fn: Callable, args: tuple, queue) -> None:
+    _lead_own_group()
+    if note_signals:
+        from megatron_rl.controller import signals
+
+        signals.install()
     import torch
     import torch.distributed as dist
 
@@ -80,80 +114,221 @@ def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s:
         buf = io.BytesIO()
         torch.save(result, buf)
         queue.put((rank, True, buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - report every failure to the parent, with its traceback
-        queue.put((rank, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - report every failure to the parent, with its traceback
+        queue.put((rank, False, (cause_of(e), traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
-              timeout: Optional[float] = 300.0, dist_timeout_s: float = 120.0) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return the results in rank order.
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank ended without a result: `cause` in one line ("ValueError: ...", "died with signal 9"), and
+    `report`, its full traceback (or the cause)."""
 
-    `fn` must be importable (a module-level function). `backend`: gloo, nccl, or auto (NCCL when CUDA is present).
-    `timeout`: seconds for the whole run, None for no limit; `dist_timeout_s`: the process group's timeout for one
-    collective or message. Raises LaunchError when the machine cannot host the world, RuntimeError with the
-    failing ranks' tracebacks, TimeoutError past the timeout.
-    """
-    import torch
+    rank: int
+    cause: str
+    report: str
 
-    cuda = local_gpus()
-    backend = resolve_backend(backend, world_size, cuda)
-    # MEGATRON_RL_START_METHOD=spawn: the start method of GPU machines, on a CPU (the tests use it).
+
+# Errors a rank gets because a peer failed: they name the victim, not the cause.
+_PEER_ERRORS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                "Timed out", "NCCL")
+
+
+class RanksFailed(RuntimeError):
+    """Ranks of a `run_local` world ended without a result. `failures`: the likely cause first (a rank that died
+    without a word, else the first to report an error that is not a peer's failure), then the others in the order
+    they were found. `signal`: the stop signal the launcher had forwarded (0 for none); `killed`: why the launcher
+    killed the ranks ("grace": the grace time was over; "twice": a second SIGINT), "" when it did not."""
+
+    def __init__(self, failures: list[RankFailure], world_size: int, signal: int = 0, killed: str = ""):
+        self.failures, self.world_size, self.signal, self.killed = failures, world_size, signal, killed
+        text = "\n".join(f"--- rank {f.rank} ---\n{f.report}" for f in sorted(failures, key=lambda f: f.rank))
+        super().__init__(f"{len(failures)} of {world_size} ranks failed:\n{text}")
+
+    @property
+    def first(self) -> RankFailure:
+        return self.failures[0]
+
+
+def is_peer_error(cause: str) -> bool:
+    return any(marker in cause for marker in _PEER_ERRORS)
+
+
+def _order(failures: list[RankFailure]) -> list[RankFailure]:
+    def rank_of(f: RankFailure) -> int:
+        if f.cause == _KILLED_AFTER:  # the launcher ended it because another rank had failed
+            return 3
+        if f.report == f.cause:  # ended without reporting: killed, or the interpreter died
+            return 0
+        return 2 if is_peer_error(f.cause) else 1
+
+    return sorted(failures, key=rank_of)  # stable: the order found within each class
+
+
+_KILLED_AFTER = "killed by the launcher after another rank failed"
+
+
+def _death(proc) -> str:
+    code = proc.exitcode
+    if code is not None and code < 0:
+        return f"died with signal {-code} ({signal.Signals(-code).name})" if -code in signal.valid_signals() \
+            else f"died with signal {-code}"
+    return f"exited with code {code} without a result"
+
+
+def _end_all(procs) -> None:
+    """Kill every rank's process group and reap the ranks."""
+    _end_groups(procs)
+    for p in procs:
+        if p.pid is not None:
+            p.join()
+
+
+def _end_groups(procs) -> None:
+    """SIGKILL every rank's process group: the rank and all it started."""
+    for p in procs:
+        if p.pid is None:
+            continue
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+class _Forwarder:
+    """The launcher's SIGTERM and SIGINT handlers while its ranks run: the first signal goes on to every rank and
+    starts the grace time; a second SIGINT (Ctrl-C twice) asks for the ranks to be killed at once."""
+
+    def __init__(self, procs, grace_s: float, on_signal: Optional[Callable[[int], None]]):
+        self.procs, self.grace_s, self.on_signal = procs, grace_s, on_signal
+        self.signal, self.deadline, self.now = 0, None, False
+        self._old: dict = {}
+
+    def __enter__(self) -> "_Forwarder":
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signal:
+            self.now = self.now or signum == signal.SIGINT
+            return
+        self.signal, self.deadline = signum, time.monotonic() + self.grace_s
+        for p in self.procs:
+            if p.pid is not None:  # (a rank not started yet gets nothing: it is killed with the others)
+                try:
+                    os.kill(p.pid, signum)
+                except OSError:
+                    pass
+        if self.on_signal is not None:
+            self.on_signal(signum)
+
+    def must_kill(self) -> bool:
+        return self.now or (self.deadline is not None and time.monotonic() > self.deadline)
+
+
+def _start_context(cuda: int):
+    """The multiprocessing context ranks start from: forkserver on CPUs (a warm server with torch and Megatron-Core
+    imported), spawn where CUDA is present; MEGATRON_RL_START_METHOD=spawn runs the GPU machines' method on a CPU (the
+    tests use it)."""
     method = os.environ.get("MEGATRON_RL_START_METHOD") or ("spawn" if cuda else "forkserver")
     if method not in ("spawn", "forkserver"):
         raise LaunchError(f"MEGATRON_RL_START_METHOD={method!r} is not one of spawn, forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
+              timeout: Optional[float] = 300.0, dist_timeout_s: float = 120.0,
+              stop_grace_s: Optional[float] = None, on_signal: Optional[Callable[[int], None]] = None) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return the results in rank order.
+
+    `fn` must be importable (a module-level function). `backend`: gloo, nccl, or auto (NCCL when CUDA is present).
+    `timeout`: seconds for the whole run, None for no limit; `dist_timeout_s`: the process group's timeout for one
+    collective or message. `stop_grace_s`: forward SIGTERM and SIGINT to the ranks (`on_signal(signum)` is called
+    then) and kill them that many seconds later if they have not ended. Raises LaunchError when the machine cannot
+    host the world, RanksFailed (a RuntimeError) when a rank fails, dies or is killed, TimeoutError past the
+    timeout. However it ends, every rank's process group is killed before it returns: nothing a rank started
+    outlives it.
+    """
+    import queue as queue_mod
+
+    import torch
+
+    cuda = local_gpus()
+    backend = resolve_backend(backend, world_size, cuda)
+    ctx = _start_context(cuda)
     queue = ctx.Queue()
     port = free_port()
-    # Not daemonic: ranks may start processes of their own (dist_checkpointing's writer does). The finally
-    # clause below kills any rank left behind.
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, fn, args, queue),
+    # Not daemonic: ranks may start processes of their own (dist_checkpointing's writer does).
+    note = stop_grace_s is not None
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, note, fn, args, queue),
                          daemon=False) for r in range(world_size)]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    import queue as queue_mod
-    import time
-
+    failures: dict[int, RankFailure] = {}
+    forward = _Forwarder(procs, stop_grace_s or 0.0, on_signal)
     deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        while len(results) + len(errors) < world_size:
-            remaining = 1.0 if deadline is None else deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results) - set(errors))} "
-                                   f"did not finish within {timeout:.0f} s")
+
+    def take(rank: int, ok: bool, payload) -> None:
+        if ok:
+            results[rank] = payload
+        else:
+            failures[rank] = RankFailure(rank, *payload)
+
+    def dead() -> list[int]:
+        return [r for r, p in enumerate(procs)
+                if p.exitcode is not None and r not in results and r not in failures]
+
+    def drain() -> None:
+        while True:
             try:
-                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+                take(*queue.get_nowait())
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if not p.is_alive() and p.exitcode not in (0, None) and r not in results and r not in errors]
-                if dead:
-                    for r in dead:
-                        errors[r] = f"process exited with code {procs[r].exitcode}"
-                continue
-            (results if ok else errors)[rank] = payload
-            if errors:
-                # Give the other ranks a moment to report (they are often blocked on the failed one).
-                time.sleep(0.5)
-                while True:
-                    try:
-                        rank, ok, payload = queue.get_nowait()
-                    except queue_mod.Empty:
-                        break
-                    (results if ok else errors)[rank] = payload
-                break
+                return
+
+    killed = ""
+    try:
+        with forward if note else contextlib.nullcontext():
+            for p in procs:
+                p.start()
+            while len(results) + len(failures) < world_size:
+                if note and forward.must_kill():
+                    _end_groups(procs)
+                    killed = "twice" if forward.now else "grace"
+                    break
+                remaining = 1.0 if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results) - set(failures))} "
+                                       f"did not finish within {timeout:.0f} s")
+                try:
+                    take(*queue.get(timeout=min(remaining, 1.0)))
+                except queue_mod.Empty:
+                    for r in dead():
+                        failures[r] = RankFailure(r, _death(procs[r]), _death(procs[r]))
+                if failures:
+                    # Give the other ranks a moment to report (they are often blocked on the failed one).
+                    time.sleep(0.5)
+                    drain()
+                    break
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
-        raise RuntimeError(f"{len(errors)} of {world_size} ranks failed:\n{text}")
+            if p.pid is not None:
+                p.join(timeout=5 if not failures and not killed else 0.1)
+        died_alone = {r: _death(procs[r]) for r in dead()}  # before the launcher ends the rest
+        _end_all(procs)
+    if failures or killed:
+        drain()
+        for r in dead():
+            cause = "killed" if killed else died_alone.get(r, _KILLED_AFTER)
+            failures[r] = RankFailure(r, cause, cause)
+        raise RanksFailed(_order(list(failures.values())), world_size, signal=forward.signal, killed=killed)
     return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]

@@ -25,7 +25,7 @@ dtype). Left out: the fp32 temporaries of the chunked log-prob pass (one chunk a
 send/receive buffers, and the allocator's fragmentation.
 
 Generator workspace (`prefill_workspace_bytes`): the prefill of every slot's prompt at once, which only fills
-the cache (no logits): one layer's activations for those tokens and, with int8 weights, one dequantized layer's
+the cache (no logits): one layer's activations for those tokens and, with 8-bit weights, one dequantized layer's
 largest weight; plus one decode step's vocabulary-parallel logits and their gathered fp32 copy for the slots.
 
 DDMA staging: at most one bucket per rank and round (`TransportSettings.bucket_bytes`), on both executors.
@@ -81,12 +81,12 @@ def activation_bytes(model: ModelConfig, tp: int, pp: int, pp_rank: int, micro_b
 
 
 def prefill_workspace_bytes(model: ModelConfig, tp: int, slots: int, prompt: int, itemsize: int,
-                            int8: bool) -> int:
+                            quantized: bool) -> int:
     """Transient bytes of prefilling `slots` prompts of `prompt` tokens at once (module docstring)."""
     h, f = model.hidden_size, model.ffn_hidden_size
     kv = model.num_query_groups * model.kv_channels
     tokens = slots * prompt
     logits = slots * (model.padded_vocab_size(tp) // tp) * itemsize + slots * model.vocab_size * 4
     layer = tokens * itemsize * (2 * h + (h + 2 * kv) // tp + h // tp + 3 * f // tp)
-    dequantized = (2 * f // tp) * h * itemsize if int8 else 0
+    dequantized = (2 * f // tp) * h * itemsize if quantized else 0
     return logits + layer + dequantized

@@ -2,10 +2,10 @@
 
 The planner must know the bytes every rank will hold without any rank existing. It gets them from the real code:
 
-1. `build_gpt_model` (and, for an int8 generator, `build_gpt_model` under the int8 builder's meta hook followed by
-   `quantize_generator`, the two steps `build_int8_generator` takes) builds the stage a rank would build, with
-   `perform_initialization=False` and every tensor on the meta device: shapes, dtypes and Megatron's parameter
-   attributes are real, no storage is allocated, so a 405B stage costs nothing.
+1. `build_gpt_model` (and, for an int8 or fp8 generator, `build_gpt_model` under the quantized builder's meta hook
+   followed by `quantize_generator`, the two steps `build_quantized_generator` takes) builds the stage a rank would
+   build, with `perform_initialization=False` and every tensor on the meta device: shapes, dtypes and Megatron's
+   parameter attributes are real, no storage is allocated, so a 405B stage costs nothing.
 2. The builder reads its process groups only through `size()` and `rank()` (`pgs.tp`, `pgs.pp`, and Megatron-Core's
    `get_pg_size` / `get_pg_rank`, which also need `torch.distributed` to be initialized). A TP8 stage therefore
    needs no group of 8 processes: `StandInGroup(size, rank)` answers those two questions for the rank being
@@ -172,11 +172,11 @@ class OptimizerShard:
 
 @dataclass(frozen=True)
 class RankModules:
-    """The modules one rank builds for an executor: its parameters (and int8 weights), plus whatever the planner
+    """The modules one rank builds for an executor: its parameters (and 8-bit weights), plus whatever the planner
     measured on them while they existed."""
 
     params: tuple[ParamInfo, ...]
-    int8_bytes: int = 0  # int8 weights and their fp32 row scales (an int8 generator's projection matrices)
+    quantized_bytes: int = 0  # int8/fp8 weights and their fp32 row scales (a quantized generator's projections)
     kv_cache_bytes: Optional[int] = None  # generator: the slot KV cache for the planned batch and context
     optimizer: tuple[OptimizerShard, ...] = ()  # trainer: one entry per DP rank
     checkpoint_keys: dict = field(default_factory=dict)  # stacked dist-checkpoint key -> (local name, layers)
@@ -187,7 +187,7 @@ class RankModules:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.params) + self.int8_bytes
+        return sum(p.nbytes for p in self.params) + self.quantized_bytes
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -272,21 +272,22 @@ def _checkpoint_keys(model: torch.nn.Module) -> dict:
 
 def build_rank_modules(model_cfg: ModelConfig, layout: ParallelLayout, *, tp_rank: int = 0, pp_rank: int = 0,
                        params_dtype: torch.dtype = torch.float32, attention: str = "auto",
-                       int8: bool = False, optimizer: Optional[bool] = None,
+                       quantization: str = "none", optimizer: Optional[bool] = None,
                        kv_cache: Optional[tuple[int, int]] = None) -> RankModules:
     """Build the stage at (tp_rank, pp_rank) of `layout` on the meta device, as the job builds it.
 
     optimizer: None (no optimizer), True / False: Megatron-Core DDP buffers and the (distributed when True)
-    optimizer's shards for every DP rank. kv_cache: (slots, max_len) to size the generator's slot KV cache with its
-    own allocator (`IncrementalForward.allocate_cache`). Cached: the same arguments return the same result.
+    optimizer's shards for every DP rank. quantization: "none", or a generator's "int8" / "fp8" weights. kv_cache:
+    (slots, max_len) to size the generator's slot KV cache with its own allocator
+    (`IncrementalForward.allocate_cache`). Cached: the same arguments return the same result.
     """
-    return _build_cached(dataclasses.astuple(model_cfg), layout, tp_rank, pp_rank, params_dtype, attention, int8,
-                         optimizer, kv_cache)
+    return _build_cached(dataclasses.astuple(model_cfg), layout, tp_rank, pp_rank, params_dtype, attention,
+                         quantization, optimizer, kv_cache)
 
 
 @functools.lru_cache(maxsize=64)
 def _build_cached(model_fields: tuple, layout: ParallelLayout, tp_rank: int, pp_rank: int,
-                  params_dtype: torch.dtype, attention: str, int8: bool, optimizer: Optional[bool],
+                  params_dtype: torch.dtype, attention: str, quantization: str, optimizer: Optional[bool],
                   kv_cache: Optional[tuple[int, int]]) -> RankModules:
     from megatron_rl.models.builder import build_gpt_model
 
@@ -296,21 +297,21 @@ def _build_cached(model_fields: tuple, layout: ParallelLayout, tp_rank: int, pp_
                  config_overrides={"perform_initialization": False, "use_cpu_initialization": True})
     pgs = stand_in_groups(layout, tp_rank, pp_rank)
     with meta_building():
-        if int8:
+        if quantization != "none":
             from megatron_rl.inference.quantized import _linear_weights_on_meta, quantize_generator
 
             with _linear_weights_on_meta():
                 model = build_gpt_model(model_cfg, layout, pgs, **build)
-            targets = quantize_generator(model, model_cfg, layout, pp_rank, tp_rank, device=torch.device("meta"))
-            int8_bytes = sum(w.qweight.numel() * w.qweight.element_size() + w.scale.numel() * w.scale.element_size()
-                             for w in targets.values())
+            targets = quantize_generator(model, model_cfg, layout, pp_rank, tp_rank, device=torch.device("meta"),
+                                         fmt=quantization)
+            quantized_bytes = sum(w.nbytes for w in targets.values())
         else:
             model = build_gpt_model(model_cfg, layout, pgs, **build)
-            int8_bytes = 0
+            quantized_bytes = 0
         kv_bytes = None
         if kv_cache is not None:
             from megatron_rl.inference.kv_forward import IncrementalForward
 
             kv_bytes = IncrementalForward(model, pgs.tp).allocate_cache(*kv_cache).nbytes()
         shards = () if optimizer is None else _optimizer_shards(model, layout.dp, optimizer)
-        return RankModules(_param_infos(model), int8_bytes, kv_bytes, shards, _checkpoint_keys(model))
+        return RankModules(_param_infos(model), quantized_bytes, kv_bytes, shards, _checkpoint_keys(model))

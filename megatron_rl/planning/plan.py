@@ -188,11 +188,14 @@ def _generator_slots(cfg: JobConfig, replicas: int) -> int:
 
 
 def _generator_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration,
-                      mods: RankModules, staging: int) -> RankMemory:
-    int8 = cfg.generator.quantization == "int8"
+                      mods: RankModules, staging: int, pp_rank: int = 0) -> RankMemory:
+    """One generator rank of stage `pp_rank` (every DP and TP rank of a stage holds the same bytes). Each stage
+    holds its layers and their KV cache for every slot; the prefill workspace is counted for a whole batch of
+    prompts, as on a one-stage generator (an upper bound: a stage prefills one lane of slots at a time)."""
+    quantized = cfg.generator.quantization != "none"
     work = prefill_workspace_bytes(model, layout.tp, cfg.generator.max_batch_size, cfg.rollout.max_prompt_length,
-                                   _itemsize(_dtype(cfg.generator.dtype, cal)), int8)
-    return RankMemory("generator", "every rank", {
+                                   _itemsize(_dtype(cfg.generator.dtype, cal)), quantized)
+    return RankMemory("generator", "every rank" if layout.pp == 1 else f"pp {pp_rank}", {
         "weights": mods.weight_bytes, "kv_cache": mods.kv_cache_bytes, "prefill_workspace": work,
         "ddma_staging": staging, "reserve": int(cal.reserve_gib * GIB)})
 
@@ -232,13 +235,14 @@ def _build_trainer(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, c
                                optimizer=cfg.trainer.use_distributed_optimizer) for p in range(layout.pp)]
 
 
-def _build_generator(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration) -> RankModules:
+def _build_generator(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration,
+                     pp_rank: int = 0) -> RankModules:
     attention = cfg.generator.attention
-    if cfg.generator.quantization == "int8" and attention == "auto":
-        attention = "sdpa"  # as the job does: int8 layers are Megatron-Core's own linears, not TE's
+    if cfg.generator.quantization != "none" and attention == "auto":
+        attention = "sdpa"  # as the job does: 8-bit layers are Megatron-Core's own linears, not TE's
     max_len = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
-    return build_rank_modules(model, layout, params_dtype=_dtype(cfg.generator.dtype, cal), attention=attention,
-                              int8=cfg.generator.quantization == "int8",
+    return build_rank_modules(model, layout, pp_rank=pp_rank, params_dtype=_dtype(cfg.generator.dtype, cal),
+                              attention=attention, quantization=cfg.generator.quantization,
                               kv_cache=(cfg.generator.max_batch_size, max_len))
 
 
@@ -286,8 +290,8 @@ def _colocated_baseline(cfg: JobConfig, model: ModelConfig, trainer: ParallelLay
 
 def predict_steps(cfg: JobConfig, model: ModelConfig, cal: Calibration, device_bytes: int, gen: RankModules,
                   sync: SyncEstimate, stages: list[RankModules]) -> tuple[StepTimes, dict, list]:
-    """Step times of both modes for the job `cfg`, given its generator's modules and its DDMA estimate; returns
-    (times, the assumptions they rest on, notes)."""
+    """Step times of both modes for the job `cfg`, given its generator's modules (its heaviest pipeline stage's)
+    and its DDMA estimate; returns (times, the assumptions they rest on, notes)."""
     tl = ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp)
     gl = ParallelLayout(cfg.generator.tp, cfg.generator.pp, cfg.generator.dp)
     colocated = cfg.generator.colocated
@@ -297,7 +301,8 @@ def predict_steps(cfg: JobConfig, model: ModelConfig, cal: Calibration, device_b
     seq, rows, _ = _trainer_batch(cfg, tl.dp)
     max_len = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
     kv_token = gen.kv_cache_bytes / (cfg.generator.max_batch_size * max_len)
-    gshape = GeneratorShape(gl.tp, gl.pp, gl.dp, _generator_slots(cfg, gl.dp), gen.weight_bytes, kv_token)
+    gshape = GeneratorShape(gl.tp, gl.pp, gl.dp, _generator_slots(cfg, gl.dp), gen.weight_bytes, kv_token,
+                            micro_batches=gl.pp)
     async_gen = generation_time(w, cost, gshape, cal, cal.decode_efficiency)
     async_train = training_time(w, cost, _trainer_shape(cfg, tl, stages, rows, cal), cal)
     notes = []
@@ -331,26 +336,25 @@ def make_plan(cfg: JobConfig, model: ModelConfig, calibration: Calibration, *,
     if not (isinstance(gib, (int, float)) and math.isfinite(gib) and gib > 0):
         raise PlanError(f"--gpu-memory {gib!r} is not a device memory size: give GiB per GPU, e.g. 80")
     device_bytes = int(gib * GIB)
-    if cfg.generator.pp != 1:
-        raise PlanError(f"generator.pp={cfg.generator.pp}: the generator runs the whole model on each rank "
-                        f"(generator.pp must be 1)")
     tl = ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp)
     gl = ParallelLayout(cfg.generator.tp, cfg.generator.pp, cfg.generator.dp)
     colocated = cfg.generator.colocated
     staging = TransportSettings().bucket_bytes
     stages = _build_trainer(cfg, model, tl, cal)
-    gen = _build_generator(cfg, model, gl, cal)
+    gen_stages = [_build_generator(cfg, model, gl, cal, pp_rank=p) for p in range(gl.pp)]
     trainer_ranks = _trainer_memory(cfg, model, tl, cal, stages, staging)
-    gen_rank = _generator_memory(cfg, model, gl, cal, gen, staging)
-    if colocated:  # the same ranks hold both executors: each rank carries the generator's bytes too
-        shared = {f"generator_{k}": v for k, v in gen_rank.parts.items() if k != "reserve"}
+    gen_ranks = tuple(_generator_memory(cfg, model, gl, cal, mods, staging, pp_rank=p)
+                      for p, mods in enumerate(gen_stages))
+    gen_worst = max(range(gl.pp), key=lambda p: gen_ranks[p].total)
+    if colocated:  # the same ranks hold both executors: each rank carries the generator's bytes too (its worst stage)
+        shared = {f"generator_{k}": v for k, v in gen_ranks[gen_worst].parts.items() if k != "reserve"}
         trainer_ranks = tuple(RankMemory("trainer+generator", r.rank, {**r.parts, **shared})
                               for r in trainer_ranks)
     trainer_mem = ExecutorMemory("trainer", str(tl), trainer_ranks, device_bytes)
-    gen_mem = ExecutorMemory("generator", str(gl), (gen_rank,), device_bytes)
+    gen_mem = ExecutorMemory("generator", str(gl), gen_ranks, device_bytes)
     sync = _sync_estimate(model, tl, gl, colocated, stages, cal)
 
-    steps, assumptions, notes = predict_steps(cfg, model, cal, device_bytes, gen, sync, stages)
+    steps, assumptions, notes = predict_steps(cfg, model, cal, device_bytes, gen_stages[gen_worst], sync, stages)
     ckpt = None
     if checkpoint is not None:
         try:

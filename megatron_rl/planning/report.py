@@ -27,7 +27,7 @@ def format_text(plan: Plan) -> str:
     w = a["workload"]
     lines = [f"model        {plan.model}, {plan.parameters / 1e9:.2f}B parameters; {a['gpus']} GPUs "
              f"({plan.calibration.device}){', colocated executors' if plan.colocated else ''}", ""]
-    lines += ["memory per rank (exact: parameters, gradients, main weights, optimizer state, int8 weights, KV cache; "
+    lines += ["memory per rank (exact: parameters, gradients, main weights, optimizer state, 8-bit weights, KV cache; "
               f"modelled: activations ({a['activation_model']}), workspace, reserve)"]
     lines += _executor(plan.trainer) + _executor(plan.generator) + [""]
     lines.append(f"weight sync  DDMA: {s.senders} senders, {s.copies:,} copies; busiest rank sends "

@@ -85,8 +85,11 @@ class GeneratorShape:
     pp: int
     replicas: int
     slots: int  # sequences decoded together per replica (the KV cache slots)
-    weight_bytes_per_gpu: int
-    kv_bytes_per_token_per_gpu: float
+    weight_bytes_per_gpu: int  # one pipeline stage's (the heaviest)
+    kv_bytes_per_token_per_gpu: float  # one stage's
+    # Micro-batches of slots in flight through the stages: 1, the stages run one after another for all slots; pp,
+    # our pipelined generator (`inference/pipeline.py`), every stage busy with one micro-batch at a time.
+    micro_batches: int = 1
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,12 @@ def generation_time(w: Workload, cost: ModelCost, g: GeneratorShape, cal: Calibr
     waves = math.ceil(seqs / slots)
     steps = waves * w.response_tokens
     context = w.prompt_tokens + w.response_tokens / 2
-    step_bytes = g.weight_bytes_per_gpu + slots * context * g.kv_bytes_per_token_per_gpu
+    # One decode step (a token for every slot) is pp lock-step ticks; in each, every stage reads its weights and
+    # the KV cache of one micro-batch of slots. Not counted: the activations handed between stages (slots x hidden
+    # values per tick, megabytes against a stage's gigabytes of weights). Prefill is counted as if the stages ran one
+    # after another (stages overlapping their prefills would only shorten it).
+    lanes = max(1, min(g.micro_batches, slots))
+    step_bytes = g.weight_bytes_per_gpu + slots / lanes * context * g.kv_bytes_per_token_per_gpu
     decode = steps * step_bytes / (cal.hbm_bandwidth_gbps * 1e9 * decode_efficiency) * g.pp
     prefill_flops = seqs * w.prompt_tokens * cost.forward_flops_per_token(w.prompt_tokens / 2)
     prefill = prefill_flops / (g.tp * cal.peak_tflops * 1e12 * cal.prefill_mfu)

@@ -19,6 +19,7 @@ class RewardFunction(ABC):
     """A scorer. `score` never raises for a bad response; it returns 0.0 for it (and logs when it is unusual)."""
 
     name: str = "reward"
+    failures: int = 0  # responses of the last `score` call that could not be scored (scored 0.0); see FunctionReward
 
     @abstractmethod
     def score(self, items: Sequence[RewardItem]) -> list[float]:

@@ -1,13 +1,17 @@
 """User reward functions, given as `module:function` (or `path/to/file.py:function`).
 
 The function has the signature `fn(prompt: str, response: str, reference: str | None) -> float`. It runs in a pool
-of worker processes, never in the controller: a call that hangs past `timeout_s`, raises, kills its process or
-returns something that is not a finite number scores 0.0 and is logged, and the run goes on. A spec that cannot be
-imported fails at construction with one clear line (RewardFunctionError).
+of worker processes, never in the controller, a batch's responses on all workers at once: a call that hangs past
+`timeout_s` (or past the batch's `batch_timeout_s`), raises, kills its process or returns something that is not a
+finite number is a failure: it scores 0.0, is logged and counted (`failures`, per batch), and the run goes on. A
+function that fails on more than half of a batch's responses in MAX_FAILING_BATCHES batches in a row is broken, not
+unlucky: `score` raises RewardFailureError, one line, and the run stops. A spec that cannot be imported fails at
+construction with one clear line (RewardFunctionError).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from typing import Optional, Sequence
@@ -16,6 +20,12 @@ from megatron_rl.rewards.base import RewardFunction, RewardItem
 from megatron_rl.rewards.workers import WorkerPool
 
 log = logging.getLogger(__name__)
+
+MAX_FAILING_BATCHES = 3  # batches in a row with more than half of their responses failing stop the run
+
+
+class RewardFailureError(RuntimeError):
+    """The reward function failed on most responses, batch after batch; the message is one line."""
 
 
 def _as_float(value) -> Optional[float]:
@@ -32,9 +42,13 @@ def _as_float(value) -> Optional[float]:
 class FunctionReward(RewardFunction):
     name = "function"
 
-    def __init__(self, spec: str, timeout_s: float = 5.0, num_workers: int = 1, start_method: Optional[str] = None):
+    def __init__(self, spec: str, timeout_s: float = 5.0, num_workers: int = 1, start_method: Optional[str] = None,
+                 batch_timeout_s: Optional[float] = None):
         self.spec = spec
-        self._pool = WorkerPool(spec, num_workers=num_workers, timeout_s=timeout_s, start_method=start_method)
+        self._pool = WorkerPool(spec, num_workers=num_workers, timeout_s=timeout_s, start_method=start_method,
+                                batch_timeout_s=batch_timeout_s)
+        self.failures = 0  # responses of the last `score` call that failed (scored 0.0)
+        self.failing_batches = 0  # batches in a row in which more than half of the responses failed
 
     @property
     def stats(self) -> dict:
@@ -43,19 +57,24 @@ class FunctionReward(RewardFunction):
 
     def score(self, items: Sequence[RewardItem]) -> list[float]:
         outcomes = self._pool.map([(p, r, ref) for p, r, ref in items])
-        scores = []
-        for k, outcome in enumerate(outcomes):
-            if not outcome.ok:
-                log.warning("reward function %s failed on item %d (%s); scored 0.0", self.spec, k, outcome.error)
-                scores.append(0.0)
-                continue
-            value = _as_float(outcome.value)
-            if value is not None:
-                scores.append(value)
-            else:
-                log.warning("reward function %s returned %.100r on item %d, not a finite number; scored 0.0",
-                            self.spec, outcome.value, k)
-                scores.append(0.0)
+        scores, errors = [], []
+        for outcome in outcomes:
+            value = _as_float(outcome.value) if outcome.ok else None
+            if value is None:
+                error = outcome.error if not outcome.ok else f"returned {outcome.value!r:.100}, not a finite number"
+                errors.append((error.splitlines() or [""])[0][:300])
+            scores.append(0.0 if value is None else value)
+        if errors:  # one line per batch, each distinct error once
+            counts = collections.Counter(errors)
+            log.warning("reward function %s failed on %d of %d responses, scored 0.0: %s", self.spec, len(errors),
+                        len(items), "; ".join(f"{e} (x{n})" if n > 1 else e for e, n in counts.items()))
+        self.failures = len(errors)
+        self.failing_batches = self.failing_batches + 1 if 2 * len(errors) > len(items) else 0
+        if self.failing_batches >= MAX_FAILING_BATCHES:
+            raise RewardFailureError(
+                f"reward function {self.spec!r} failed on {len(errors)} of {len(items)} responses, and on more than "
+                f"half in each of the last {self.failing_batches} batches (last error: {errors[-1]}); stopping: fix "
+                f"the function, or raise reward.timeout_s / reward.num_workers")
         return scores
 
     def close(self) -> None:

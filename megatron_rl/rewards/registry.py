@@ -32,7 +32,7 @@ def kind_for_dataset(dataset: Optional[str]) -> str:
 
 def get_reward_fn(kind: str, function: Optional[str] = None, timeout_s: float = 5.0, num_workers: int = 1,
                   dataset: Optional[str] = None, start_method: Optional[str] = None,
-                  model: Optional[str] = None) -> RewardFunction:
+                  model: Optional[str] = None, batch_timeout_s: Optional[float] = None) -> RewardFunction:
     """A ready reward function. Call `close()` on it (or use `with`) to stop its worker processes, if any.
 
     kind: "gsm8k", "math", "synthetic", "function" (needs `function="module:function"`), "reward-model" (needs
@@ -55,7 +55,8 @@ def get_reward_fn(kind: str, function: Optional[str] = None, timeout_s: float = 
     if kind == "function":
         if not function:
             raise ValueError("reward kind 'function' needs function='module:function'")
-        return FunctionReward(function, timeout_s=timeout_s, num_workers=num_workers, start_method=start_method)
+        return FunctionReward(function, timeout_s=timeout_s, num_workers=num_workers, start_method=start_method,
+                              batch_timeout_s=batch_timeout_s)
     if not model:
         raise ValueError("reward kind 'reward-model' needs model=DIR (a sequence-classification model)")
     from megatron_rl.rewards.reward_model import RewardModelReward

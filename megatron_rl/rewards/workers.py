@@ -2,8 +2,10 @@
 
 Reward code is the least trusted code in a run: user functions can hang, crash the interpreter or raise, and even
 our own sympy-based checks can spin for minutes on an adversarial expression. None of that may stop training. So
-such code runs in separate processes that the controller can kill: every call has a deadline, a worker that misses
-it is killed and replaced, and a worker that dies is replaced too. The caller always gets one `Outcome` per call.
+such code runs in separate processes that the controller can kill: the calls of a batch run on all workers at
+once, every call has a deadline and so does the batch (a function that hangs costs a batch its batch timeout, not
+one call timeout per response), a worker that misses a deadline is killed and replaced, and a worker that dies is
+replaced too. The caller always gets one `Outcome` per call.
 
 Workers are started with the `forkserver` (or `spawn`) method, never plain `fork`: the controller process holds
 torch threads and process groups, and forking a threaded process is unsafe. Because nothing is inherited, the
@@ -135,22 +137,32 @@ def default_start_method() -> str:
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
+def default_batch_timeout(timeout_s: float) -> float:
+    """The deadline of a whole batch when none is given: as long as four calls that time out."""
+    return 4 * timeout_s
+
+
 class WorkerPool:
-    """N worker processes running one function; `map` scores a batch with a per-call timeout.
+    """N worker processes running one function; `map` scores a batch with a per-call and a per-batch timeout
+    (`batch_timeout_s`, None for `default_batch_timeout(timeout_s)`).
 
     Not thread-safe: one controller thread drives it. A pool is cheap to keep and costly to start (each worker
     imports the function's module), so keep one per run and `close()` it at the end (or use `with`).
     """
 
     def __init__(self, spec: str, num_workers: int = 1, timeout_s: float = 5.0, start_method: Optional[str] = None,
-                 startup_timeout_s: float = 120.0):
+                 startup_timeout_s: float = 120.0, batch_timeout_s: Optional[float] = None):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        if batch_timeout_s is not None and not batch_timeout_s > 0:
+            raise ValueError(f"batch_timeout_s={batch_timeout_s} must be > 0")
         self.spec = spec
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
+        self.batch_timeout_s = float(batch_timeout_s if batch_timeout_s is not None
+                                     else default_batch_timeout(self.timeout_s))
         self.startup_timeout_s = float(startup_timeout_s)
         self.start_method = start_method or default_start_method()
         self._ctx = mp.get_context(self.start_method)
@@ -235,17 +247,23 @@ class WorkerPool:
         """Run fn(*args) for each args tuple, spread over the workers; one Outcome per call, in order.
 
         Never raises for anything the function does. A call that exceeds `timeout_s` (measured from when a worker
-        receives it) gets ok=False and its worker is killed and replaced; the other calls carry on.
+        receives it) gets ok=False and its worker is killed and replaced; the other calls carry on. When the batch
+        exceeds `batch_timeout_s`, the calls still running or waiting get ok=False and the workers running them
+        are replaced.
         """
         if self._closed:
             raise RuntimeError("WorkerPool is closed")
         results: list[Optional[Outcome]] = [None] * len(calls)
         pending = deque(range(len(calls)))
+        batch_deadline = time.monotonic() + self.batch_timeout_s
         # Workers that could not be restarted earlier get another chance now.
         for i, w in enumerate(self._workers):
             if w is None:
                 self._workers[i] = self._spawn()
         while pending or any(w is not None and w.state == "busy" for w in self._workers):
+            if time.monotonic() >= batch_deadline:
+                self._end_batch(results, pending)
+                break
             if all(w is None for w in self._workers):
                 while pending:  # nothing can run: fail what is left, do not hang or raise
                     results[pending.popleft()] = Outcome(False, error="no reward worker could be started")
@@ -265,7 +283,7 @@ class WorkerPool:
             live = {w.conn: i for i, w in enumerate(self._workers) if w is not None and w.state in ("busy", "starting")}
             if not live:
                 continue
-            deadline = min(self._workers[i].deadline for i in live.values())
+            deadline = min(min(self._workers[i].deadline for i in live.values()), batch_deadline)
             for conn in wait(list(live), timeout=max(0.0, deadline - time.monotonic())):
                 i = live[conn]
                 w = self._workers[i]
@@ -292,6 +310,22 @@ class WorkerPool:
         self.stats["calls"] += len(calls)
         self.stats["errors"] += sum(1 for r in results if r is not None and not r.ok)
         return results  # type: ignore[return-value]
+
+    def _end_batch(self, results: list, pending: deque) -> None:
+        """The batch's deadline has passed: answers already sent are taken, the rest fail; busy workers are
+        replaced (they may be stuck, and the next batch needs them idle)."""
+        error = f"batch timed out after {self.batch_timeout_s:g} s"
+        for i, w in enumerate(self._workers):
+            if w is None or w.state != "busy":
+                continue
+            if w.conn.poll():  # answered (or died) in the meantime
+                self._collect(i, w, results)
+                continue
+            results[w.call] = Outcome(False, error=error, seconds=time.monotonic() - w.started)
+            self.stats["timeouts"] += 1
+            self._replace(i)
+        while pending:
+            results[pending.popleft()] = Outcome(False, error=error)
 
     def _collect(self, i: int, w: _Worker, results: list) -> None:
         elapsed = time.monotonic() - w.started

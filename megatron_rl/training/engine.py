@@ -46,7 +46,8 @@ class OptimSettings:
 
 
 class NonFiniteError(RuntimeError):
-    """Too many training steps in a row had a non-finite loss or gradient."""
+    """Training cannot go on: too many steps in a row had a non-finite loss or gradient, or an update made the
+    weights non-finite."""
 
 
 def _device() -> Optional[torch.device]:
@@ -135,6 +136,14 @@ def run_schedule(model: torch.nn.Module, pgs: ProcessGroupCollection, micro_batc
     return fb(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
               num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b, forward_only=forward_only,
               **kwargs)
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Are all values of all tensors finite? One sum per tensor (non-finite when any value is, or when values
+    near the dtype's limit overflow the sum: no healthy state is that large); `isfinite(t).all()` costs four
+    passes and two temporaries."""
+    sums = [t.sum().float() for t in tensors if t.numel()]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())  # one device-to-host read
 
 
 @dataclass
@@ -236,7 +245,10 @@ class TrainEngine:
         """One optimizer step over this rank's micro-batches. Returns metrics (loss, grad norm, lr, skipped).
 
         A non-finite loss or gradient anywhere in the executor skips the update (weights and optimizer state
-        untouched) and is counted; `settings.max_nonfinite_steps` skips in a row stop the run.
+        untouched) and is counted; `settings.max_nonfinite_steps` skips in a row stop the run. An update of finite
+        gradients that makes the weights non-finite (an overflowing learning rate) cannot be undone without a copy
+        of the weights and optimizer state, so it stops the run (NonFiniteError) before the weights go anywhere:
+        no weight push, no checkpoint.
         """
         self._zero_grad()
         outputs = self.forward_backward(micro_batches, loss_fn)
@@ -253,7 +265,15 @@ class TrainEngine:
             return {"loss": loss, "grad_norm": math.nan, "lr": self.optimizer.param_groups[0]["lr"],
                     "skipped": True, "nonfinite_total": self.nonfinite_total}
         self.nonfinite_in_a_row = 0
-        update_successful, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        try:
+            update_successful, grad_norm, _ = self.optimizer.step()
+        except RuntimeError as e:  # torch's Adam: a step size (lr / bias correction) beyond the float range
+            if "overflow" not in str(e):
+                raise
+            raise NonFiniteError(self._broken_update(loss, lr, "overflowed the float range")) from None
+        if update_successful and not self._main_params_finite():
+            raise NonFiniteError(self._broken_update(loss, lr, "made the weights non-finite"))
         if update_successful:
             self.scheduler.step(increment=1)
             self.steps_done += 1
@@ -272,6 +292,36 @@ class TrainEngine:
                 bad.fill_(1.0)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.pgs.intra_dist_opt)
         return bad.item() == 0
+
+    def _broken_update(self, loss: float, lr: float, what: str) -> str:
+        return (f"update {self.steps_done + 1} {what} (its loss {loss:.4g} and gradients were finite; learning rate "
+                f"{lr:.4g}); stopping without keeping or saving it: lower the learning rate and resume from the last "
+                f"checkpoint")
+
+    def _main_params(self) -> list[torch.Tensor]:
+        """The parameters the optimizer updates on this rank: the distributed optimizer's fp32 main shards (or the
+        model's parameters themselves without one)."""
+        return [p for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                for group in opt.optimizer.param_groups for p in group["params"]]
+
+    def _main_params_finite(self) -> bool:
+        """True when every rank's main parameters are finite after an update: one sum per tensor (the same test
+        as `_grads_finite`, on a 1/DP shard of the weights) and one all-reduce of a flag. It only reads, so a
+        healthy run's numbers do not change."""
+        bad = torch.zeros(1, device=_device())
+        if not all_finite(self._main_params()):
+            bad.fill_(1.0)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.pgs.intra_dist_opt)
+        return bad.item() == 0
+
+    def state_finite(self) -> bool:
+        """True when this rank's model weights, main parameters and optimizer state (Adam moments) are all finite:
+        what a checkpoint would hold. Local; the checkpointer reduces it over the world."""
+        optimizer_state = [v for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                           for state in opt.optimizer.state.values() for v in state.values()
+                           if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        return all_finite([b.param_data for b in self.model.buffers + self.model.expert_parallel_buffers]
+                          + self._main_params() + optimizer_state)
 
     def _reduce_loss(self, outputs: Iterable) -> float:
         """Token-mean loss over the whole step (all micro-batches and DP ranks), known on every rank."""

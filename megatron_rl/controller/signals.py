@@ -1,0 +1,60 @@
+"""Stopping a job on SIGTERM or SIGINT at a point where every rank agrees, with a checkpoint.
+
+A signal may reach any subset of the ranks at any moment (the local launcher forwards its own to every rank; under
+torchrun or srun each rank gets it itself). A rank only notes it (`install`, `requested`); it never stops where it
+is, because its peers would then wait for it in a collective. At the next `PushWeights` action of the plan, which
+every rank takes part in in every layout, the loop asks `Job.stop_requested()`: an all-reduce (MAX) of the noted
+signal over the world. If any rank was signalled, every rank saves the checkpoint of that point together and leaves
+the loop; the run ends with exit code 128 + the signal's number (143 for SIGTERM, 130 for SIGINT).
+"""
+
+from __future__ import annotations
+
+import signal
+from multiprocessing import resource_tracker
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_noted = 0  # the last stop signal a thread of this process was handed, 0 for none
+
+
+def _note(signum: int, frame) -> None:
+    global _noted
+    _noted = signum
+
+
+def install() -> None:
+    """Note SIGTERM and SIGINT in this process (a rank's main thread, before it starts threads or processes)
+    instead of dying of them.
+
+    They are also blocked: they wait, pending, for `requested` to find them, and every process the rank starts
+    from now on inherits the block (the mask survives fork and exec). So when a launcher or a terminal signals the
+    rank's whole process group (torchrun and srun do), Megatron-Core's checkpoint writers, the manager process they
+    report to and the reward workers keep running until the rank has saved its checkpoint; they end with the rank.
+    A thread that does not block them (one started earlier) runs the handler, which notes them too."""
+    # multiprocessing unblocks both signals after it starts its resource tracker (which it does before the first
+    # process it spawns): start it now, so that this block stays.
+    resource_tracker.ensure_running()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _note)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def requested() -> int:
+    """The stop signal this process received (SIGTERM over SIGINT), 0 for none."""
+    received = {_noted} | (signal.sigpending() & set(STOP_SIGNALS))
+    return max(int(sig) for sig in received)
+
+
+def name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def exit_code(signum: int) -> int:
+    """The shell's convention for a process ended by a signal: 128 + its number."""
+    return 128 + signum
+
+
+def stopped_line(signum: int, step: int, checkpoint: str) -> str:
+    """What the user reads when a stop completes."""
+    return (f"megatron-rl: stopped by {name(signum)} after step {step}; checkpoint {checkpoint} saved; relaunch to "
+            f"resume")

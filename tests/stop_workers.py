@@ -1,0 +1,28 @@
+"""Rank functions and a reward function for tests/test_stop.py (importable by the fork server's children and by
+reward worker processes)."""
+
+import os
+import signal
+
+
+def exact_answer(prompt, response, reference):
+    """1 when the response is the reference answer."""
+    return float(response.strip() == str(reference).strip())
+
+
+def rank_1_raises(rank, world_size):
+    """Rank 1 fails; the others wait for it in a collective and get their gloo error when it is gone."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise FileNotFoundError("data/x.jsonl")
+    dist.barrier()
+
+
+def rank_1_is_killed(rank, world_size):
+    """Rank 1 is SIGKILLed; the others wait for it in a collective."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()

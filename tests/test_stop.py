@@ -1,0 +1,186 @@
+"""How a run ends when it does not finish: a SIGTERM to `megatron-rl train` stops the job at a consistent point
+with a checkpoint, ends every process of the run, and a relaunch resumes with every step's metrics exactly once;
+one job per run directory (a second launch exits 2 with one line, a stale lock is taken over); a failed or killed
+rank is named in one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megatron_rl.controller.runlock import LOCK_FILE, RunDirLocked, RunLock
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["trainer.sft_warmup_steps=20", "checkpoint.save_interval=1000", "rollout.prompts_per_step=4",
+        "data.eval_size=4", "run.eval_interval=1000", "rollout.max_new_tokens=6"]
+
+
+def _train(tmp_path, *overrides):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", *FAST, f"checkpoint.dir={tmp_path}",
+                             *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _rows(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(condition, timeout, proc):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_sigterm_stops_at_a_checkpoint_ends_every_process_and_a_relaunch_resumes(tmp_path):
+    run = tmp_path / "t"
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + {i % 7} =", "answer": str(i + i % 7)}) + "\n"
+                            for i in range(64)))
+    # a user reward function: the run has reward worker processes too
+    args = ["run.name=t", "data.dataset=jsonl", f"data.path={data}", "reward.kind=function",
+            "reward.function=stop_workers:exact_answer", "trainer.sft_warmup_steps=0"]
+    proc = _train(tmp_path, *args, "run.steps=200")
+    _wait_for(lambda: len(_rows(run)) >= 2, 120, proc)
+    launcher = psutil.Process(proc.pid)
+    family = launcher.children(recursive=True)  # fork server, ranks, their checkpoint writers and reward workers
+    ranks = [p for p in family if p.pid == os.getpgid(p.pid)]
+    started_by_ranks = [p for p in family if p not in ranks and os.getpgid(p.pid) in {r.pid for r in ranks}]
+    assert len(ranks) == 3 and started_by_ranks
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+
+    assert proc.returncode == 143, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    step = int(line.split("after step ")[1].split(";")[0])
+    assert line == f"megatron-rl: stopped by SIGTERM after step {step}; checkpoint step_{step:08d} saved; " \
+                   f"relaunch to resume"
+    assert (run / "latest").read_text().strip() == f"step_{step:08d}" and (run / f"step_{step:08d}").is_dir()
+    assert [r["step"] for r in _rows(run)] == list(range(step))
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stopped_by"] == "SIGTERM" and summary["stopped_after_step"] == step
+    assert (run / "summary.json").exists() and not (run / LOCK_FILE).exists()
+    time.sleep(0.5)
+    assert [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    for r in ranks:  # nothing a rank started is left in its process group
+        with pytest.raises(ProcessLookupError):
+            os.killpg(r.pid, 0)
+
+    again = _train(tmp_path, *args, f"run.steps={step + 2}")
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from {run / f'step_{step:08d}'}" in err
+    assert [r["step"] for r in _rows(run)] == list(range(step + 2))  # every step exactly once
+
+
+def test_a_second_launch_on_a_running_run_dir_exits_2_and_the_first_finishes(tmp_path):
+    run = tmp_path / "l"
+    first = _train(tmp_path, "run.name=l", "run.steps=3")
+    _wait_for(lambda: (run / "config.yaml").exists(), 60, first)
+    second = _train(tmp_path, "run.name=l", "run.steps=3")
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 2 and out.splitlines()[1:] == []
+    assert err.strip().splitlines() == [
+        f"megatron-rl: {run} is in use by another megatron-rl job: pid {first.pid} on host {os.uname().nodename} "
+        f"(started {json.loads((run / LOCK_FILE).read_text())['started']}); wait for it to end, or use another "
+        f"run.name"]
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 3
+    assert [r["step"] for r in _rows(run)] == [0, 1, 2] and not (run / LOCK_FILE).exists()
+
+
+def test_run_lock_takes_over_a_stale_lock_and_refuses_a_live_one(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    holder = {"host": os.uname().nodename, "pid": int(dead.stdout), "started": "2026-01-01T00:00:00+0000"}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
+    warnings = []
+    with RunLock(tmp_path, warn=warnings.append):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+        assert warnings == [f"taking over the stale lock of pid {holder['pid']} on host {holder['host']} (started "
+                            f"2026-01-01T00:00:00+0000): that job is no longer running"]
+    assert not (tmp_path / LOCK_FILE).exists()
+
+    # a live holder in another process
+    code = (f"from megatron_rl.controller.runlock import RunLock; import sys, time; "
+            f"l = RunLock({str(tmp_path)!r}); l.acquire(); print('held', flush=True); sys.stdin.read()")
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirLocked, match=f"in use by another megatron-rl job: pid {other.pid} on host"):
+            RunLock(tmp_path).acquire()
+    finally:
+        other.stdin.close()
+        other.wait(timeout=30)
+    with RunLock(tmp_path):  # released when its holder ended
+        pass
+
+
+def test_a_failed_rank_is_named_with_its_cause_not_its_peers_errors():
+    from megatron_rl.parallel.spawn import RanksFailed, run_local
+
+    from stop_workers import rank_1_raises
+
+    with pytest.raises(RanksFailed) as e:
+        run_local(rank_1_raises, 3, timeout=120)
+    assert (e.value.first.rank, e.value.first.cause) == (1, "FileNotFoundError: data/x.jsonl")
+    assert "Traceback" in e.value.first.report
+
+
+def test_a_killed_rank_is_named():
+    from megatron_rl.parallel.spawn import RanksFailed, run_local
+
+    from stop_workers import rank_1_is_killed
+
+    with pytest.raises(RanksFailed) as e:
+        run_local(rank_1_is_killed, 3, timeout=120)
+    assert (e.value.first.rank, e.value.first.cause) == (1, "died with signal 9 (SIGKILL)")
+
+
+def test_the_failure_line_and_log(tmp_path):
+    from megatron_rl.config import load_config
+    from megatron_rl.controller.launcher import FAILURE_LOG, _failed
+    from megatron_rl.parallel.spawn import RankFailure, RanksFailed
+
+    cfg = load_config(None, [])
+    failures = [RankFailure(2, "FileNotFoundError: data/x.jsonl", "Traceback ...\nFileNotFoundError: data/x.jsonl"),
+                RankFailure(0, "DistBackendError: Connection closed by peer", "Traceback ...")]
+    e = _failed(cfg, tmp_path, RanksFailed(failures, 3))
+    assert e.exit_code == 1 and str(e) == (f"megatron-rl: rank 2 (generator) failed: FileNotFoundError: data/x.jsonl;"
+                                           f" every rank's traceback: {tmp_path / FAILURE_LOG}")
+    log = (tmp_path / FAILURE_LOG).read_text()
+    assert "--- rank 2 (generator): FileNotFoundError" in log and "--- rank 0 (trainer): DistBackendError" in log
+    e = _failed(cfg, tmp_path, RanksFailed([RankFailure(1, "died with signal 9 (SIGKILL)", "died with signal 9 "
+                                                                                             "(SIGKILL)")], 3))
+    assert str(e).startswith("megatron-rl: rank 1 (trainer) died with signal 9 (SIGKILL); every rank's traceback")
+    e = _failed(cfg, tmp_path, RanksFailed([], 3, signal=signal.SIGINT, killed="twice"))
+    assert e.exit_code == 130 and str(e) == ("megatron-rl: stopped by SIGINT: ranks killed at a second SIGINT; no "
+                                             "checkpoint saved; relaunch to resume")
+
+
+def test_ranks_of_a_launched_world_stop_together_when_each_gets_sigterm(tmp_path):
+    """torchrun starts the ranks; every rank gets SIGTERM, as under srun or scancel: the same consistent stop."""
+    run = tmp_path / "e"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                             "-m", "megatron_rl.cli", "train", "--launcher", "env", *FAST, "run.steps=200",
+                             f"checkpoint.dir={tmp_path}", "run.name=e"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _wait_for(lambda: len(_rows(run)) >= 2, 120, proc)
+    for rank in psutil.Process(proc.pid).children():
+        rank.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    summary = json.loads(out.strip().splitlines()[-1])
+    step = summary["stopped_after_step"]
+    assert summary["stopped_by"] == "SIGTERM" and (run / "latest").read_text().strip() == f"step_{step:08d}"
+    assert f"megatron-rl: stopped by SIGTERM after step {step}; checkpoint step_{step:08d} saved" in err
+    assert [r["step"] for r in _rows(run)] == list(range(step)) and not (run / LOCK_FILE).exists()
