@@ -19,6 +19,17 @@ def rank_1_raises(rank, world_size):
     dist.barrier()
 
 
+def rank_1_hangs(rank, world_size):
+    """Rank 1 never reaches the collective the others wait in (their gloo timeout is short)."""
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(3600)
+    dist.barrier()
+
+
 def rank_1_is_killed(rank, world_size):
     """Rank 1 is SIGKILLed; the others wait for it in a collective."""
     import torch.distributed as dist

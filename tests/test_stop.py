@@ -146,6 +146,18 @@ def test_a_killed_rank_is_named():
     assert (e.value.first.rank, e.value.first.cause) == (1, "died with signal 9 (SIGKILL)")
 
 
+def test_a_hung_rank_is_named_not_the_ranks_that_timed_out_waiting():
+    from megatron_rl.parallel.spawn import RanksFailed, run_local
+
+    from stop_workers import rank_1_hangs
+
+    with pytest.raises(RanksFailed) as e:
+        run_local(rank_1_hangs, 3, timeout=120, dist_timeout_s=5)
+    assert (e.value.first.rank, e.value.first.cause) == (1, "hung: still running when the other ranks gave up "
+                                                            "waiting for it")
+    assert {f.rank for f in e.value.failures} == {0, 1, 2}
+
+
 def test_the_failure_line_and_log(tmp_path):
     from megatron_rl.config import load_config
     from megatron_rl.controller.launcher import FAILURE_LOG, _failed

@@ -236,7 +236,7 @@ def _failed(cfg: JobConfig, run_dir: Path, e) -> JobFailed:
         return JobFailed(f"megatron-rl: stopped by {signals.name(e.signal)}: ranks killed {how}; "
                          f"{_latest(run_dir)}; relaunch to resume", signals.exit_code(e.signal))
     first = e.first
-    what = first.cause if first.cause.startswith(("died", "exited")) else f"failed: {first.cause}"
+    what = first.cause if first.cause.startswith(("died", "exited", "hung")) else f"failed: {first.cause}"
     line = f"megatron-rl: rank {first.rank} ({rank_role(cfg, first.rank)}) {what}; every rank's traceback: {log}"
     if e.signal:
         line = f"megatron-rl: stopped by {signals.name(e.signal)}: {line.removeprefix('megatron-rl: ')}"

@@ -160,7 +160,7 @@ def _order(failures: list[RankFailure]) -> list[RankFailure]:
     def rank_of(f: RankFailure) -> int:
         if f.cause == _KILLED_AFTER:  # the launcher ended it because another rank had failed
             return 3
-        if f.report == f.cause:  # ended without reporting: killed, or the interpreter died
+        if f.report == f.cause:  # ended without reporting: killed, hung, or the interpreter died
             return 0
         return 2 if is_peer_error(f.cause) else 1
 
@@ -168,6 +168,7 @@ def _order(failures: list[RankFailure]) -> list[RankFailure]:
 
 
 _KILLED_AFTER = "killed by the launcher after another rank failed"
+_HUNG = "hung: still running when the other ranks gave up waiting for it"
 
 
 def _death(proc) -> str:
@@ -324,6 +325,10 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
             if p.pid is not None:
                 p.join(timeout=5 if not failures and not killed else 0.1)
         died_alone = {r: _death(procs[r]) for r in dead()}  # before the launcher ends the rest
+        if failures and all(is_peer_error(f.cause) for f in failures.values()):
+            # Every report is a peer's timeout or lost connection: a rank still running is the one they waited for.
+            died_alone.update({r: _HUNG for r, p in enumerate(procs)
+                               if p.pid is not None and p.exitcode is None and r not in results})
         _end_all(procs)
     if failures or killed:
         drain()
