@@ -50,7 +50,7 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
     for action in plan:
         if isinstance(action, PushWeights):
             t0 = time.perf_counter()
-            if job.stop_requested():
+            if job.stop_requested():  # SIGTERM / SIGINT on any rank: every rank takes part here, so all stop here
                 job.checkpoint(action.version)
                 break
             wait_s = time.perf_counter() - t0 + job.push_weights(action.version)
