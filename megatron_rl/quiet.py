@@ -38,13 +38,20 @@ def filters(cuda: bool) -> tuple:
     return _ALWAYS + (() if cuda else _WITHOUT_CUDA)
 
 
+def cuda_devices_present() -> bool:
+    """Does this machine show NVIDIA devices? Read from /dev and the environment, not from torch: importing torch
+    would cost the CLI seconds before it can print a config error."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl") or any(n.startswith("nvidia") and n[6:].isdigit()
+                                                    for n in os.listdir("/dev"))
+
+
 def install() -> None:
     """Add the filters to this process and to the environment its children inherit (idempotent). Call it before
     Megatron-Core is imported: most of these warnings are raised at import time."""
-    import torch
-
     entries = []
-    for message, category in filters(torch.cuda.is_available()):
+    for message, category in filters(cuda_devices_present()):
         warnings.filterwarnings("ignore", message=re.escape(message), category=category)
         entries.append(f"ignore:{message}:{category.__name__}")
     present = [e for e in os.environ.get("PYTHONWARNINGS", "").split(",") if e]

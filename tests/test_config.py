@@ -140,9 +140,12 @@ def test_cli_reports_config_errors_in_one_line_without_starting_processes():
                          text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == "megatron-rl: config error: trainer.pp=3 does not divide model.num_layers=4"
-    out = subprocess.run([sys.executable, "-c", "import sys, megatron_rl.cli as c; c.main(['config']); "
-                          "print('megatron.core' in sys.modules)"], capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip().endswith("False"), "validating a config must not import Megatron-Core"
+    for command in (["config"], ["train", "run.steps=-5"]):
+        out = subprocess.run([sys.executable, "-c", f"import sys, megatron_rl.cli as c; c.main({command!r}); "
+                              "print('megatron.core' in sys.modules, 'torch' in sys.modules)"],
+                             capture_output=True, text=True, timeout=60)
+        # a config error in a fraction of a second: neither Megatron-Core nor torch is imported for it
+        assert out.stdout.strip().endswith("False False"), (command, out.stdout[-300:], out.stderr[-300:])
 
 
 def _numbers(section, prefix):
