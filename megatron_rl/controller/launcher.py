@@ -303,6 +303,11 @@ def prepare_run_dir(cfg: JobConfig) -> Path:
     return run_dir
 
 
+def _layout_text(section) -> str:
+    """tp=2 pp=1 dp=1 (pp and dp only where they are not 1)."""
+    return " ".join(f"{d}={getattr(section, d)}" for d in ("tp", "pp", "dp") if d == "tp" or getattr(section, d) != 1)
+
+
 def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extra: Optional[dict] = None) -> dict:
     """summary.json and metrics.png from rank 0's `rank_main` result (both launchers). The
     rows are those of metrics.jsonl (all steps of the run, including those before a resume) when it exists."""
@@ -322,8 +327,8 @@ def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extr
         **result.get("stopped", {}), **(extra or {}),
     }
     plot = plot_run(rows, run_dir / "metrics.png",
-                    title=f"{cfg.model.name}: {cfg.rollout.mode} AIPO, trainer tp={cfg.trainer.tp}, "
-                          f"generator tp={cfg.generator.tp} dp={cfg.generator.dp}")
+                    title=f"{cfg.model.name}: {cfg.rollout.mode} AIPO, trainer {_layout_text(cfg.trainer)}, "
+                          f"generator {_layout_text(cfg.generator)}")
     summary["plot"] = str(plot) if plot else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
