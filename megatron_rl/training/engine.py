@@ -286,10 +286,12 @@ class TrainEngine:
         non-finite when any value is (or when the gradients are so large, about 1e30, that the sum overflows: a
         step worth skipping too); one read of the buffer, where `isfinite(...).all()` costs four passes and two
         temporaries."""
-        bad = torch.zeros(1, device=_device())
-        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-            if not torch.isfinite(buffer.grad_data.sum()):
-                bad.fill_(1.0)
+        buffers = self.model.buffers + self.model.expert_parallel_buffers
+        return self._everywhere(all_finite(b.grad_data for b in buffers))
+
+    def _everywhere(self, ok: bool) -> bool:
+        """True when `ok` holds on every rank of the executor (one all-reduce of a flag)."""
+        bad = torch.tensor([0.0 if ok else 1.0], device=_device())
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.pgs.intra_dist_opt)
         return bad.item() == 0
 
@@ -307,12 +309,8 @@ class TrainEngine:
     def _main_params_finite(self) -> bool:
         """True when every rank's main parameters are finite after an update: one sum per tensor (the same test
         as `_grads_finite`, on a 1/DP shard of the weights) and one all-reduce of a flag. It only reads, so a
-        healthy run's numbers do not change."""
-        bad = torch.zeros(1, device=_device())
-        if not all_finite(self._main_params()):
-            bad.fill_(1.0)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.pgs.intra_dist_opt)
-        return bad.item() == 0
+        healthy run's numbers do not change (cost: docs/benchmarks.md, "Checkpoint checksums")."""
+        return self._everywhere(all_finite(self._main_params()))
 
     def state_finite(self) -> bool:
         """True when this rank's model weights, main parameters and optimizer state (Adam moments) are all finite:
