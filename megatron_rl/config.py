@@ -166,12 +166,37 @@ class DataSection:
 
 
 @dataclass
+class RewardExecutorSection:
+    """Where the reward model runs. `dp` = 0: in each generator replica's leader process, on its device (small
+    models). `dp` >= 1: on ranks of its own, after the trainer's and the generator's: `dp` replicas of `tp` ranks,
+    each scoring the batches of every dp-th generator replica as they arrive."""
+
+    tp: int = 1
+    dp: int = 0
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tp, 1, self.dp)
+
+
+@dataclass
 class RewardSection:
+    """kind: the verifier (or "function", or "reward-model": the reward model's score alone). `model`: a Hugging Face
+    sequence-classification directory (num_labels=1). With a verifier kind and `model` both set (the reward model on
+    its own ranks), the reward is the verifier's plus `model_coef` times the model's score."""
+
     kind: Literal["auto", "gsm8k", "math", "synthetic", "function", "reward-model"] = "auto"
     function: Optional[str] = None
-    model: Optional[str] = None  # reward-model: a Hugging Face sequence-classification directory (num_labels=1)
+    model: Optional[str] = None
+    model_coef: float = 1.0
     timeout_s: float = 5.0
     num_workers: int = 1
+    executor: RewardExecutorSection = field(default_factory=RewardExecutorSection)
+
+    @property
+    def model_executor(self) -> bool:
+        """Does the reward model run on ranks of its own?"""
+        return self.model is not None and self.executor.dp >= 1
 
 
 @dataclass
@@ -237,6 +262,11 @@ class JobConfig:
 
     @property
     def world_size_needed(self) -> int:
+        return self.reward_first_rank + (self.reward.executor.layout.size if self.reward.model_executor else 0)
+
+    @property
+    def reward_first_rank(self) -> int:
+        """The first rank after the trainer's and the generator's: where a reward-model executor starts."""
         t, g = self.trainer.layout.size, self.generator.layout.size
         return max(t, g) if self.generator.colocated else t + g
 
@@ -451,6 +481,8 @@ _RANGES: dict[str, tuple[str, str]] = {
     "data.demo_accuracy": ("in [0, 1]", ""),
     "reward.timeout_s": ("> 0", ""),
     "reward.num_workers": (">= 1", ""),
+    "reward.executor.tp": (">= 1", ""),
+    "reward.executor.dp": (">= 0", "(0: the reward model runs in the generator replicas' leaders)"),
     "checkpoint.save_interval": (">= 0", "(0: only the final checkpoint)"),
     "checkpoint.keep_last": (">= 1", ""),
     "run.seed": ("in [0, 2**32)", ""),
@@ -574,6 +606,29 @@ def _check_reward_function(errors: list[str], spec: str) -> None:
         errors.append(f"reward function {spec!r}: importing it raised {type(e).__name__}: {e}")
 
 
+def _check_reward_model(errors: list[str], cfg: JobConfig) -> None:
+    """A reward model on ranks of its own (`reward.executor`): the model directory, and its shape against its TP."""
+    r = cfg.reward
+    e = r.executor
+    if e.dp >= 1 and not r.model:
+        errors.append(f"reward.executor.dp={e.dp} places a reward model on ranks of its own, but reward.model is not "
+                      f"set")
+    if r.model and r.kind != "reward-model" and e.dp == 0:
+        errors.append(f"reward.model is set with reward.kind={r.kind!r}: a verifier's reward plus a reward model's "
+                      f"score needs the reward model on ranks of its own (reward.executor.dp >= 1), or set "
+                      f"reward.kind='reward-model' for the model's score alone")
+    if r.model_coef != 1.0 and not r.model_executor:
+        errors.append(f"reward.model_coef={r.model_coef} weighs a reward model on ranks of its own; set "
+                      f"reward.model and reward.executor.dp >= 1")
+    if r.model_executor and e.tp >= 1 and (Path(r.model) / "config.json").is_file():
+        from megatron_rl.rewards.sequence_classifier import reward_model_config
+
+        try:
+            reward_model_config(r.model, e.tp)
+        except ValueError as err:
+            errors.append(str(err))
+
+
 def _check_data_and_reward(errors: list[str], cfg: JobConfig) -> None:
     """The dataset (its files readable, a first record usable), and a reward that can score it."""
     d, r = cfg.data, cfg.reward
@@ -599,6 +654,8 @@ def _check_data_and_reward(errors: list[str], cfg: JobConfig) -> None:
     if cfg.model.tokenizer is not None and cfg.model.tokenizer != "byte" and not Path(cfg.model.tokenizer).exists():
         errors.append(f"model.tokenizer={cfg.model.tokenizer!r} does not exist (expected 'byte', a sentencepiece "
                       f".model file, a .gguf file or a Hugging Face tokenizer directory)")
+    if r.model and r.kind != "reward-model" and not (Path(r.model) / "config.json").is_file():
+        errors.append(f"reward.model={r.model!r} is not a Hugging Face model directory (no config.json)")
     if r.kind == "reward-model":
         if not r.model:
             errors.append("reward.model must be set (a Hugging Face sequence-classification directory) when "
@@ -618,6 +675,7 @@ def _check_data_and_reward(errors: list[str], cfg: JobConfig) -> None:
     elif dataset is None and r.kind not in ("auto", "synthetic") and not (r.kind == "function" and not r.function):
         errors.append(f"reward.kind={r.kind!r}: the built-in synthetic task has its own exact-match "
                       f"reward; use data.dataset='jsonl' with your prompts to train on another reward")
+    _check_reward_model(errors, cfg)
     if r.kind == "function" and not r.function:
         errors.append("reward.function must be set (module:function) when reward.kind='function'")
     if r.function and r.kind != "function":
@@ -669,10 +727,13 @@ def _check_run(errors: list[str], cfg: JobConfig, world_size: Optional[int]) -> 
                           "(both executors span the same ranks)")
     world = world_size if world_size is not None else cfg.run.world_size
     if world is not None and not errors and cfg.world_size_needed > world:
+        rm = cfg.reward.executor
         errors.append(f"the executors need {cfg.world_size_needed} ranks (trainer "
                       f"{cfg.trainer.tp}x{cfg.trainer.pp}x{cfg.trainer.dp}, generator "
                       f"{cfg.generator.tp}x{cfg.generator.pp}x{cfg.generator.dp}"
-                      f"{', colocated' if cfg.generator.colocated else ''}) but the world has {world}")
+                      f"{', colocated' if cfg.generator.colocated else ''}"
+                      f"{f', reward model {rm.tp}x{rm.dp}' if cfg.reward.model_executor else ''}) but the world has "
+                      f"{world}")
 
 
 def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:

@@ -161,14 +161,15 @@ def _numbers(section, prefix):
 
 def test_every_number_of_every_section_has_a_range():
     """A field added later must get its range too (the layouts are checked against the model; an entropy bonus
-    may take either sign)."""
+    and a reward model's weight may take either sign)."""
     import dataclasses
 
     from megatron_rl.config import _RANGES
 
     cfg = JobConfig()
     numbers = {p for f in dataclasses.fields(cfg) if f.name != "model" for p in _numbers(getattr(cfg, f.name), f.name)}
-    unbounded = {f"{e}.{d}" for e in ("trainer", "generator") for d in ("tp", "pp", "dp")} | {"algorithm.entropy_coef"}
+    unbounded = {f"{e}.{d}" for e in ("trainer", "generator") for d in ("tp", "pp", "dp")} | {"algorithm.entropy_coef",
+                                                                                          "reward.model_coef"}
     assert numbers - set(_RANGES) == unbounded
     assert set(_RANGES) <= numbers
 

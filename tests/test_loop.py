@@ -1,12 +1,13 @@
 """The RL loop and the controller's bookkeeping in one process: the plan every rank walks, checked against the
 schedule's rules, and `loop.run` driven by fake executors with the real `Collector`."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_rl.controller import loop
-from megatron_rl.controller.collector import Collector, Rollouts, pack
+from megatron_rl.controller.collector import Collector, ModelScores, Rollouts, metrics_row, pack
 from megatron_rl.controller.schedule import (Checkpoint, Generate, PushWeights, Train, generation_version, job_plan,
                                              pull_before_batch, push_after_step, save_after, syncs_needed)
 
@@ -85,6 +86,28 @@ def test_collector_packs_replicas_in_order_and_keeps_pending_batches():
     assert restored.training_batch(1)[1] == c.collect(1)
 
 
+def test_collector_adds_reward_model_scores_to_each_replicas_rewards():
+    """With a reward-model executor, replica d's scores come from its scorer's rank and are added, times the
+    coefficient, to the verifier's rewards (the held-out reward too)."""
+    sent = {2: [_rollouts(0, 0, [0.0, 1.0], [1, 1])],
+            5: [ModelScores(0, 0, [0.5, -1.0], [2.0, 4.0], 0.3)], 6: [ModelScores(0, 1, [1.0, 1.0], [], 0.2)]}
+    c = Collector([0, 2], lambda src: sent[src].pop(0), advantage="group_mean", pad_id=0, scorers=[5, 6],
+                  model_coef=0.5)
+    c.put(dataclasses.replace(_rollouts(0, 0, [1.0, 0.0], [0, 0]), eval_reward=0.25))
+    parts = c.collect(0)
+    assert [p.rewards for p in parts] == [[1.25, -0.5], [0.5, 1.5]]
+    assert parts[0].eval_reward == 0.25 + 0.5 * 3.0 and parts[1].eval_reward is None
+    assert not any(sent.values())  # each message received once
+    batch, parts = c.training_batch(0)
+    row = metrics_row(0, parts, batch, {}, train_s=1.0, recv_s=0.0)
+    assert row["time/reward_model_s"] == 0.3 and row["reward"] == (1.25 - 0.5 + 0.5 + 1.5) / 4
+    with pytest.raises(RuntimeError, match="reward-model scores of batch 1, replica 0 from rank 5, got batch 0"):
+        wrong = Collector([0], lambda src: ModelScores(0, 0, [1.0], [], 0.1), advantage="group_mean", pad_id=0,
+                          scorers=[5])
+        wrong.put(_rollouts(1, 0, [1.0], [0]))
+        wrong.collect(1)
+
+
 def test_pack_matches_a_hand_built_batch():
     b = pack([_rollouts(3, 2, [1.0], [0]), _rollouts(3, 2, [0.0, 1.0], [1, 1])], pad_id=9)
     assert b.tokens.tolist() == [[1, 2, 3, 9], [1, 2, 3, 9], [1, 2, 3, 3]]
@@ -112,11 +135,11 @@ class _FakeJob:
                 outs = [SimpleNamespace(prompt_ids=[1], token_ids=[2] * (1 + i), logprobs=[-1.0] * (1 + i))
                         for i in range(4)]
                 return SimpleNamespace(batch=batch, version=version, problems=[None] * 4, groups=[0, 0, 1, 1],
-                                       outputs=outs, gen_s=0.0)
+                                       outputs=outs, texts=["y" * (1 + i) for i in range(4)], gen_s=0.0)
 
             def evaluate(self):
                 job.log.append(("evaluate", job.version))
-                return 0.25
+                return SimpleNamespace(problems=[None] * 4, texts=["y", "yy", "yy", "yy"])  # mean reward 0.25
 
         class Trainer:
             def start(self, progress):
@@ -126,7 +149,7 @@ class _FakeJob:
                 job.log.append(("train", int(batch.weight_versions[0])))
                 return {"loss": float(batch.advantages.abs().sum())}
 
-        self.generator, self.trainer = Generator(), Trainer()
+        self.generator, self.trainer, self.reward_model = Generator(), Trainer(), None
 
     def resume(self):
         return self._resume
@@ -142,6 +165,9 @@ class _FakeJob:
 
     def send_rollouts(self, rollouts):
         self.collector.put(rollouts)
+
+    def request_scores(self, generated, evaluated):
+        pass
 
     def training_batch(self, k):
         self.log.append(("batch", k))

@@ -189,9 +189,11 @@ def hf_model_config(src: Path) -> ModelConfig:
         raise ConversionError(f"{src}: unsupported config ({_first_line(e)})") from None
 
 
-def hf_tensor_files(src: Path, cfg: ModelConfig) -> dict[str, str]:
+def hf_tensor_files(src: Path, cfg: ModelConfig, extra: Optional[dict[str, tuple[int, ...]]] = None,
+                    lm_head: Optional[bool] = None) -> dict[str, str]:
     """HF tensor name -> safetensors file, after checking every tensor this model needs is there with the right
-    shape (from the file headers only)."""
+    shape (from the file headers only). `extra`: more tensors the checkpoint holds (name -> shape), e.g. a sequence
+    classifier's `score.weight`; `lm_head=False`: a model without the LM head (default: untied models have one)."""
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise ConversionError(f"{src}: no *.safetensors shards")
@@ -203,8 +205,9 @@ def hf_tensor_files(src: Path, cfg: ModelConfig) -> dict[str, str]:
             raise ConversionError(f"{f}: unreadable safetensors file ({_first_line(e)})") from None
         for name, (code, shape) in header.items():
             where[name] = (f, code, shape)
-    expected = hf_shapes(cfg, lm_head=not cfg.tie_word_embeddings)
-    if not cfg.tie_word_embeddings and "lm_head.weight" not in where:
+    expected = {**hf_shapes(cfg, lm_head=not cfg.tie_word_embeddings if lm_head is None else lm_head),
+                **(extra or {})}
+    if "lm_head.weight" in expected and "lm_head.weight" not in where:
         expected.pop("lm_head.weight")  # untied config without lm_head: the embedding is used (see hf_mapping)
     for name, shape in expected.items():
         if name not in where:
@@ -261,11 +264,12 @@ def _gguf_to_safetensors(src: Path, out: Path) -> ModelConfig:
 
 
 # ---- HF -> Megatron ----------------------------------------------------------------------------------------------
-def _skip_init(tensor: torch.Tensor) -> torch.Tensor:
+def skip_init(tensor: torch.Tensor) -> torch.Tensor:
+    """An init method that leaves the tensor as it is (every parameter is filled from a checkpoint next)."""
     return tensor
 
 
-def _fill_param(param: torch.Tensor, d, cfg: ModelConfig, files: dict[str, str]) -> None:
+def fill_param(param: torch.Tensor, d, cfg: ModelConfig, files: dict[str, str]) -> None:
     """Copy this rank's shard of one parameter straight from the rows (and columns) of the HF tensors it is made
     of: only those bytes are read (`get_slice`), in pieces of at most READ_BYTES, and no full tensor is built."""
     from safetensors import safe_open
@@ -332,13 +336,13 @@ def _save_megatron_worker(rank, world_size, cfg: ModelConfig, tp: int, pp: int, 
     g = build_topology([ExecutorPlacement("convert", ParallelLayout(tp=tp, pp=pp))])["convert"]
     # No initialization: Megatron-Core sets a weight's tensor-parallel attributes in its initializer, so that runs,
     # as a no-op, and in place (its device path: no full-size master weight as in its CPU path).
-    overrides = {k: _skip_init for k in ("init_method", "output_layer_init_method", "embedding_init_method")}
+    overrides = {k: skip_init for k in ("init_method", "output_layer_init_method", "embedding_init_method")}
     model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=getattr(torch, dtype),
                             config_overrides=dict(overrides, use_cpu_initialization=False))
     params = dict(model.named_parameters())
     with torch.no_grad():
         for d in describe_params(model, cfg, g.pgs.tp.rank(), g.pgs.tp.size()):
-            _fill_param(params[d.local_name], d, cfg, files)
+            fill_param(params[d.local_name], d, cfg, files)
     local_bytes = sum(p.numel() * p.element_size() for p in params.values())
     sharded = model.sharded_state_dict(metadata={"dp_cp_group": g.pgs.dp_cp})
     _copy_views_releasing_params(sharded, model)

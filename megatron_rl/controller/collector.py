@@ -42,6 +42,41 @@ class Rollouts:
     wait_s: float
     eval_reward: Optional[float] = None
     reward_failures: int = 0  # responses the reward function could not score (raised, timed out): scored 0.0
+    reward_model_s: Optional[float] = None  # the reward-model executor's time on it, once its scores are added
+
+
+@dataclass
+class ScoreRequest:
+    """What a generator replica's leader sends the reward-model executor for one batch: (prompt, response) texts of
+    its samples and, when the batch is evaluated, of its held-out responses."""
+
+    batch: int
+    replica: int
+    items: list[tuple[str, str]]
+    eval_items: list[tuple[str, str]]
+
+
+@dataclass
+class ModelScores:
+    """The reward-model executor's answer to a `ScoreRequest`, sent to the controller."""
+
+    batch: int
+    replica: int
+    scores: list[float]
+    eval_scores: list[float]
+    seconds: float
+
+
+def with_model_scores(part: Rollouts, scores: ModelScores, coef: float) -> Rollouts:
+    """A replica's rollouts with the reward model's scores added to the verifier's rewards (times `coef`)."""
+    if len(scores.scores) != len(part.rewards):
+        raise RuntimeError(f"batch {part.batch}: {len(scores.scores)} reward-model scores for {len(part.rewards)} "
+                           f"samples")
+    eval_reward = part.eval_reward
+    if eval_reward is not None:
+        eval_reward += coef * sum(scores.eval_scores) / len(scores.eval_scores)
+    return dataclasses.replace(part, rewards=[r + coef * s for r, s in zip(part.rewards, scores.scores)],
+                               eval_reward=eval_reward, reward_model_s=scores.seconds)
 
 
 def pack(rollouts: list[Rollouts], pad_id: int) -> RolloutBatch:
@@ -65,11 +100,15 @@ def pack(rollouts: list[Rollouts], pad_id: int) -> RolloutBatch:
 
 class Collector:
     """leaders: the ranks of the generator replicas' leaders, in replica order (rank 0 among them when it also
-    generates: its parts arrive through `put`, the others' through `receive(rank)`)."""
+    generates: its parts arrive through `put`, the others' through `receive(rank)`). scorers: with a reward-model
+    executor, the rank of the reward-model leader that scores each replica's batches; its `ModelScores`, times
+    `model_coef`, are added to the replica's rewards."""
 
-    def __init__(self, leaders: list[int], receive: Callable[[int], Rollouts], *, advantage: str, pad_id: int):
+    def __init__(self, leaders: list[int], receive: Callable[[int], object], *, advantage: str, pad_id: int,
+                 scorers: Optional[list[int]] = None, model_coef: float = 1.0):
         self.leaders = list(leaders)
         self.receive = receive
+        self.scorers, self.model_coef = scorers, model_coef
         self.advantage = advantage
         self.pad_id = pad_id
         self._inbox: dict[int, dict[int, Rollouts]] = {}
@@ -85,14 +124,21 @@ class Collector:
         if k in self._restored:
             return self._restored[k]
         have = self._inbox.setdefault(k, {})
-        for leader in self.leaders:
-            if leader not in have:
+        for replica, leader in enumerate(self.leaders):
+            part = have.get(leader)
+            if part is None:
                 if leader == 0:
                     raise RuntimeError(f"batch {k} was never produced on rank 0")
-                got = self.receive(leader)
-                if got.batch != k:
-                    raise RuntimeError(f"expected rollouts of batch {k} from rank {leader}, got batch {got.batch}")
-                have[leader] = got
+                part = self.receive(leader)
+                if part.batch != k:
+                    raise RuntimeError(f"expected rollouts of batch {k} from rank {leader}, got batch {part.batch}")
+            if self.scorers is not None and part.reward_model_s is None:
+                scores = self.receive(self.scorers[replica])
+                if (scores.batch, scores.replica) != (k, replica):
+                    raise RuntimeError(f"expected reward-model scores of batch {k}, replica {replica} from rank "
+                                       f"{self.scorers[replica]}, got batch {scores.batch}, replica {scores.replica}")
+                part = with_model_scores(part, scores, self.model_coef)
+            have[leader] = part
         return [have[leader] for leader in self.leaders]
 
     def training_batch(self, k: int) -> tuple[RolloutBatch, list[Rollouts]]:
@@ -126,6 +172,8 @@ def metrics_row(k: int, parts: list[Rollouts], batch: RolloutBatch, stats: dict,
            "time/generation_s": max(p.gen_s for p in parts), "time/reward_s": max(p.reward_s for p in parts),
            "time/train_s": train_s, "time/trainer_wait_s": recv_s,
            "time/generator_wait_s": max(p.wait_s for p in parts),
+           **({"time/reward_model_s": max(p.reward_model_s for p in parts)}
+              if all(p.reward_model_s is not None for p in parts) else {}),
            "reward_failures": sum(p.reward_failures for p in parts),
            "samples": [t for p in parts for t in p.texts][:4]}
     evals = [p.eval_reward for p in parts if p.eval_reward is not None]

@@ -4,8 +4,9 @@ Each rank builds the executors its place in the world gives it (`ExecutorGroups.
 builds both. Each class owns its state from its constructor on; the loop (`controller/loop.py`) only calls them.
 
     TrainerExecutor    the policy under Megatron-Core DDP + optimizer, its supervised warm start, the AIPO step
-    GeneratorExecutor  the sampling copy of the policy: a batch's rollouts, the held-out reward
+    GeneratorExecutor  the sampling copy of the policy: a batch's rollouts, the held-out responses
     score()            reward of a replica's rollouts, on its leader (the rank that talks to the controller)
+    RewardModelExecutor  a reward model on ranks of its own: scores every replica's responses, for the controller
     WeightPush         DDMA from trainer shards to generator shards, version by version
 """
 
@@ -19,10 +20,11 @@ import torch
 
 from megatron_rl.algorithms import AIPOSettings
 from megatron_rl.config import JobConfig
-from megatron_rl.controller.collector import Rollouts
+from megatron_rl.controller.collector import ModelScores, Rollouts, ScoreRequest
 from megatron_rl.controller.tasks import Task
 from megatron_rl.ddma.sync import WeightSync
 from megatron_rl.ddma.transport import TransportSettings
+from megatron_rl.failpoints import failpoint
 from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
 from megatron_rl.models import ModelConfig, build_gpt_model
 from megatron_rl.models.precision import resolve_dtype
@@ -143,7 +145,16 @@ class Generated:
     problems: list  # the task's records, one per sample
     groups: list[int]  # the index of each sample's prompt in the batch
     outputs: list  # GenerationOutput per sample
+    texts: list[str]  # the decoded responses
     gen_s: float
+
+
+@dataclass
+class Evaluated:
+    """A replica's responses to the held-out problems, on its leader."""
+
+    problems: list
+    texts: list[str]
 
 
 class GeneratorExecutor:
@@ -203,10 +214,11 @@ class GeneratorExecutor:
         if not self.is_leader:
             return None
         groups = [mine[j // n] for j in range(len(outs))]
-        return Generated(batch, version, [problems[i] for i in groups], groups, outs, gen_s)
+        return Generated(batch, version, [problems[i] for i in groups], groups, outs,
+                         [self.tok.decode(o.token_ids) for o in outs], gen_s)
 
-    def evaluate(self) -> Optional[float]:
-        """Mean reward on the held-out problems, sampled as in training (every replica sees the same set and holds
+    def evaluate(self) -> Optional[Evaluated]:
+        """Responses to the held-out problems, sampled as in training (every replica sees the same set and holds
         the same weights); None on ranks other than the leader."""
         n = self.cfg.data.eval_samples
         problems = self.task.eval_records()
@@ -215,22 +227,67 @@ class GeneratorExecutor:
         outs = self.generator.generate(reqs)
         if not self.is_leader:
             return None
-        scores = self.task.score([problems[j // n] for j in range(len(outs))],
-                                 [self.tok.decode(o.token_ids) for o in outs])
-        return sum(scores) / len(scores)
+        return Evaluated([problems[j // n] for j in range(len(outs))], [self.tok.decode(o.token_ids) for o in outs])
 
 
-def score(task: Task, tokenizer, gen: Generated, *, wait_s: float, eval_reward: Optional[float]) -> Rollouts:
-    """The reward of each sample (the task's verifier or reward function), and the message for the controller."""
+def score(task: Task, gen: Generated, evaluated: Optional[Evaluated], *, wait_s: float) -> Rollouts:
+    """The reward of each sample (the task's verifier or reward function) and the mean held-out reward, in the
+    message for the controller."""
     t0 = time.perf_counter()
-    texts = [tokenizer.decode(o.token_ids) for o in gen.outputs]
-    rewards = task.score(gen.problems, texts)
+    rewards = task.score(gen.problems, gen.texts)
     # A dataset task's RewardFunction counts the responses it could not score (the synthetic task cannot fail).
     failures = getattr(getattr(task, "reward", None), "failures", 0)
+    eval_reward = None
+    if evaluated is not None:
+        eval_scores = task.score(evaluated.problems, evaluated.texts)
+        eval_reward = sum(eval_scores) / len(eval_scores)
     reward_s = time.perf_counter() - t0
     return Rollouts(gen.batch, gen.version, [o.prompt_ids for o in gen.outputs], [o.token_ids for o in gen.outputs],
-                    [o.logprobs for o in gen.outputs], rewards, gen.groups, texts[:4], gen.gen_s, reward_s, wait_s,
-                    eval_reward, reward_failures=failures)
+                    [o.logprobs for o in gen.outputs], rewards, gen.groups, gen.texts[:4], gen.gen_s, reward_s,
+                    wait_s, eval_reward, reward_failures=failures)
+
+
+def score_request(task: Task, replica: int, gen: Generated, evaluated: Optional[Evaluated]) -> ScoreRequest:
+    """What replica `replica`'s leader sends the reward-model executor: each sample's prompt and response text."""
+    def items(problems, texts):
+        return [(task.prompt_text(p), t) for p, t in zip(problems, texts)]
+
+    return ScoreRequest(gen.batch, replica, items(gen.problems, gen.texts),
+                        items(evaluated.problems, evaluated.texts) if evaluated is not None else [])
+
+
+class RewardModelExecutor:
+    """One rank of the reward-model executor (`reward.executor`): a Llama-family sequence classifier under TP.
+    Replica r of dp scores the batches of generator replicas r, r + dp, ...: its leader receives each replica's
+    `ScoreRequest`, its TP ranks score it together, and the leader sends the `ModelScores` to the controller,
+    which adds them to the verifier's rewards."""
+
+    def __init__(self, cfg: JobConfig, r: ExecutorGroups, generator_leaders: list[int],
+                 receive: Callable[[int], ScoreRequest], send: Callable[[ModelScores], None]):
+        from megatron_rl.rewards.sequence_classifier import ParallelRewardModel
+
+        self.model = ParallelRewardModel(cfg.reward.model, r.layout, r.pgs,
+                                         params_dtype=resolve_dtype(cfg.generator.dtype))
+        self.is_leader = r.tp_rank == 0
+        dp = r.layout.dp
+        self.replicas = list(range(len(generator_leaders)))[r.dp_rank::dp]
+        self.sources = generator_leaders[r.dp_rank::dp]
+        self.receive, self.send = receive, send
+
+    def serve(self, batch: int) -> None:
+        """Score batch `batch` of each generator replica this one serves (and its held-out responses, if any)."""
+        for replica, src in zip(self.replicas, self.sources):
+            req = self.receive(src) if self.is_leader else None
+            if req is not None and (req.batch, req.replica) != (batch, replica):
+                raise RuntimeError(f"expected batch {batch} of generator replica {replica} from rank {src}, got "
+                                   f"batch {req.batch} of replica {req.replica}")
+            t0 = time.perf_counter()
+            items = [(p, r, None) for p, r in req.items + req.eval_items] if req is not None else None
+            scores = self.model.score(items)
+            failpoint("reward_model_batch", str(batch))
+            if self.is_leader:
+                n = len(req.items)
+                self.send(ModelScores(batch, replica, scores[:n], scores[n:], time.perf_counter() - t0))
 
 
 class WeightPush:

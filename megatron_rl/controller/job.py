@@ -1,10 +1,10 @@
 """One rank of the RL job: its place in the world, its executors, and the collectives that span executors.
 
-One torch.distributed world: trainer ranks [0, T), generator ranks [T, T + G) (or the same ranks when colocated).
-Rank 0 is also the controller (`Collector`): it receives rollouts, computes advantages, hands batches to the
-trainer ranks and writes the metrics. Control messages are small pickled objects over gloo groups; weights move
-with DDMA. The order in which all this happens is the loop's (`controller/loop.py`); this class only builds and
-provides the pieces.
+One torch.distributed world: trainer ranks [0, T), generator ranks [T, T + G) (or the same ranks when colocated),
+then the reward-model executor's ranks, if the job has one. Rank 0 is also the controller (`Collector`): it receives
+rollouts, computes advantages, hands batches to the trainer ranks and writes the metrics. Control messages are small
+pickled objects over gloo groups; weights move with DDMA. The order in which all this happens is the loop's
+(`controller/loop.py`); this class only builds and provides the pieces.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from megatron_rl.config import JobConfig
 from megatron_rl.controller.channels import Outbox, recv_object
 from megatron_rl.controller import signals
 from megatron_rl.controller.collector import Collector, Rollouts
-from megatron_rl.controller.executors import GeneratorExecutor, TrainerExecutor, WeightPush, build_policy
+from megatron_rl.controller.executors import (GeneratorExecutor, Generated, Evaluated, RewardModelExecutor,
+                                               TrainerExecutor, WeightPush, build_policy, score_request)
 from megatron_rl.controller.tasks import build_task
 from megatron_rl.failpoints import failpoint
 from megatron_rl.models import ModelConfig
@@ -35,7 +36,10 @@ def placements(cfg: JobConfig) -> list[ExecutorPlacement]:
     t = ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp)
     g = ParallelLayout(cfg.generator.tp, cfg.generator.pp, cfg.generator.dp)
     first = 0 if cfg.generator.colocated else t.size
-    return [ExecutorPlacement("trainer", t, 0), ExecutorPlacement("generator", g, first)]
+    out = [ExecutorPlacement("trainer", t, 0), ExecutorPlacement("generator", g, first)]
+    if cfg.reward.model_executor:
+        out.append(ExecutorPlacement("reward", cfg.reward.executor.layout, cfg.reward_first_rank))
+    return out
 
 
 class Job:
@@ -48,12 +52,17 @@ class Job:
         self.rank = dist.get_rank()
         self.staleness = cfg.rollout.staleness if cfg.rollout.mode == "async" else 0
         topo = build_topology(placements(cfg))
-        self.t, self.g = topo["trainer"], topo["generator"]
-        # Generator replica leaders (tp rank 0) talk to the controller (rank 0).
+        self.t, self.g, self.r = topo["trainer"], topo["generator"], topo.get("reward")
+        # Generator replica leaders (tp rank 0) talk to the controller (rank 0), and replica d's to the leader of
+        # reward-model replica d % dp (`scorers`), if the job has that executor.
         gl = self.g.layout
         self.leaders = [self.g.placement.first_rank + gl.local_rank(0, 0, d) for d in range(gl.dp)]
+        self.scorers = None
+        if self.r is not None:
+            rl = self.r.layout
+            self.scorers = [self.r.placement.first_rank + rl.local_rank(0, 0, d % rl.dp) for d in range(gl.dp)]
         self.trainer_group = dist.new_group(list(self.t.placement.ranks), backend="gloo")
-        self.control_group = dist.new_group(sorted({0, *self.leaders}), backend="gloo")
+        self.control_group = dist.new_group(sorted({0, *self.leaders, *(self.scorers or [])}), backend="gloo")
         self.world_group = dist.new_group(backend="gloo")  # small control collectives over every rank
         self.stop_signal = 0  # the signal that stopped the run (`stop_requested`), 0 while it runs
         self.saved_version: Optional[int] = None  # the newest state saved or resumed from
@@ -71,8 +80,13 @@ class Job:
         self.collector = None
         if self.rank == 0:
             self.collector = Collector(self.leaders, lambda src: recv_object(src, self.control_group),
-                                       advantage=cfg.algorithm.advantage, pad_id=self.tok.pad_id)
-        self.outbox = Outbox(0, self.control_group) if self.rank in self.leaders and self.rank != 0 else None
+                                       advantage=cfg.algorithm.advantage, pad_id=self.tok.pad_id,
+                                       scorers=self.scorers, model_coef=cfg.reward.model_coef)
+        sends_to_controller = self.rank != 0 and (self.rank in self.leaders or self.reward_model is not None)
+        self.outbox = Outbox(0, self.control_group) if sends_to_controller else None
+        self.scorer_outbox = None  # a replica leader's requests to its reward-model leader
+        if self.scorers is not None and self.rank in self.leaders:
+            self.scorer_outbox = Outbox(self.scorers[self.leaders.index(self.rank)], self.control_group)
 
     def _build_executors(self) -> None:
         cfg, m = self.cfg, self.model_cfg
@@ -81,11 +95,15 @@ class Job:
             # Before the optimizer exists: its main parameters start as copies of these weights. (A run that
             # resumes restores its own weights instead.) Every rank takes part; generators get the weights by DDMA.
             initial.load_weights(policy, self.initial, self.t.pgs.dp_cp if policy is not None else None)
-        self.trainer = self.generator = None
+        self.trainer = self.generator = self.reward_model = None
         if self.t.is_member:
             self.trainer = TrainerExecutor(cfg, m, self.t, policy, self.task, self.encode, self.tok)
         if self.g.is_member:
             self.generator = GeneratorExecutor(cfg, m, self.g, self.task, self.tok, self.encode)
+        if self.r is not None and self.r.is_member:
+            self.reward_model = RewardModelExecutor(cfg, self.r, self.leaders,
+                                                    lambda src: recv_object(src, self.control_group),
+                                                    lambda scores: self.outbox.send(scores))
         self.push = WeightPush(cfg, m, self.t, self.g)
 
     def encode(self, text: str) -> list[int]:
@@ -94,6 +112,8 @@ class Job:
     # ---- collectives across executors ------------------------------------------------------------------------
     def push_weights(self, version: int) -> float:
         """DDMA of version `version` (trainer and generator ranks); the seconds it took here."""
+        if self.trainer is None and self.generator is None:
+            return 0.0
         return self.push(version, self.trainer, self.generator)
 
     def send_rollouts(self, rollouts: Rollouts) -> None:
@@ -102,6 +122,11 @@ class Job:
             self.collector.put(rollouts)
         else:
             self.outbox.send(rollouts)
+
+    def request_scores(self, generated: Generated, evaluated: Optional[Evaluated]) -> None:
+        """A replica leader's responses to its reward-model leader (non-blocking), if the job has that executor."""
+        if self.scorer_outbox is not None:
+            self.scorer_outbox.send(score_request(self.task, self.leaders.index(self.rank), generated, evaluated))
 
     def training_batch(self, k: int) -> tuple[RolloutBatch, list[Rollouts]]:
         """Trainer ranks: batch k, packed with advantages by the controller and broadcast to every trainer rank."""
@@ -119,8 +144,9 @@ class Job:
         return self.stop_signal != 0
 
     def finish(self) -> None:
-        if self.outbox is not None:
-            self.outbox.flush()
+        for box in (self.outbox, self.scorer_outbox):
+            if box is not None:
+                box.flush()
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def checkpoint(self, version: int) -> None:

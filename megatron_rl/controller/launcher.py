@@ -124,6 +124,8 @@ class JobFailed(RuntimeError):
 
 
 def rank_role(cfg: JobConfig, rank: int) -> str:
+    if rank >= cfg.reward_first_rank:
+        return "reward model"
     if cfg.generator.colocated:
         return "trainer and generator"
     return "trainer" if rank < cfg.trainer.layout.size else "generator"
@@ -148,7 +150,8 @@ def below_bar(line: str) -> str:
 
 def _executors_text(cfg: JobConfig) -> str:
     t, g = cfg.trainer.layout.size, cfg.generator.layout.size
-    return f"trainer {t}, generator {g} colocated" if cfg.generator.colocated else f"trainer {t} + generator {g}"
+    text = f"trainer {t}, generator {g} colocated" if cfg.generator.colocated else f"trainer {t} + generator {g}"
+    return text + (f" + reward model {cfg.reward.executor.layout.size}" if cfg.reward.model_executor else "")
 
 
 def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: str) -> dict:

@@ -6,10 +6,10 @@ One RL step, as LlamaRL draws it:
 
 `schedule.job_plan` writes the whole run down as one ordered list of actions (which batch is generated with which
 weight version, when weights move, when a checkpoint is taken). Every rank walks that same list and does the part
-its roles give it: generator ranks generate and score, trainer ranks train, both take part in weight pushes, all
-in checkpoints. A colocated rank does everything, one action after the other; with separate executors the
-generator runs up to `rollout.staleness` batches ahead of the trainer, held back only by the weight pushes it
-needs, and AIPO corrects for the lag.
+its roles give it: generator ranks generate and score, trainer ranks train, both take part in weight pushes, all in
+checkpoints; a reward-model executor's ranks score each batch as its replicas send it. A colocated rank does
+everything, one action after the other; with separate executors the generator runs up to `rollout.staleness` batches
+ahead of the trainer, held back only by the weight pushes it needs, and AIPO corrects for the lag.
 
 A SIGTERM or SIGINT ends the run at the next weight push, where every rank is: all save the state there (the
 trainer has taken `version` steps; the generator has produced exactly the batches the checkpoint keeps as pending)
@@ -57,10 +57,14 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
 
         elif isinstance(action, Generate) and job.generator is not None:
             generated = job.generator.generate(action.batch, action.version)
-            eval_reward = job.generator.evaluate() if action.evaluate else None
+            evaluated = job.generator.evaluate() if action.evaluate else None
             if generated is not None:  # the replica's leader scores its samples and sends them on
-                job.send_rollouts(score(job.task, job.tok, generated, wait_s=wait_s, eval_reward=eval_reward))
+                job.send_rollouts(score(job.task, generated, evaluated, wait_s=wait_s))
+                job.request_scores(generated, evaluated)
             wait_s = 0.0
+
+        elif isinstance(action, Generate) and job.reward_model is not None:
+            job.reward_model.serve(action.batch)
 
         elif isinstance(action, Train) and job.trainer is not None:
             k = action.step

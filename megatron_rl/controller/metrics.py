@@ -190,7 +190,8 @@ def plot_run(rows: list[dict], out: Path, title: Optional[str] = None) -> Option
     if ev:
         ax.plot([e[0] for e in ev], [e[1] for e in ev], "o-", label="held-out reward (accuracy)")
     ax.set_xlabel("step")
-    ax.set_ylim(0, 1)
+    if all(0 <= r["reward"] <= 1 for r in rows):  # a verifier's accuracy (a reward model's score is unbounded)
+        ax.set_ylim(0, 1)
     ax.legend()
     ax.set_title("reward")
     ax = axes[1]
@@ -202,8 +203,10 @@ def plot_run(rows: list[dict], out: Path, title: Optional[str] = None) -> Option
     ax = axes[2]
     for key, label in (("time/total_s", "trainer step (total)"), ("time/train_s", "training"),
                        ("time/generation_s", "generation (generator)"), ("time/trainer_wait_s", "trainer idle"),
-                       ("time/generator_wait_s", "generator idle (weight sync)")):
-        ax.plot(steps, [r.get(key, 0.0) for r in rows], label=label)
+                       ("time/generator_wait_s", "generator idle (weight sync)"),
+                       ("time/reward_model_s", "reward model (its own ranks)")):
+        if any(key in r for r in rows):
+            ax.plot(steps, [r.get(key, 0.0) for r in rows], label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.legend(fontsize=8)

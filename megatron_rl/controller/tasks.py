@@ -197,13 +197,29 @@ def _dataset_task(cfg, tokenizer, key: str, instruction: str, train: list[Prompt
                   heldout: list[PromptRecord], with_reward: bool) -> "DatasetTask":
     data = cfg.data
     reward = _NoReward()
-    if with_reward:
-        r = cfg.reward
+    r = cfg.reward
+    if with_reward and r.kind == "reward-model" and r.model_executor:
+        reward = _ModelOnly()  # the reward model's ranks score the responses; the controller adds their scores
+    elif with_reward:
         reward = get_reward_fn(r.kind, r.function, timeout_s=r.timeout_s, num_workers=r.num_workers, dataset=key,
                                model=r.model)
     chat = has_chat_template(tokenizer) if data.chat is None else data.chat
     return DatasetTask(train, heldout, instruction, tokenizer, reward, chat=chat,
                        max_prompt_tokens=cfg.rollout.max_prompt_length, seed=cfg.run.seed, system=data.system)
+
+
+@dataclass
+class _ModelOnly:
+    """reward.kind='reward-model' with the model on ranks of its own: no verifier, so the part the replica's leader
+    scores is 0 and the reward is the model's score alone."""
+
+    failures: int = 0
+
+    def score(self, items):
+        return [0.0] * len(items)
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass

@@ -5,9 +5,9 @@
 replica's leader, on that rank's device, in batches: the reward is the model's scalar output for the prompt
 followed by the response, read at the last real token (right padding, the model's `pad_token_id`).
 
-This is the in-process form of the reward executor: the reward model shares the generator leader's device and
-time. A reward model large enough to need its own tensor-parallel ranks (a separate executor in the world) is
-not built yet.
+This is the in-process form of the reward executor (`reward.executor.dp=0`): the reward model shares the generator
+leader's device and time, which suits small models. A reward model that needs tensor-parallel ranks of its own runs
+on our Megatron-Core model instead (`rewards/sequence_classifier.py`, `RewardModelExecutor`), with the same scores.
 """
 
 from __future__ import annotations

@@ -1,0 +1,105 @@
+"""A reward model on ranks of its own (`reward.executor`): a job that scores with it trains exactly as the
+in-process path does, survives the reward rank's death, and refuses layouts that cannot work in one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ConfigError, load_config, validate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny HF Llama policy with a word tokenizer, a tiny reward model, and JSONL prompts of those words."""
+    pytest.importorskip("transformers")
+    from test_rewards import _tiny_reward_model
+    from tiny_hf import WORDS, save_tiny_llama, save_word_tokenizer
+
+    d = tmp_path_factory.mktemp("rm_job")
+    save_tiny_llama(d / "hf", vocab_size=16)
+    save_word_tokenizer(d / "hf")
+    _tiny_reward_model(d / "rm")
+    data = d / "words.jsonl"
+    data.write_text("".join(json.dumps({"question": " ".join(WORDS[i % 5: i % 5 + 3])}) + "\n" for i in range(12)))
+    return d
+
+
+def _args(d, run_dir, name, *extra):
+    return [f"model.checkpoint={d / 'hf'}", "data.dataset=jsonl", f"data.path={d / 'words.jsonl'}",
+            "data.answer_field=null", "data.eval_size=4", "data.eval_samples=2", "reward.kind=reward-model",
+            f"reward.model={d / 'rm'}", "trainer.sft_warmup_steps=0", "generator.dtype=fp32", "trainer.dtype=fp32",
+            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
+            "run.eval_interval=2", "run.steps=4", "checkpoint.save_interval=1", f"checkpoint.dir={run_dir}",
+            f"run.name={name}", *extra]
+
+
+def _train(args, failpoint=None):
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAILPOINT"}
+    if failpoint:
+        env["MEGATRON_RL_FAILPOINT"] = failpoint
+    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=env)
+
+
+def _rows(run_dir, name):
+    return [json.loads(line) for line in open(run_dir / name / "metrics.jsonl")]
+
+
+def test_reward_executor_trains_as_the_in_process_path_and_resumes_after_its_rank_dies(models, tmp_path):
+    """The same job twice: the reward model in the generator's leader (the in-process path), and on two TP ranks of
+    its own. The second run's reward rank is killed while it scores batch 2 (the job ends), and the run resumes.
+    Every step's reward and held-out reward equal the in-process run's (fp32: the same responses, the same
+    scores to rounding), so nothing was lost or scored twice."""
+    ref = _train(_args(models, tmp_path, "in_process"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    args = _args(models, tmp_path, "executor", "reward.executor.tp=2", "reward.executor.dp=1")
+    died = _train(args, failpoint="reward_model_batch:2")
+    assert died.returncode != 0
+    assert "reward model" in (tmp_path / "executor" / "failure.log").read_text()  # the dead rank's role is named
+    again = _train(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr
+    want, got = _rows(tmp_path, "in_process"), _rows(tmp_path, "executor")
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    assert len({round(r["reward"], 4) for r in want}) > 1  # real-valued scores that move: the test can fail
+    for w, g in zip(want, got):
+        assert g["reward"] == pytest.approx(w["reward"], abs=1e-5), (w, g)
+        assert ("eval/reward" in g) == ("eval/reward" in w)
+        if "eval/reward" in w:
+            assert g["eval/reward"] == pytest.approx(w["eval/reward"], abs=1e-5)
+        assert g["time/reward_model_s"] > 0 and "time/reward_model_s" not in w
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["reward.executor.dp=1"], r"reward.executor.dp=1 places a reward model on ranks of its own, but reward.model "
+                               r"is not set"),
+    (["reward.model_coef=2"], r"reward.model_coef=2.0 weighs a reward model on ranks of its own"),
+    (["reward.executor.dp=-1"], r"reward.executor.dp=-1 must be >= 0"),
+])
+def test_reward_executor_settings_that_cannot_work_fail_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, overrides), 3)
+
+
+def test_reward_executor_layouts_are_checked_against_the_reward_model(models):
+    base = [f"model.checkpoint={models / 'hf'}", "data.dataset=jsonl", f"data.path={models / 'words.jsonl'}",
+            "data.answer_field=null", "data.eval_size=4", "trainer.sft_warmup_steps=0"]
+    rm = [f"reward.model={models / 'rm'}", "reward.executor.dp=1"]
+    with pytest.raises(ConfigError, match=r"4 attention heads.*reward.executor.tp=3"):
+        validate(load_config(None, base + rm + ["reward.kind=reward-model", "reward.executor.tp=3"]), 8)
+    with pytest.raises(ConfigError, match=r"verifier's reward plus a reward model's score needs the reward model on "
+                                          r"ranks of its own"):
+        validate(load_config(None, base + [f"reward.model={models / 'rm'}", "reward.kind=function",
+                                           "reward.function=test_rewards:length_reward"]), 8)
+    # a verifier plus the reward model on its own ranks is a valid job, and it needs one more rank
+    cfg = load_config(None, base + rm + ["reward.kind=function", "reward.function=test_rewards:length_reward"])
+    validate(cfg, 4)
+    assert cfg.world_size_needed == 4  # trainer 2 + generator 1 + reward model 1
+    with pytest.raises(ConfigError, match=r"reward model 1x1\) but the world has 3"):
+        validate(cfg, 3)
