@@ -78,7 +78,7 @@ def _final_weights(run_dir):
 def test_bf16_trainer_with_a_quantized_generator_trains_and_resumes(tmp_path, quantization):
     """trainer.dtype=bf16: bf16 weights, fp32 main weights in the optimizer (the weights are their rounding);
     generator.quantization=int8 / fp8 samples from 8-bit weights that DDMA refreshes: behaviour log-probs stay close
-    to the trainer's. A longer relaunch resumes the bf16 run."""
+    to the trainer's. A longer relaunch resumes the bf16 run (once: resuming does not depend on the 8-bit format)."""
     import torch
 
     base = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.sft_warmup_steps=10", "rollout.mode=sync",
@@ -101,6 +101,8 @@ def test_bf16_trainer_with_a_quantized_generator_trains_and_resumes(tmp_path, qu
     for r in rows:  # sync mode: same weights on both sides, up to bf16 and 8-bit rounding
         assert abs(r["kl_mu_pi"]) < 1e-2 and abs(r["is_weight_mean"] - 1) < 1e-2 and r["skipped"] == 0
         assert r["logp_diff_max"] < 5e-2
+    if quantization != "int8":
+        return
     again = subprocess.run(base + ["run.steps=4"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from_step"] == 3

@@ -174,33 +174,6 @@ def test_job_starts_from_a_hf_model_with_its_tokenizer_and_a_user_reward(tmp_pat
     assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [0, 1, 2]
 
 
-def test_job_trains_on_a_reward_model(tmp_path):
-    """reward.kind=reward-model: a sequence-classification model scores the responses (real-valued rewards)."""
-    pytest.importorskip("transformers")
-    from test_rewards import _tiny_reward_model
-    from tiny_hf import WORDS, save_tiny_llama, save_word_tokenizer
-
-    hf = tmp_path / "hf"
-    save_tiny_llama(hf, vocab_size=16)
-    save_word_tokenizer(hf)
-    _tiny_reward_model(tmp_path / "rm")
-    data = tmp_path / "words.jsonl"
-    data.write_text("".join(json.dumps({"question": " ".join(WORDS[i % 5: i % 5 + 3])}) + "\n" for i in range(12)))
-    args = [f"model.checkpoint={hf}", "data.dataset=jsonl", f"data.path={data}", "data.answer_field=null",
-            "data.eval_size=4", "data.eval_samples=2", "reward.kind=reward-model", f"reward.model={tmp_path / 'rm'}",
-            "trainer.sft_warmup_steps=0", "trainer.tp=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
-            "rollout.max_new_tokens=4", "run.eval_interval=1", "run.steps=2", "checkpoint.save_interval=0",
-            f"checkpoint.dir={tmp_path}", "run.name=rm"]
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], capture_output=True, text=True,
-                         timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "rm" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [0, 1]
-    rewards = [r["reward"] for r in rows] + [r["eval/reward"] for r in rows]
-    # means of a random model's scores over 8 samples: real-valued, not a verifier's multiples of 1/8
-    assert all(abs(x * 8 - round(x * 8)) > 1e-6 for x in rewards), rewards
-
-
 def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_path):
     """The real model from a converted checkpoint: GSM8K train prompts in its chat template, its tokenizer's stop
     ids, the GSM8K verifier; the generator (weights from DDMA) and the trainer agree on every log-prob."""
@@ -209,13 +182,13 @@ def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_pat
                           "data.dataset=gsm8k", "data.eval_size=2", "data.eval_samples=1", "trainer.tp=1",
                           "trainer.sft_warmup_steps=0", "trainer.lr=1e-6", "rollout.mode=sync",
                           "trainer.dtype=fp32", "generator.dtype=fp32",  # agreement to fp32 rounding
-                          "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
-                          "rollout.max_prompt_length=320", "run.steps=2", "run.eval_interval=1",
+                          "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+                          "rollout.max_prompt_length=320", "run.steps=1", "run.eval_interval=1",
                           "checkpoint.save_interval=0", f"checkpoint.dir={tmp_path}", "run.name=s"],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "s" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [0]
     for r in rows:
         assert r["skipped"] == 0.0 and abs(r["is_weight_mean"] - 1) < 1e-4 and abs(r["kl_mu_pi"]) < 1e-4
         assert r["logp_diff_max"] < 1e-3  # every token, not only on average
