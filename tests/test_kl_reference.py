@@ -90,8 +90,10 @@ def test_reference_is_a_frozen_copy_kept_by_checkpoints(state_path, tmp_path, tp
 
 def test_job_with_kl_trains_against_its_reference_and_resumes_with_it(tmp_path):
     """A job with algorithm.kl_coef > 0 end to end: the reference is the policy as RL starts (KL 0 on the first
-    step, which trains on weights equal to it), the KL grows as the policy moves, and a resumed run gets the same
-    metrics as an uninterrupted one, so its reference came back from the checkpoint."""
+    step, which trains on weights equal to it), the KL grows as the policy moves, and a resumed run's reference
+    came back from the checkpoint: a reference rebuilt from the resumed policy would give KL 0 on its first step.
+    (That the restored reference equals the saved one, bit for bit, is `test_reference_is_a_frozen_copy_kept_by_
+    checkpoints`.)"""
     import json
     import subprocess
     import sys
@@ -105,10 +107,8 @@ def test_job_with_kl_trains_against_its_reference_and_resumes_with_it(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
 
-    full = job("full", 4)
-    assert full[0]["kl_ref"] == 0.0 and all(r["kl_ref"] > 0 for r in full[1:])
-    job("resumed", 2)
-    resumed = job("resumed", 4)
-    for a, b in zip(full, resumed):
-        assert (a["step"], a["loss"], a["kl_ref"], a["grad_norm"]) == (b["step"], b["loss"], b["kl_ref"],
-                                                                       b["grad_norm"])
+    first = job("run", 2)
+    assert first[0]["kl_ref"] == 0.0 and first[1]["kl_ref"] > 0
+    rows = job("run", 4)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[:2] == first
+    assert all(r["kl_ref"] > 0 for r in rows[2:]), rows
