@@ -34,6 +34,7 @@ def _args(d, run_dir, name, *extra):
     return [f"model.checkpoint={d / 'hf'}", "data.dataset=jsonl", f"data.path={d / 'words.jsonl'}",
             "data.answer_field=null", "data.eval_size=4", "data.eval_samples=2", "reward.kind=reward-model",
             f"reward.model={d / 'rm'}", "trainer.sft_warmup_steps=0", "generator.dtype=fp32", "trainer.dtype=fp32",
+            "trainer.tp=1", "generator.colocated=true",  # one policy rank (and the controller sends to the scorer)
             "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
             "run.eval_interval=2", "run.steps=4", "checkpoint.save_interval=1", f"checkpoint.dir={run_dir}",
             f"run.name={name}", *extra]
@@ -53,7 +54,7 @@ def _rows(run_dir, name):
 
 def test_reward_executor_trains_as_the_in_process_path_and_resumes_after_its_rank_dies(models, tmp_path):
     """The same job twice: the reward model in the generator's leader (the in-process path), and on two TP ranks of
-    its own. The second run's reward rank is killed while it scores batch 2 (the job ends), and the run resumes.
+    its own (the policy's one colocated rank, which is also the controller, sends its texts there). The second run's reward rank is killed while it scores batch 2 (the job ends), and the run resumes.
     Every step's reward and held-out reward equal the in-process run's (fp32: the same responses, the same
     scores to rounding), so nothing was lost or scored twice."""
     ref = _train(_args(models, tmp_path, "in_process"))
