@@ -273,3 +273,47 @@ def test_pipelined_generator_decode_model():
     per_byte = 50 / (cal.hbm_bandwidth_gbps * 1e9)
     assert decode[1] == pytest.approx(per_byte * 2 * (stage_weights + 64 * context * kv_token))
     assert decode[2] == pytest.approx(per_byte * (2 * stage_weights + 64 * context * kv_token))
+
+
+def _reward_model_bytes(rank, world_size, path):
+    """Bytes this TP rank of a real bf16 `ParallelRewardModel` holds: its GPTModel shard's parameters and its head."""
+    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+    from megatron_rl.rewards.sequence_classifier import ParallelRewardModel
+
+    g = build_topology([ExecutorPlacement("reward", ParallelLayout(tp=world_size))])["reward"]
+    rm = ParallelRewardModel(path, g.layout, g.pgs, params_dtype=torch.bfloat16)
+    return sum(p.numel() * p.element_size() for p in rm.model.parameters()) + rm.head.numel() * rm.head.element_size()
+
+
+def test_reward_executor_gpus_and_weights_are_planned(tmp_path):
+    """A reward model on ranks of its own: the plan counts its tp x dp GPUs in the job's, and plans each rank's
+    weights as the bytes a real ParallelRewardModel of that TP rank holds (its vocabulary padded per TP, its fp32
+    head), in a third executor of the report and the JSON; the step time leaves it out and says so."""
+    pytest.importorskip("transformers")
+    from test_rewards import _tiny_reward_model
+    from tiny_hf import WORDS, save_tiny_llama, save_word_tokenizer
+
+    from megatron_rl.planning.report import format_text
+
+    save_tiny_llama(tmp_path / "hf", vocab_size=16)
+    save_word_tokenizer(tmp_path / "hf")
+    _tiny_reward_model(tmp_path / "rm")
+    data = tmp_path / "words.jsonl"
+    data.write_text("".join(json.dumps({"question": " ".join(WORDS[i % 5: i % 5 + 3])}) + "\n" for i in range(12)))
+    base = [f"model.checkpoint={tmp_path / 'hf'}", "data.dataset=jsonl", f"data.path={data}",
+            "data.answer_field=null", "data.eval_size=4", "reward.kind=reward-model", f"reward.model={tmp_path / 'rm'}",
+            "trainer.sft_warmup_steps=0", "generator.dtype=bf16"]
+    cal = load_calibration()
+    for tp, dp in ((1, 2), (2, 1)):
+        cfg = load_config(None, base + [f"reward.executor.tp={tp}", f"reward.executor.dp={dp}"])
+        plan = make_plan(cfg, validate(cfg), cal)
+        executors = cfg.trainer.layout.size + cfg.generator.layout.size
+        assert plan.assumptions["gpus"] == executors + tp * dp == cfg.world_size_needed
+        assert plan.assumptions["sync_baseline"]["gpus_used"] <= executors
+        real = run_local(_reward_model_bytes, tp, str(tmp_path / "rm"))
+        assert len(set(real)) == 1  # every TP rank holds the same bytes
+        rm = plan.to_dict()["memory"]["reward_model"]
+        assert rm["layout"] == f"tp={tp},dp={dp}" and rm["fits"] and rm["ranks"][0]["weights_bytes"] == real[0]
+        text = format_text(plan)
+        assert f"{executors + tp * dp} GPUs" in text and f"reward model (tp={tp},dp={dp}): fits" in text
+        assert "reward model's" in text and "in neither step time" in text

@@ -11,10 +11,18 @@ says, from metadata alone (`checkpointing.inspect`), whether the trainer layout 
 The synchronous baseline is the paper's colocated one: the same GPUs (trainer and generator together) train with
 the trainer's TP x PP, and generate with that same layout in the generator's dtype, in the memory the trainer's
 resident state leaves. Ranks beyond a whole number of trainer replicas stay idle there.
+
+A reward model on ranks of its own (`reward.executor.dp` >= 1) adds its tp x dp GPUs to the job's count and a
+third executor to the memory report: each rank's GPTModel shard built on the meta device as
+`rewards.sequence_classifier.ParallelRewardModel` builds it (tied embeddings, no output layer, the generator's
+dtype) plus its replicated fp32 head, a scoring workspace (`_scoring_workspace_bytes`) and the reserve. It is in
+neither step time: it scores each batch as it arrives, overlapping generation and training, and the synchronous
+baseline is the trainer's and generator's GPUs, as in the paper.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,16 +117,18 @@ class Plan:
     calibration: Calibration
     checkpoint: Optional[dict] = None
     notes: list = field(default_factory=list)
+    reward_model: Optional[ExecutorMemory] = None  # the reward model's own ranks (reward.executor.dp >= 1)
 
     @property
     def fits(self) -> bool:
-        return self.trainer.fits and self.generator.fits
+        return self.trainer.fits and self.generator.fits and (self.reward_model is None or self.reward_model.fits)
 
     def to_dict(self) -> dict:
         cal = self.calibration
         return {"model": self.model, "parameters": self.parameters, "fits": self.fits,
                 "gpu_memory_bytes": self.trainer.device_bytes, "colocated": self.colocated,
-                "memory": {"trainer": self.trainer.to_dict(), "generator": self.generator.to_dict()},
+                "memory": {"trainer": self.trainer.to_dict(), "generator": self.generator.to_dict(),
+                           **({"reward_model": self.reward_model.to_dict()} if self.reward_model else {})},
                 "weight_sync": self.sync.to_dict(), "step_time": self.steps.to_dict(),
                 "assumptions": self.assumptions, "checkpoint": self.checkpoint, "notes": list(self.notes),
                 "calibration": {"device": cal.device, **{k: {"value": getattr(cal, k), "source": s}
@@ -246,6 +256,51 @@ def _build_generator(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout,
                               kv_cache=(cfg.generator.max_batch_size, max_len))
 
 
+def _scoring_workspace_bytes(model: ModelConfig, tp: int, batch: int, context: int, itemsize: int) -> int:
+    """Transient bytes of the reward model scoring `batch` sequences of `context` tokens at once (no gradients): one
+    layer's activations for those tokens as `prefill_workspace_bytes` models a prefill (the layer's input and
+    output, QKV, the attention output, the MLP's three f-sized tensors; no s x s scores), and no logits (no LM
+    head; the fp32 head reads one hidden state per sequence)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    kv = model.num_query_groups * model.kv_channels
+    return batch * context * itemsize * (2 * h + (h + 2 * kv) // tp + h // tp + 3 * f // tp)
+
+
+def _reward_model_memory(cfg: JobConfig, cal: Calibration, device_bytes: int) -> tuple[ExecutorMemory, dict]:
+    """The reward-model executor's ranks (every TP and DP rank holds the same bytes) and what the numbers rest on.
+
+    Weights: this TP rank's GPTModel as `ParallelRewardModel` builds it (tied embeddings, hence no output-layer
+    weight, and its output layer dropped), on the meta device in the generator's dtype, plus the replicated fp32
+    head [1, hidden]. Workspace: `_scoring_workspace_bytes` for one batch of the executor's `batch_size` sequences
+    of rollout.max_prompt_length + rollout.max_new_tokens tokens (at most its `max_length`)."""
+    import inspect
+
+    from megatron_rl.rewards.sequence_classifier import ParallelRewardModel, reward_model_config
+
+    e = cfg.reward.executor
+    try:
+        rm = dataclasses.replace(reward_model_config(cfg.reward.model, e.tp), tie_word_embeddings=True)
+    except ValueError as err:
+        raise PlanError(str(err).splitlines()[0]) from None
+    dtype = _dtype(cfg.generator.dtype, cal)
+    mods = build_rank_modules(rm, ParallelLayout(e.tp, 1, e.dp), params_dtype=dtype, attention="sdpa")
+    head = 4 * rm.hidden_size
+    weights = sum(p.nbytes for p in mods.params if not p.name.startswith("output_layer.")) + head
+    defaults = inspect.signature(ParallelRewardModel).parameters  # the executor passes neither
+    batch, max_length = defaults["batch_size"].default, defaults["max_length"].default
+    context = min(cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens, max_length)
+    work = _scoring_workspace_bytes(rm, e.tp, batch, context, _itemsize(dtype))
+    rank = RankMemory("reward model", "every rank", {"weights": weights, "scoring_workspace": work,
+                                                     "reserve": int(cal.reserve_gib * GIB)})
+    info = {"path": cfg.reward.model, "parameters": rm.num_parameters() + rm.hidden_size, "gpus": e.tp * e.dp,
+            "weight_bytes_per_rank": weights,
+            "scoring_workspace": {"batch_size": batch, "context_tokens": context,
+                                  "model": "one layer's activations for batch_size x context tokens (no s x s "
+                                           "scores, no logits)"},
+            "step_time": "not modelled: it scores each batch as it arrives, overlapping generation and training"}
+    return ExecutorMemory("reward model", f"tp={e.tp},dp={e.dp}", (rank,), device_bytes), info
+
+
 def _trainer_shape(cfg: JobConfig, layout: ParallelLayout, stages: list[RankModules], rows: int,
                    cal: Calibration) -> TrainerShape:
     """The trainer as the step model sees it: its busiest stage's DDP buffers and each group's link."""
@@ -355,6 +410,14 @@ def make_plan(cfg: JobConfig, model: ModelConfig, calibration: Calibration, *,
     sync = _sync_estimate(model, tl, gl, colocated, stages, cal)
 
     steps, assumptions, notes = predict_steps(cfg, model, cal, device_bytes, gen_stages[gen_worst], sync, stages)
+    reward_mem = None
+    if cfg.reward.model_executor:  # its GPUs are the job's; both step times leave it out (module docstring)
+        reward_mem, assumptions["reward_model"] = _reward_model_memory(cfg, cal, device_bytes)
+        n = assumptions["reward_model"]["gpus"]
+        notes.append(f"the reward model's {n} GPU{'s are' if n > 1 else ' is'} in neither step time (it scores "
+                     f"each batch as it arrives, overlapping generation and training); the sync baseline runs on the "
+                     f"trainer's and generator's {assumptions['gpus']} GPUs")
+        assumptions["gpus"] += n
     ckpt = None
     if checkpoint is not None:
         try:
@@ -362,4 +425,4 @@ def make_plan(cfg: JobConfig, model: ModelConfig, calibration: Calibration, *,
         except ReshardError as e:
             raise PlanError(str(e)) from None
     return Plan(model.name, model.num_parameters(), trainer_mem, gen_mem, colocated, sync, steps, assumptions,
-                cal, ckpt, notes)
+                cal, ckpt, notes, reward_mem)

@@ -26,10 +26,19 @@ def format_text(plan: Plan) -> str:
     s, t, a = plan.sync, plan.steps, plan.assumptions
     w = a["workload"]
     lines = [f"model        {plan.model}, {plan.parameters / 1e9:.2f}B parameters; {a['gpus']} GPUs "
-             f"({plan.calibration.device}){', colocated executors' if plan.colocated else ''}", ""]
+             f"({plan.calibration.device}){', colocated executors' if plan.colocated else ''}"
+             f"{f', {rm} of them the reward model' if (rm := a.get('reward_model', {}).get('gpus')) else ''}", ""]
     lines += ["memory per rank (exact: parameters, gradients, main weights, optimizer state, 8-bit weights, KV cache; "
               f"modelled: activations ({a['activation_model']}), workspace, reserve)"]
-    lines += _executor(plan.trainer) + _executor(plan.generator) + [""]
+    lines += _executor(plan.trainer) + _executor(plan.generator)
+    if plan.reward_model is not None:
+        r = a["reward_model"]
+        ws = r["scoring_workspace"]
+        lines += _executor(plan.reward_model)
+        lines.append(f"  (weights: {r['parameters'] / 1e9:.2f}B parameters of {r['path']}, its fp32 head included; "
+                     f"scoring workspace: {ws['model']}, batch_size {ws['batch_size']} x {ws['context_tokens']} "
+                     f"tokens)")
+    lines.append("")
     lines.append(f"weight sync  DDMA: {s.senders} senders, {s.copies:,} copies; busiest rank sends "
                  f"{_gib(s.max_sent_bytes)}, receives {_gib(s.max_received_bytes)}: "
                  f"{s.seconds['nvlink']:.2f} s over NVLink, {s.seconds['infiniband']:.2f} s over InfiniBand")
