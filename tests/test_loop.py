@@ -124,7 +124,7 @@ class _FakeJob:
         self.staleness, self.log, self._resume = s, [], resume
         self.version = None
         self.collector = Collector([0], lambda src: pytest.fail("one rank"), advantage="group_mean", pad_id=0)
-        self.task = SimpleNamespace(score=lambda problems, texts: [float(len(t) % 2) for t in texts])
+        self.task = SimpleNamespace(score=lambda problems, texts: [float(len(t) % 2) for t in texts], score_failures=0)
         self.tok = SimpleNamespace(decode=lambda ids: "y" * len(ids))
         job = self
 

@@ -235,8 +235,7 @@ def score(task: Task, gen: Generated, evaluated: Optional[Evaluated], *, wait_s:
     message for the controller."""
     t0 = time.perf_counter()
     rewards = task.score(gen.problems, gen.texts)
-    # A dataset task's RewardFunction counts the responses it could not score (the synthetic task cannot fail).
-    failures = getattr(getattr(task, "reward", None), "failures", 0)
+    failures = task.score_failures  # read before the held-out responses are scored
     eval_reward = None
     if evaluated is not None:
         eval_scores = task.score(evaluated.problems, evaluated.texts)

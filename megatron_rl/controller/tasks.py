@@ -47,6 +47,12 @@ class Task(ABC):
     def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
         """One reward per (record, response)."""
 
+    @property
+    def score_failures(self) -> int:
+        """Responses of the last `score` call that could not be scored (scored 0.0): a user's reward function that
+        raised or timed out. The built-in exact-match reward cannot fail."""
+        return 0
+
     def demonstrations(self, index: int, size: int) -> Optional[list[tuple[str, str]]]:
         """(prompt text, target response) pairs for a supervised warm start, or None when the task has none."""
         return None
@@ -157,6 +163,10 @@ class DatasetTask(Task):
     def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
         return self.reward.score([(self.prompt_text(rec), resp, rec.reference) for rec, resp in zip(records, responses)])
 
+    @property
+    def score_failures(self) -> int:
+        return self.reward.failures
+
     def close(self) -> None:
         self.reward.close()
 
@@ -225,6 +235,8 @@ class _ModelOnly:
 @dataclass
 class _NoReward:
     """Stands in for the verifier on ranks that never score."""
+
+    failures: int = 0
 
     def score(self, items):
         raise RuntimeError("this rank does not score responses")
