@@ -617,6 +617,10 @@ def _check_reward_model(errors: list[str], cfg: JobConfig) -> None:
         errors.append(f"reward.model is set with reward.kind={r.kind!r}: a verifier's reward plus a reward model's "
                       f"score needs the reward model on ranks of its own (reward.executor.dp >= 1), or set "
                       f"reward.kind='reward-model' for the model's score alone")
+    if e.dp > cfg.generator.dp:
+        errors.append(f"reward.executor.dp={e.dp} is more than generator.dp={cfg.generator.dp}: each reward replica "
+                      f"scores whole generator replicas, so {e.dp - cfg.generator.dp} would never score; use at most "
+                      f"{cfg.generator.dp}")
     if r.model_coef != 1.0 and not r.model_executor:
         errors.append(f"reward.model_coef={r.model_coef} weighs a reward model on ranks of its own; set "
                       f"reward.model and reward.executor.dp >= 1")

@@ -84,6 +84,8 @@ def test_reward_executor_trains_as_the_in_process_path_and_resumes_after_its_ran
                                r"is not set"),
     (["reward.model_coef=2"], r"reward.model_coef=2.0 weighs a reward model on ranks of its own"),
     (["reward.executor.dp=-1"], r"reward.executor.dp=-1 must be >= 0"),
+    (["reward.executor.dp=2"], r"reward.executor.dp=2 is more than generator.dp=1: each reward replica scores whole "
+                               r"generator replicas, so 1 would never score"),
 ])
 def test_reward_executor_settings_that_cannot_work_fail_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
