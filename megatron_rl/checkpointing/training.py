@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -206,6 +207,19 @@ def _device() -> Optional[torch.device]:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
+def _results_stay_in_process() -> None:
+    """Give Megatron-Core's torch_dist writer a plain queue for its write results, before its first save here.
+
+    Left alone, the writer's first save starts a `multiprocessing.Manager` server (a fresh interpreter: seconds on a
+    CPU, in every rank that writes) to serve that queue to background savers. Our saves are synchronous: the writer
+    processes hand their results to the rank, which puts them on this queue and reads them back in the same save,
+    so nothing crosses a process boundary through it."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _state_finite_everywhere(engine) -> bool:
     """Collective over the world: is the trainer state of every rank finite (`TrainEngine.state_finite`)?"""
     bad = torch.zeros(1, device=_device())
@@ -321,6 +335,7 @@ class TrainCheckpointer:
         # Ranks without trainer state (generators) hold no common state either: skip the cross-rank comparison
         # of common state dicts, which would only report that.
         save = functools.partial(dist_checkpointing.save, preprocess_common_before_consistancy_check=_no_common)
+        _results_stay_in_process()
         if engine is not None:
             model_sd = _model_sharded_state_dict(engine)
             save(model_sd, str(tmp / MODEL_DIR))
