@@ -5,8 +5,8 @@ against closed forms; and data.eval_path is where a JSONL task's held-out proble
 How Megatron-Core 0.16 applies them (read from megatron/core/optimizer/__init__.py and optimizer_param_scheduler.py):
 - Without transformer-engine or apex the Adam optimizer is torch.optim.AdamW (OptimizerConfig's default
   decoupled_weight_decay=True): p <- p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps), with bias-corrected moments.
-  On the CPU the project's `_use_fused_adam` leaves it as it is (it only switches CUDA groups to torch's fused
-  kernel, the same update).
+  The project's `_use_fused_adam` switches it to torch's fused kernel on GPUs and to its foreach path on CPUs (the
+  same update).
 - Weight decay skips 1-D parameters and biases (the standard override wd_mult=0: the norm weights here).
 - The scheduler sets the learning rate when it is built (num_steps=0) and after each successful optimizer step, so
   optimizer step k (1-based) uses the rate for num_steps = k - 1: with W warm-up steps from init_lr=0,

@@ -74,18 +74,22 @@ def _uses_local_attention(model: torch.nn.Module) -> bool:
 
 
 def _use_fused_adam(optimizer) -> None:
-    """Without transformer-engine or apex, Megatron-Core steps torch's AdamW with its multi-tensor (foreach) path;
-    torch's single-kernel fused path is faster on GPUs and computes the same update. Switch groups whose
-    parameters are all CUDA floating-point tensors (the fp32 main-weight shards of the distributed optimizer)."""
-    if not torch.cuda.is_available():
-        return
+    """Pick the fastest path of torch's AdamW that computes the same update, for groups whose parameters are all
+    floating-point tensors of the current device kind (the fp32 main-weight shards of the distributed optimizer).
+
+    Without transformer-engine or apex, Megatron-Core steps torch's AdamW with its default path: multi-tensor
+    (foreach) on GPUs, per-parameter on CPUs. On GPUs torch's single-kernel fused path is faster. On CPUs the
+    per-parameter path runs about a dozen tensor operations per parameter from Python (each also through the CPU
+    redirect of `megatron_rl.compat`); the foreach path runs the same per-tensor kernels with the same scalars from
+    one call per operation, so the weights come out bit for bit the same."""
+    cuda = torch.cuda.is_available()
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         for group in inner.param_groups:
-            if group["params"] and all(p.is_cuda and p.is_floating_point() for p in group["params"]):
-                group["fused"], group["foreach"] = True, False
+            if group["params"] and all(p.is_cuda == cuda and p.is_floating_point() for p in group["params"]):
+                group["fused"], group["foreach"] = (True, False) if cuda else (False, True)
 
 
 @contextlib.contextmanager
