@@ -87,6 +87,26 @@ def _backward_chunk(chunk, idx, local, m, z, mean_xs, g_lp, g_ent, temperature: 
     return d.to(chunk.dtype)
 
 
+def _combine_shards(m, z, s, picked, tp_group):
+    """The per-token statistics over the whole vocabulary from every shard's (`_forward_chunk`), in one
+    collective: each shard's sums are rescaled from its own max to the global max M and added in rank order.
+
+    An all-gather of the four statistics, where a max all-reduce followed by a sum all-reduce would cost two: on a
+    CPU a collective costs more than this arithmetic. With two shards every sum adds the same two values either
+    way, so the results are the same bits."""
+    tp = tp_group.size()
+    parts = torch.empty(tp * 4, m.shape[0], dtype=torch.float32, device=m.device)
+    dist.all_gather_into_tensor(parts, torch.stack([m, z, s, picked]), group=tp_group)
+    parts = parts.view(tp, 4, -1)
+    big = parts[:, 0].amax(0)
+    total = None
+    for m_i, z_i, s_i, picked_i in parts:
+        scale = torch.exp(m_i - big)
+        terms = torch.stack([z_i * scale, (s_i + (m_i - big) * z_i) * scale, picked_i])
+        total = terms if total is None else total + terms
+    return big, total[0], total[1], total[2]
+
+
 class _LogProbEntropy(torch.autograd.Function):
     """(log softmax(x)[target], entropy(softmax(x))) with x = logits / T over the real vocabulary."""
 
@@ -109,13 +129,7 @@ class _LogProbEntropy(torch.autograd.Function):
             m[sl], z[sl], s[sl], picked[sl] = _forward_chunk(chunk, idx[sl], temperature, first_pad)
         picked = torch.where(local, picked, torch.zeros_like(picked))
         if tp_group is not None and tp_group.size() > 1:
-            # Combine shards: rescale each shard's sums to the global max M.
-            big = m.clone()
-            dist.all_reduce(big, op=dist.ReduceOp.MAX, group=tp_group)
-            scale = torch.exp(m - big)
-            sums = torch.stack([z * scale, (s + (m - big) * z) * scale, picked])
-            dist.all_reduce(sums, group=tp_group)
-            m, (z, s, picked) = big, sums
+            m, z, s, picked = _combine_shards(m, z, s, picked, tp_group)
         mean_xs = s / z  # E_p[x - m]
         logprob = picked - m - torch.log(z)
         entropy = torch.log(z) - mean_xs
