@@ -52,25 +52,47 @@ def _is_cuda_device(device: Any) -> bool:
 _CPU = torch.device("cpu")
 
 
+# The tensor methods `_CudaToCpu` answers itself; every other call only has its arguments looked at.
+_CUDA_METHODS = frozenset({torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.is_pinned, torch.Tensor.type,
+                           torch.Tensor.to})
+
+
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA placements to the CPU for every torch call made under it."""
+    """Rewrites CUDA placements to the CPU for every torch call made under it.
+
+    Every torch call of the process passes through here, attribute reads of tensors included, so the common case
+    (no keyword arguments, none of `_CUDA_METHODS`) is one set lookup and one truth test before the call."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.pin_memory or func is torch.Tensor.is_pinned:
-            return args[0] if func is torch.Tensor.pin_memory else False
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs = dict(kwargs, device=_CPU)
-        if kwargs.get("pin_memory"):
-            kwargs = dict(kwargs, pin_memory=False)
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], _CPU, *args[2:])
-        return func(*args, **kwargs)
+        if func in _CUDA_METHODS:
+            return _cuda_method(func, args, kwargs or {})
+        if not kwargs:
+            return func(*args)
+        return func(*args, **_cpu_kwargs(kwargs))
+
+
+def _cpu_kwargs(kwargs: dict) -> dict:
+    """`kwargs` with a CUDA (or integer) `device` replaced by the CPU and `pin_memory` turned off."""
+    if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+        kwargs = dict(kwargs, device=_CPU)
+    if kwargs.get("pin_memory"):
+        kwargs = dict(kwargs, pin_memory=False)
+    return kwargs
+
+
+def _cuda_method(func, args: tuple, kwargs: dict):
+    """`Tensor.cuda()` and `pin_memory()` return the tensor, `is_pinned()` False, `type()` the CUDA type name, and
+    `to` a CUDA device (positional or keyword) goes to the CPU."""
+    if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+        return args[0]
+    if func is torch.Tensor.is_pinned:
+        return False
+    if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+        name = func(*args)
+        return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+    if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+        args = (args[0], _CPU, *args[2:])
+    return func(*args, **_cpu_kwargs(kwargs))
 
 
 class _InertStream:
