@@ -80,17 +80,16 @@ def with_model_scores(part: Rollouts, scores: ModelScores, coef: float) -> Rollo
 
 
 def pack(rollouts: list[Rollouts], pad_id: int) -> RolloutBatch:
-    """One right-padded batch of every replica's responses; behaviour log-probs at the response positions."""
+    """One right-padded batch of every replica's responses; behaviour log-probs at the response positions. Each
+    tensor is built from padded lists in one call (a copy per row would cost a tensor operation per sequence)."""
     prompts = [p for r in rollouts for p in r.prompt_ids]
     tokens = [t for r in rollouts for t in r.token_ids]
     lps = [lp for r in rollouts for lp in r.logprobs]
-    n = len(prompts)
     s = max(len(p) + len(t) for p, t in zip(prompts, tokens))
-    toks = torch.full((n, s), pad_id, dtype=torch.long)
-    logp = torch.zeros(n, s)
-    for i, (p, t, lp) in enumerate(zip(prompts, tokens, lps)):
-        toks[i, : len(p) + len(t)] = torch.tensor(p + t)
-        logp[i, len(p): len(p) + len(t)] = torch.tensor(lp)
+    toks = torch.tensor([p + t + [pad_id] * (s - len(p) - len(t)) for p, t in zip(prompts, tokens)],
+                        dtype=torch.long)
+    logp = torch.tensor([[0.0] * len(p) + list(lp) + [0.0] * (s - len(p) - len(t))
+                         for p, t, lp in zip(prompts, tokens, lps)], dtype=torch.float32)
     rewards = torch.tensor([x for r in rollouts for x in r.rewards])
     groups = torch.tensor([x for r in rollouts for x in r.group_ids])
     versions = torch.tensor([r.version for r in rollouts for _ in r.rewards])
