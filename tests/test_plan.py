@@ -305,7 +305,8 @@ def test_reward_executor_gpus_and_weights_are_planned(tmp_path):
             "trainer.sft_warmup_steps=0", "generator.dtype=bf16"]
     cal = load_calibration()
     for tp, dp in ((1, 2), (2, 1)):
-        cfg = load_config(None, base + [f"reward.executor.tp={tp}", f"reward.executor.dp={dp}"])
+        # (each reward replica scores whole generator replicas: two need two)
+        cfg = load_config(None, base + [f"reward.executor.tp={tp}", f"reward.executor.dp={dp}", f"generator.dp={dp}"])
         plan = make_plan(cfg, validate(cfg), cal)
         executors = cfg.trainer.layout.size + cfg.generator.layout.size
         assert plan.assumptions["gpus"] == executors + tp * dp == cfg.world_size_needed
