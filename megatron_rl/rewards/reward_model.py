@@ -32,14 +32,13 @@ class RewardModelReward(RewardFunction):
         p = Path(path)
         if not (p / "config.json").is_file():
             raise ValueError(f"reward.model={path!r} is not a Hugging Face model directory (no config.json)")
-        self.tok = transformers.AutoTokenizer.from_pretrained(p)
+        from megatron_rl.rewards.sequence_classifier import load_reward_tokenizer
+
+        self.tok = load_reward_tokenizer(p)  # batches are right-padded; the model reads the last real token
         self.model = transformers.AutoModelForSequenceClassification.from_pretrained(p, dtype=torch.float32).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward.model={path!r} has {self.model.config.num_labels} outputs; a reward model has "
                              f"one (num_labels=1)")
-        if self.tok.pad_token_id is None:  # batches are right-padded; the model reads the last real token
-            self.tok.pad_token = self.tok.eos_token or self.tok.unk_token
-        self.tok.padding_side = "right"
         self.model.config.pad_token_id = self.tok.pad_token_id
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                  else torch.device("cpu"))

@@ -114,7 +114,8 @@ def reward_model_config(path, tp: int = 1) -> ModelConfig:
 
 
 def load_reward_tokenizer(path):
-    """The model's HF tokenizer as RewardModelReward sets it up: a pad token (eos, else unk) and right padding."""
+    """A reward model's HF tokenizer, set up for scoring: a pad token (eos, else unk) and right padding (batches are
+    read at the last real token). Shared by the in-process path and the executor, so both score the same tokens."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(Path(path))
