@@ -57,6 +57,8 @@ from megatron_rl.failpoints import failpoint
 
 # The distributed optimizer's state is saved per parameter (canonical form), so it loads at any TP/PP/DP.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# A rank whose weights are smaller than this saves with one writer process (`_save_strategy`).
+ONE_WRITER_BELOW_BYTES = 64 << 20
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -207,6 +209,19 @@ def _device() -> Optional[torch.device]:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
+def _save_strategy(engine):
+    """Megatron-Core's default torch_dist save strategy, with one writer process instead of its default two when this
+    rank's weights are smaller than `ONE_WRITER_BELOW_BYTES`.
+
+    Every save forks its writers from the rank; for a small shard a fork of a process holding torch, Megatron-Core
+    and the job costs more than the writing, which a second writer only splits. The format is the same either way
+    (a rank writes one `__<rank>_<i>.distcp` file per writer) and loads with any writer count."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters()) if engine is not None else 0
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1 if weights < ONE_WRITER_BELOW_BYTES else 2)
+
+
 def _results_stay_in_process() -> None:
     """Give Megatron-Core's torch_dist writer a plain queue for its write results, before its first save here.
 
@@ -334,7 +349,8 @@ class TrainCheckpointer:
         dist.barrier()
         # Ranks without trainer state (generators) hold no common state either: skip the cross-rank comparison
         # of common state dicts, which would only report that.
-        save = functools.partial(dist_checkpointing.save, preprocess_common_before_consistancy_check=_no_common)
+        save = functools.partial(dist_checkpointing.save, preprocess_common_before_consistancy_check=_no_common,
+                                 sharded_strategy=_save_strategy(engine))
         _results_stay_in_process()
         if engine is not None:
             model_sd = _model_sharded_state_dict(engine)
