@@ -571,7 +571,7 @@ def _check_rollout(errors: list[str], cfg: JobConfig, model: Optional[ModelConfi
 
 def _check_dataset_files(errors: list[str], cfg: JobConfig, dataset: str) -> None:
     """The files a dataset job reads exist and their first record loads (the job reads them the same way)."""
-    from megatron_rl.data.datasets import dataset_files, load_prompt_dataset
+    from megatron_rl.data.datasets import DATA_DIR_ENV, dataset_files, default_data_dir, load_prompt_dataset
     from megatron_rl.data.records import DataError
 
     d = cfg.data
@@ -579,7 +579,9 @@ def _check_dataset_files(errors: list[str], cfg: JobConfig, dataset: str) -> Non
     for key, given, file in (("data.path", d.path, train), ("data.eval_path", d.eval_path, heldout)):
         if file is None:
             continue
-        where = f"{key}={given!r}" if given else f"data.dataset={d.dataset!r} (its default file {file}; set {key})"
+        where = f"{key}={given!r}" if given else (f"data.dataset={d.dataset!r} (its default file {file}; set {key}, "
+                                                  f"or {DATA_DIR_ENV} to the folder holding "
+                                                  f"{file.relative_to(default_data_dir())})")
         if not file.exists():
             errors.append(f"{where} does not exist")
         elif not file.is_file():

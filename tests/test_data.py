@@ -74,8 +74,32 @@ def test_missing_file_is_a_clear_error(tmp_path):
 # ---- GSM8K and MATH-500 -------------------------------------------------------------------------------------------
 
 
-def test_default_data_dir_is_the_shared_folder_beside_the_repo():
+def test_default_data_dir_is_the_shared_folder_beside_the_repo(monkeypatch):
+    monkeypatch.delenv("MEGATRON_RL_DATA_DIR", raising=False)
     assert default_data_dir() == DATA
+
+
+def test_megatron_rl_data_dir_moves_every_default_file(tmp_path, monkeypatch):
+    """A cluster keeps its data elsewhere: the variable moves the default files of train jobs, of config
+    validation and of `eval` together, and the errors name it."""
+    from megatron_rl.config import ConfigError, load_config, validate
+    from megatron_rl.data.datasets import dataset_files
+    from megatron_rl.evaluation.eval import EvalError, load_problems
+
+    monkeypatch.setenv("MEGATRON_RL_DATA_DIR", str(tmp_path))
+    assert default_data_dir() == tmp_path
+    assert dataset_files("gsm8k") == (tmp_path / "gsm8k" / "train.jsonl", tmp_path / "gsm8k" / "test.jsonl")
+    with pytest.raises(EvalError, match="MEGATRON_RL_DATA_DIR"):
+        load_problems("gsm8k")
+    cfg = load_config(None, ["data.dataset=gsm8k", "trainer.sft_warmup_steps=0"])
+    with pytest.raises(ConfigError, match=r"set data.path, or MEGATRON_RL_DATA_DIR to the folder holding gsm8k/train"):
+        validate(cfg)
+    (tmp_path / "gsm8k").mkdir()
+    for split in ("train", "test"):
+        (tmp_path / "gsm8k" / f"{split}.jsonl").write_text(
+            json.dumps({"question": f"{split}: 2 + 3?", "answer": "5 #### 5"}) + "\n")
+    assert [r.prompt for r in load_problems("gsm8k")] == ["test: 2 + 3?"]
+    validate(cfg)
 
 
 def test_gsm8k_loader_matches_the_file():

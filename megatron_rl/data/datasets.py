@@ -8,6 +8,7 @@ the full solution stays in the metadata.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional, Union
 
@@ -16,11 +17,15 @@ from megatron_rl.data.records import DataError
 from megatron_rl.data.registry import DATASETS, resolve_dataset
 
 PathLike = Union[str, Path]
+DATA_DIR_ENV = "MEGATRON_RL_DATA_DIR"
 
 
 def default_data_dir() -> Path:
-    """`<repo>/../shared/data`, found from this file's location (megatron_rl/data/ inside the repo)."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    """The folder where datasets' default files are looked for (train jobs, validation and `eval` alike):
+    $MEGATRON_RL_DATA_DIR when set (a cluster's data folder), else `<repo>/../shared/data`, found from this file's
+    location (megatron_rl/data/ inside the repo)."""
+    env = os.environ.get(DATA_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 def _resolve(path: Optional[PathLike], default_relative: str, what: str) -> Path:
@@ -28,7 +33,8 @@ def _resolve(path: Optional[PathLike], default_relative: str, what: str) -> Path
         return Path(path)
     p = default_data_dir() / default_relative
     if not p.is_file():
-        raise DataError(f"{what} not found at the default location {p}; pass path= to the loader")
+        raise DataError(f"{what} not found at the default location {p}; pass path= to the loader or set "
+                        f"{DATA_DIR_ENV}")
     return p
 
 

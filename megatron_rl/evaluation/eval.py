@@ -18,7 +18,6 @@ when its verifier scores it 1; `time_s` is the whole evaluation (process start, 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +27,10 @@ from megatron_rl.checkpointing import load_checkpoint_tokenizer
 from megatron_rl.checkpointing.inspect import resolve_checkpoint as resolve
 from megatron_rl.checkpointing.layout import META, MODEL_DIR, InspectError
 from megatron_rl.data import ChatPromptBuilder, DataError, default_data_dir, load_prompt_dataset, registry
+from megatron_rl.data.datasets import DATA_DIR_ENV
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.rewards import get_reward_fn
 from megatron_rl.tokenizers import load_tokenizer
-
-DATA_DIR_ENV = "MEGATRON_RL_DATA_DIR"
 
 # The datasets `eval` scores: those of the registry with a test file, by canonical name.
 DATASETS = {name: spec for name, spec in registry.DATASETS.items() if spec.test_file}
@@ -91,11 +89,7 @@ def dataset_key(name: str) -> str:
 
 
 def data_dir_of(data_dir: Optional[str]) -> Path:
-    if data_dir:
-        return Path(data_dir)
-    if os.environ.get(DATA_DIR_ENV):
-        return Path(os.environ[DATA_DIR_ENV])
-    return default_data_dir()
+    return Path(data_dir) if data_dir else default_data_dir()
 
 
 def load_problems(dataset: str, data_dir: Optional[str] = None, limit: Optional[int] = None) -> list:
