@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Optional
 
-from megatron_rl.config import ConfigError, load_config, validate
+from megatron_rl.config import CLUSTER_FILES, ConfigError, load_config, validate
 
 PROCESSES_PER_CORE = 4  # reshard-check: a layout pair needing more processes than this per core needs --force
 
@@ -20,9 +20,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="dotted overrides applied after the file, e.g. trainer.tp=2 rollout.staleness=2")
 
 
-def _load(args) -> tuple:
+def _load(args, cluster_files: bool = True) -> tuple:
     cfg = load_config(args.config, args.overrides)
-    model = validate(cfg, world_size=cfg.run.world_size)
+    model = validate(cfg, world_size=cfg.run.world_size, cluster_files=cluster_files)
     return cfg, model
 
 
@@ -70,7 +70,7 @@ def cmd_plan(args) -> int:
     from megatron_rl.planning.plan import PlanError, make_plan
     from megatron_rl.planning.report import format_text
 
-    cfg, model = _load(args)
+    cfg, model = _load(args, cluster_files=False)  # planned where the job's data and run directory need not be
     try:
         gib = None
         if args.gpu_memory is not None:
@@ -84,6 +84,7 @@ def cmd_plan(args) -> int:
     except (PlanError, CalibrationError) as e:
         print(f"megatron-rl: plan: {e}", file=sys.stderr)
         return 2
+    plan.notes.append(f"not checked here ({', '.join(CLUSTER_FILES)}): `train` checks them where it runs")
     print(json.dumps(plan.to_dict()) if args.json else format_text(plan))
     return 0 if plan.fits else 1
 

@@ -635,7 +635,7 @@ def _check_reward_model(errors: list[str], cfg: JobConfig) -> None:
             errors.append(str(err))
 
 
-def _check_data_and_reward(errors: list[str], cfg: JobConfig) -> None:
+def _check_data_and_reward(errors: list[str], cfg: JobConfig, cluster_files: bool = True) -> None:
     """The dataset (its files readable, a first record usable), and a reward that can score it."""
     d, r = cfg.data, cfg.reward
     from megatron_rl.data.registry import dataset_key
@@ -651,13 +651,14 @@ def _check_data_and_reward(errors: list[str], cfg: JobConfig) -> None:
                       f"{d.dataset!r} (start from trained weights with model.checkpoint)")
     if dataset == "jsonl" and not d.path:
         errors.append("data.dataset='jsonl' needs data.path (a JSONL file of prompts)")
-    elif dataset is not None:
+    elif dataset is not None and cluster_files:
         _check_dataset_files(errors, cfg, dataset)
     if not d.prompt_field:
         errors.append("data.prompt_field must not be empty")
     if d.answer_field == "":
         errors.append("data.answer_field must not be empty (null: the records have no reference answer)")
-    if cfg.model.tokenizer is not None and cfg.model.tokenizer != "byte" and not Path(cfg.model.tokenizer).exists():
+    if (cluster_files and cfg.model.tokenizer is not None and cfg.model.tokenizer != "byte"
+            and not Path(cfg.model.tokenizer).exists()):
         errors.append(f"model.tokenizer={cfg.model.tokenizer!r} does not exist (expected 'byte', a sentencepiece "
                       f".model file, a .gguf file or a Hugging Face tokenizer directory)")
     if r.model and r.kind != "reward-model" and not (Path(r.model) / "config.json").is_file():
@@ -689,7 +690,7 @@ def _check_data_and_reward(errors: list[str], cfg: JobConfig) -> None:
                       f"to use it")
     elif r.function and ":" not in r.function:
         errors.append(f"reward.function={r.function!r} must look like 'module:function'")
-    elif r.function and dataset is not None:
+    elif r.function and dataset is not None and cluster_files:
         _check_reward_function(errors, r.function)
     if cfg.generator.quantization != "none" and cfg.generator.attention == "te":
         errors.append(f"generator.quantization={cfg.generator.quantization!r} needs Megatron-Core's own linear "
@@ -711,13 +712,13 @@ def _directory_problem(path: Path) -> Optional[str]:
     return None
 
 
-def _check_run(errors: list[str], cfg: JobConfig, world_size: Optional[int]) -> None:
+def _check_run(errors: list[str], cfg: JobConfig, world_size: Optional[int], cluster_files: bool = True) -> None:
     """The run's directory, logging, and the world the executors need."""
     name = cfg.run.name
     if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
         errors.append(f"run.name={name!r} must be a plain directory name (not empty, no '/', not '.' or '..'): "
                       f"the run writes into checkpoint.dir/run.name")
-    else:
+    elif cluster_files:
         for key, path in (("checkpoint.dir", Path(cfg.checkpoint.dir)), ("run.name", Path(cfg.checkpoint.dir) / name)):
             problem = _directory_problem(path)
             if problem:
@@ -742,13 +743,21 @@ def _check_run(errors: list[str], cfg: JobConfig, world_size: Optional[int]) -> 
                       f"{world}")
 
 
-def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
+# What `validate(cluster_files=False)` leaves unchecked: the files a job reads on its cluster, which the machine
+# that plans it need not have.
+CLUSTER_FILES = ("the data files", "model.tokenizer", "reward.function's module", "checkpoint.dir")
+
+
+def validate(cfg: JobConfig, world_size: Optional[int] = None, cluster_files: bool = True) -> ModelConfig:
     """Check that the job can run; raise ConfigError naming every problem found. Returns the resolved model.
 
     Besides the fields' types and ranges, it checks what the ranks would otherwise find minutes later: the files
     the job reads exist (data, tokenizer, reward model) and the first record of each data file loads, the reward
     function imports, and the checkpoint directory can be written. Called once per process before any process
-    group exists (the CLI, or each rank of a torchrun/srun world); ranks receive the resolved model."""
+    group exists (the CLI, or each rank of a torchrun/srun world); ranks receive the resolved model.
+
+    `cluster_files=False` (`megatron-rl plan`, run on a laptop for a cluster's job) skips the checks of
+    `CLUSTER_FILES`. The model's and the reward model's config files are still read: the plan needs their shapes."""
     errors: list[str] = []
     try:
         model: Optional[ModelConfig] = cfg.model.resolve()
@@ -760,8 +769,8 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None) -> ModelConfig:
         _check_layouts(errors, cfg, model)
     _check_fields(errors, cfg)
     _check_rollout(errors, cfg, model)
-    _check_data_and_reward(errors, cfg)
-    _check_run(errors, cfg, world_size)
+    _check_data_and_reward(errors, cfg, cluster_files)
+    _check_run(errors, cfg, world_size, cluster_files)
     errors = [" ".join(e.splitlines()) for e in errors]
     if len(errors) == 1:
         raise ConfigError(errors[0])

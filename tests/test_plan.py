@@ -229,6 +229,29 @@ def test_bad_inputs_get_one_line(args, needle, capsys):
     assert needle in err and "\n" not in err, err
 
 
+def test_plan_runs_without_the_clusters_files(tmp_path, capsys):
+    """A job is planned on a laptop: its data, tokenizer, reward function and run directory live on the cluster.
+    `train`'s validation reports each of them; `plan` leaves them out and says so."""
+    from megatron_rl import cli
+    from megatron_rl.config import ConfigError, load_config, validate
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the run directory would be: checkpoint.dir cannot be created under it
+    job = ["data.dataset=jsonl", "data.path=/cluster/prompts.jsonl", "model.tokenizer=/cluster/tokenizer.model",
+           "trainer.sft_warmup_steps=0", "reward.kind=function", "reward.function=cluster_rewards:score",
+           f"checkpoint.dir={blocked / 'runs'}"]
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, job))
+    for needle in ("data.path='/cluster/prompts.jsonl' does not exist", "model.tokenizer='/cluster/tokenizer.model'",
+                   "cluster_rewards", "checkpoint.dir"):
+        assert needle in str(e.value), (needle, str(e.value))
+    assert cli.main(["plan", *job, "--json"]) == 0, capsys.readouterr().err
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any(n.startswith("not checked here (the data files, model.tokenizer") for n in notes), notes
+    assert cli.main(["plan", *job, "trainer.tp=3"]) == 2  # everything else is still checked
+    assert "trainer.tp=3" in capsys.readouterr().err
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_checkpoint_of_another_model_and_unsourced_calibration_get_one_line(tmp_path, capsys):
     from megatron_rl import cli
