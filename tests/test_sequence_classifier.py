@@ -24,8 +24,9 @@ def _score_worker(rank, world_size, path, runs):
     g = build_topology([ExecutorPlacement("reward", ParallelLayout(tp=world_size))])["reward"]
     rm = ParallelRewardModel(path, g.layout, g.pgs)
     out = []
+    assert rm.max_length == rm.cfg.max_position_embeddings
     for batch_size, max_length, items in runs:
-        rm.batch_size, rm.max_length = batch_size, max_length
+        rm.batch_size, rm.max_length = batch_size, max_length or rm.cfg.max_position_embeddings
         out.append(rm.score(items if g.pgs.tp.rank() == 0 else None))
     names = [n for n, _ in rm.model.named_parameters()]
     return out, names, tuple(rm.head.shape), rm.tokenizer is not None
@@ -51,6 +52,14 @@ def reward_dir(tmp_path_factory):
     empty = ITEMS[:2] + [("", "", None)] + ITEMS[2:]
     batched = RewardModelReward(str(d), batch_size=2).score(empty)
     truncated = RewardModelReward(str(d), batch_size=3, max_length=4).score(ITEMS)
+    # Truncation keeps a text's last 4 tokens (the response's end, where the score is read): each text's tail alone.
+    tails = []
+    for prompt, response, _ in ITEMS:
+        with torch.no_grad():
+            ids = torch.tensor([tok(prompt + response)["input_ids"][-4:]])
+            tails.append(float(model(input_ids=ids).logits[0, 0]))
+    assert truncated == pytest.approx(tails, abs=1e-5)
+    assert RewardModelReward(str(d)).max_length == model.config.max_position_embeddings
     return d, alone, (empty, batched), truncated
 
 
@@ -58,7 +67,7 @@ def reward_dir(tmp_path_factory):
 def test_scores_match_transformers_at_tp(reward_dir, tp):
     d, alone, (empty, batched), truncated = reward_dir
     # batch_size 3: two batches (3 + 2 texts), each padded to its own longest text.
-    runs = [(3, 4096, ITEMS), (2, 4096, empty), (3, 4, ITEMS), (3, 4096, [])]
+    runs = [(3, None, ITEMS), (2, None, empty), (3, 4, ITEMS), (3, None, [])]
     results = run_local(_score_worker, tp, str(d), runs)
     assert len(set(round(w, 5) for w in alone)) == len(alone)  # the texts score differently: the test can fail
     for rank, (out, names, head, has_tok) in enumerate(results):

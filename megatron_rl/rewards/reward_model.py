@@ -3,7 +3,8 @@
 `reward.kind=reward-model` with `reward.model=DIR` (a `*ForSequenceClassification` checkpoint with
 `num_labels=1` and its tokenizer, e.g. a Llama reward model). The scorer runs in the process of each generator
 replica's leader, on that rank's device, in batches: the reward is the model's scalar output for the prompt
-followed by the response, read at the last real token (right padding, the model's `pad_token_id`).
+followed by the response, read at the last real token (right padding, the model's `pad_token_id`; a text longer than
+the model's max_position_embeddings keeps its end).
 
 This is the in-process form of the reward executor (`reward.executor.dp=0`): the reward model shares the generator
 leader's device and time, which suits small models. A reward model that needs tensor-parallel ranks of its own runs
@@ -23,7 +24,7 @@ from megatron_rl.rewards.base import RewardFunction, RewardItem
 class RewardModelReward(RewardFunction):
     name = "reward-model"
 
-    def __init__(self, path: str, batch_size: int = 16, max_length: int = 4096,
+    def __init__(self, path: str, batch_size: int = 16, max_length: Optional[int] = None,
                  device: Optional[torch.device] = None):
         try:
             import transformers
@@ -43,7 +44,9 @@ class RewardModelReward(RewardFunction):
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                  else torch.device("cpu"))
         self.model.to(self.device)
-        self.batch_size, self.max_length = batch_size, max_length
+        # A longer text keeps its last max_length tokens (`load_reward_tokenizer`): the score is read at its end.
+        self.batch_size = batch_size
+        self.max_length = max_length or self.model.config.max_position_embeddings
 
     @torch.no_grad()
     def score(self, items: Sequence[RewardItem]) -> list[float]:

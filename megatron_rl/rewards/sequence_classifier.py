@@ -8,7 +8,7 @@ shard of the GPTModel (`build_gpt_model`, without the vocabulary output layer: a
 fills it straight from the rows and columns of the safetensors tensors it is made of (the converter's
 `fill_param`, with the shard descriptors of `models/sharding.py`), and keeps the scalar head `score.weight`
 [1, hidden] replicated. TP rank 0 tokenizes (prompt + response, the model's own tokenizer, right padding,
-truncation at `max_length`) and broadcasts the token ids within the TP group; each batch runs embedding ->
+texts longer than `max_length`, by default the model's max_position_embeddings, cut from the left) and broadcasts the token ids within the TP group; each batch runs embedding ->
 decoder (causal attention; its final norm included) and the head reads the hidden state of the last token
 that is not the pad token, as transformers does, so the scores are `RewardModelReward`'s. The executor that
 receives rollouts and calls `ParallelRewardModel.score` lives in controller/executors.py.
@@ -114,14 +114,17 @@ def reward_model_config(path, tp: int = 1) -> ModelConfig:
 
 
 def load_reward_tokenizer(path):
-    """A reward model's HF tokenizer, set up for scoring: a pad token (eos, else unk) and right padding (batches are
-    read at the last real token). Shared by the in-process path and the executor, so both score the same tokens."""
+    """A reward model's HF tokenizer, set up for scoring: a pad token (eos, else unk), right padding (batches are
+    read at the last real token) and left truncation: a text longer than the model's window loses its start, not
+    the response's end, where the score is read. Shared by the in-process path and the executor, so both score the
+    same tokens."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(Path(path))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     tok.padding_side = "right"
+    tok.truncation_side = "left"
     return tok
 
 
@@ -152,16 +155,16 @@ class ParallelRewardModel:
     `score` is collective over `pgs.tp`; TP rank 0 alone needs the items (and holds the tokenizer)."""
 
     def __init__(self, path, layout: ParallelLayout, pgs, *, params_dtype: torch.dtype = torch.float32,
-                 batch_size: int = 16, max_length: int = 4096):
+                 batch_size: int = 16, max_length: Optional[int] = None):
         from safetensors import safe_open
 
         if layout.pp != 1:
             raise ValueError(f"the reward executor runs without pipeline parallelism (pp=1), got {layout}")
-        if batch_size < 1 or max_length < 1:
+        if batch_size < 1 or (max_length is not None and max_length < 1):
             raise ValueError(f"batch_size and max_length must be >= 1, got {batch_size} and {max_length}")
         self.path, self.pgs = Path(path), pgs
         self.cfg, files = _checked(path, layout.tp)
-        self.batch_size, self.max_length = batch_size, max_length
+        self.batch_size, self.max_length = batch_size, max_length or self.cfg.max_position_embeddings
         self.model = _build_body(self.cfg, layout, pgs, params_dtype, files)
         self.device = next(self.model.parameters()).device
         with safe_open(files["score.weight"], framework="pt") as f:
@@ -169,7 +172,7 @@ class ParallelRewardModel:
         self.tokenizer = load_reward_tokenizer(path) if pgs.tp.rank() == 0 else None
 
     def _encode(self, items: Sequence) -> tuple[list[list[int]], list[int]]:
-        """Token ids of each prompt + response (truncated at max_length) and the position transformers reads:
+        """Token ids of each prompt + response (its last max_length) and the position transformers reads:
         the last token that is not the pad token (0 when there is none)."""
         texts = [prompt + response for prompt, response, _ in items]
         ids = self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"] if texts else []
