@@ -42,6 +42,7 @@ def _args(d, run_dir, name, *extra):
 
 def _train(args, failpoint=None):
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAILPOINT"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     if failpoint:
         env["MEGATRON_RL_FAILPOINT"] = failpoint
     return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], capture_output=True, text=True,
@@ -52,11 +53,12 @@ def _rows(run_dir, name):
     return [json.loads(line) for line in open(run_dir / name / "metrics.jsonl")]
 
 
-def test_reward_executor_trains_as_the_in_process_path_and_resumes_after_its_rank_dies(models, tmp_path):
+def test_reward_executor_trains_as_the_in_process_path_resumes_after_its_rank_dies_and_adds_to_a_verifier(
+        models, tmp_path):
     """The same job twice: the reward model in the generator's leader (the in-process path), and on two TP ranks of
     its own (the policy's one colocated rank, which is also the controller, sends its texts there). The second run's reward rank is killed while it scores batch 2 (the job ends), and the run resumes.
     Every step's reward and held-out reward equal the in-process run's (fp32: the same responses, the same
-    scores to rounding), so nothing was lost or scored twice."""
+    scores to rounding), so nothing was lost or scored twice. A third job adds a verifier's reward to the score."""
     ref = _train(_args(models, tmp_path, "in_process"))
     assert ref.returncode == 0, ref.stderr[-3000:]
     args = _args(models, tmp_path, "executor", "reward.executor.tp=2", "reward.executor.dp=1")
@@ -77,6 +79,16 @@ def test_reward_executor_trains_as_the_in_process_path_and_resumes_after_its_ran
         if "eval/reward" in w:
             assert g["eval/reward"] == pytest.approx(w["eval/reward"], abs=1e-5)
         assert g["time/reward_model_s"] > 0 and "time/reward_model_s" not in w
+    # A verifier plus the reward model on its ranks: each sample's reward is the verifier's (a constant 0.25 here) plus
+    # reward.model_coef times the model's score. Step 0 samples from the starting weights, as both runs above did.
+    both = _train(_args(models, tmp_path, "both", "reward.executor.tp=2", "reward.executor.dp=1",
+                        "reward.kind=function", "reward.function=test_rewards:quarter_reward", "reward.model_coef=2",
+                        "run.steps=1"))
+    assert both.returncode == 0, both.stderr[-3000:]
+    first = _rows(tmp_path, "both")[0]
+    assert first["step"] == 0
+    assert first["reward"] == pytest.approx(0.25 + 2 * want[0]["reward"], abs=1e-5)
+    assert first["eval/reward"] == pytest.approx(0.25 + 2 * want[0]["eval/reward"], abs=1e-5)
 
 
 @pytest.mark.parametrize("overrides, message", [
