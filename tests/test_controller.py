@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from megatron_rl.controller.schedule import generation_version, pull_before_batch, push_after_step, syncs_needed
+from test_loop import documented_metrics
 
 
 @pytest.mark.parametrize("n,s", [(6, 0), (6, 1), (7, 2), (3, 3)])
@@ -41,6 +42,7 @@ def test_short_job_end_to_end(tmp_path, mode):
     assert [r["generated_with_version"] for r in rows] == expected
     assert all(0 <= r["reward"] <= 1 and r["response_length"] >= 1 for r in rows)
     assert [r["step"] for r in rows if "eval/reward" in r] == [0, 2, 3]
+    assert set().union(*rows) <= documented_metrics()  # docs/metrics.md explains every field
     assert summary["steps"] == 4 and (tmp_path / "t" / "metrics.png").exists()
     assert (tmp_path / "t" / "config.yaml").exists()
 

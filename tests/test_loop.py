@@ -2,6 +2,8 @@
 schedule's rules, and `loop.run` driven by fake executors with the real `Collector`."""
 
 import dataclasses
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -106,6 +108,20 @@ def test_collector_adds_reward_model_scores_to_each_replicas_rewards():
                           scorers=[5])
         wrong.put(_rollouts(1, 0, [1.0], [0]))
         wrong.collect(1)
+
+
+def documented_metrics() -> set:
+    """The fields docs/metrics.md explains (the first column of its table)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    return set(re.findall(r"^\| `([^`]+)` \|", text, flags=re.M))
+
+
+def test_every_field_of_a_metrics_row_is_documented_and_every_documented_field_exists():
+    """A row with every optional part (held-out reward, reward-model executor, KL reference) plus the two fields
+    the loop adds equals docs/metrics.md's list; test_controller checks that a real job's rows hold no other."""
+    parts = [dataclasses.replace(_rollouts(0, 0, [1.0, 0.0], [0, 0]), eval_reward=0.5, reward_model_s=0.1)]
+    row = metrics_row(0, parts, pack(parts, pad_id=0), {}, train_s=1.0, recv_s=0.0, kl_ref=True)
+    assert set(row) | {"time/total_s", "warm_start_s"} == documented_metrics()
 
 
 def test_pack_matches_a_hand_built_batch():
