@@ -159,6 +159,11 @@ def test_relaunch_resumes_the_same_wandb_run_and_a_fresh_start_begins_another(tm
         for row in _rows(steps, tag):
             writer.write(row)
         writer.close()
+    # `finish` returns once W&B's service has taken the run's records; its writer may still be writing them to the
+    # offline file (a job's process exits through W&B's own teardown, which waits). Read after the same wait.
+    import wandb
+
+    wandb.teardown()
     first, resumed, fresh = _offline_runs(run_dir)
     assert first["id"] == resumed["id"] != fresh["id"]
     assert (run_dir / WandbLogger.ID_FILE).read_text().strip() == fresh["id"]

@@ -272,7 +272,8 @@ def _reward_model_memory(cfg: JobConfig, cal: Calibration, device_bytes: int) ->
     Weights: this TP rank's GPTModel as `ParallelRewardModel` builds it (tied embeddings, hence no output-layer
     weight, and its output layer dropped), on the meta device in the generator's dtype, plus the replicated fp32
     head [1, hidden]. Workspace: `_scoring_workspace_bytes` for one batch of the executor's `batch_size` sequences
-    of rollout.max_prompt_length + rollout.max_new_tokens tokens (at most its `max_length`)."""
+    of rollout.max_prompt_length + rollout.max_new_tokens tokens (at most its `max_length`, by default the reward
+    model's max_position_embeddings)."""
     import inspect
 
     from megatron_rl.rewards.sequence_classifier import ParallelRewardModel, reward_model_config
@@ -287,7 +288,8 @@ def _reward_model_memory(cfg: JobConfig, cal: Calibration, device_bytes: int) ->
     head = 4 * rm.hidden_size
     weights = sum(p.nbytes for p in mods.params if not p.name.startswith("output_layer.")) + head
     defaults = inspect.signature(ParallelRewardModel).parameters  # the executor passes neither
-    batch, max_length = defaults["batch_size"].default, defaults["max_length"].default
+    batch = defaults["batch_size"].default
+    max_length = defaults["max_length"].default or rm.max_position_embeddings  # None: the model's own window
     context = min(cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens, max_length)
     work = _scoring_workspace_bytes(rm, e.tp, batch, context, _itemsize(dtype))
     rank = RankMemory("reward model", "every rank", {"weights": weights, "scoring_workspace": work,
