@@ -192,7 +192,8 @@ def cmd_eval(args) -> int:
 
     settings = EvalSettings(dataset=args.dataset, data_dir=args.data_dir, limit=args.limit,
                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, tp=args.tp, pp=args.pp,
-                            chat=args.chat, samples_out=args.samples_out, tokenizer=args.tokenizer)
+                            chat=args.chat, samples_out=args.samples_out, tokenizer=args.tokenizer,
+                            dtype=args.dtype)
     return _json_or_one_line_error("eval", EvalError, lambda: evaluate(args.checkpoint, settings))
 
 
@@ -268,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="override the checkpoint's tokenizer: a Hugging Face directory, a .gguf file, a "
                         "sentencepiece .model, or 'byte'")
+    p.add_argument("--dtype", default=None,
+                   help="fp32, bf16 or auto (the machine's fast one); default: the checkpoint's own. Give two "
+                        "checkpoints you compare the same --dtype")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("presets", help="list the model presets")
     p.set_defaults(func=cmd_presets)

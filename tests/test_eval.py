@@ -57,7 +57,8 @@ def test_eval_matches_transformers_greedy_on_gsm8k(smollm2, tmp_path, capsys):
     lines = out.out.strip().splitlines()
     assert len(lines) == 1
     summary = json.loads(lines[0])
-    assert set(summary) == {"dataset", "checkpoint", "n", "correct", "accuracy", "time_s", "tokens_per_s"}
+    assert set(summary) == {"dataset", "checkpoint", "dtype", "n", "correct", "accuracy", "time_s", "tokens_per_s"}
+    assert summary["dtype"] == "float32"  # the converted checkpoint's own
     assert summary["dataset"] == "gsm8k" and summary["checkpoint"] == str(ckpt) and summary["n"] == LIMIT
     assert summary["tokens_per_s"] > 0 and summary["time_s"] > 0
     got = [json.loads(line) for line in samples.read_text().splitlines()]
@@ -87,6 +88,7 @@ def test_eval_errors_are_one_line(smollm2, tmp_path, capsys):
     assert "--tp=2 does not divide the model's num_attention_heads=9" in run(smollm2_ckpt, "--tp", "2")
     assert "--pp=4 does not divide the model's num_layers=30" in run(smollm2_ckpt, "--pp", "4")
     assert "--tokenizer" in run(smollm2_ckpt, "--tokenizer", tmp_path / "missing.gguf")
+    assert "--dtype 'fp16' is not one of fp32, bf16, auto" in run(smollm2_ckpt, "--dtype", "fp16")
     # A checkpoint that records no tokenizer, evaluated without --tokenizer.
     bare = tmp_path / "bare"
     (bare / "model").mkdir(parents=True)
@@ -117,6 +119,15 @@ def test_eval_at_tp2_and_pp2_equals_tp1(tmp_path, capsys):
     rows = {k: [json.loads(line) for line in samples[k].read_text().splitlines()] for k in layouts}
     assert rows[1, 1] == rows[2, 1] == rows[1, 2] and all(r["new_tokens"] == 6 for r in rows[1, 1])
     assert rows[1, 1][0]["prompt"].startswith("Solve the following math problem")  # --no-chat: the bare instruction
+    # --dtype bf16 on the fp32 checkpoint runs the model that converting to bf16 gives, in that checkpoint's own dtype.
+    convert(tmp_path / "hf", tmp_path / "ckpt-bf16", to="megatron", dtype="bfloat16")
+    for name, ckpt, extra in (("cast", "ckpt", ["--dtype", "bf16"]), ("stored", "ckpt-bf16", [])):
+        assert main(["eval", str(tmp_path / ckpt), "--tokenizer", "byte", "--no-chat", "--limit", "2",
+                     "--max-new-tokens", "6", "--samples-out", str(tmp_path / f"{name}.jsonl"), *extra]) == 0
+        assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+    cast, stored = ([json.loads(line) for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
+                    for n in ("cast", "stored"))
+    assert cast == stored
 
 
 def test_checkpoint_root_resolves_through_latest(tmp_path):

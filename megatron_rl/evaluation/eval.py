@@ -10,8 +10,12 @@ through the tokenizer's chat template when `chat` is on (the default when the to
 BOS first (not repeated when the template already starts with it). Generation stops at the tokenizer's stop ids
 or after `max_new_tokens`.
 
-The result: `{"dataset", "checkpoint", "n", "correct", "accuracy", "time_s", "tokens_per_s"}`; a problem is correct
-when its verifier scores it 1; `time_s` is the whole evaluation (process start, loading, decoding, scoring),
+Precision: the checkpoint's own (a converted model is fp32, a bf16 run's checkpoint bf16) unless `dtype` names one
+(`fp32`, `bf16`, or `auto`: bf16 where this machine multiplies it natively). Comparing two checkpoints, give both the
+same `dtype`: greedy decoding follows every rounding difference.
+
+The result: `{"dataset", "checkpoint", "dtype", "n", "correct", "accuracy", "time_s", "tokens_per_s"}`; a problem is
+correct when its verifier scores it 1; `time_s` is the whole evaluation (process start, loading, decoding, scoring),
 `tokens_per_s` the generated tokens over the decoding time alone.
 """
 
@@ -52,6 +56,7 @@ class EvalSettings:
     chat: Optional[bool] = None  # None: on when the tokenizer has a chat template
     samples_out: Optional[str] = None
     tokenizer: Optional[str] = None
+    dtype: Optional[str] = None  # None: the checkpoint's own; else fp32, bf16 or auto
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------------
@@ -149,8 +154,9 @@ def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts:
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 
     g = build_topology([ExecutorPlacement("eval", ParallelLayout(tp=world_size // pp, pp=pp))])["eval"]
-    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa")
-    model = model.to(getattr(torch, dtype))
+    # Built as a job's generator builds it in `dtype` (a bf16 model keeps its norm weights in fp32); the stored
+    # tensors are rounded to it as they load, whatever dtype they were saved in.
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=getattr(torch, dtype))
     state = dist_checkpointing.load(model.sharded_state_dict(metadata={"dp_cp_group": g.pgs.dp_cp}), model_dir)
     model.load_state_dict(state)
     gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch_size, max_len=max_len, pp_group=g.pgs.pp)
@@ -166,6 +172,18 @@ def _dtype_of(meta: dict) -> str:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise EvalError(f"checkpoint dtype {dtype!r} is not one of float32, bfloat16, float16")
     return dtype
+
+
+def _compute_dtype(requested: Optional[str], stored: str) -> str:
+    """The torch dtype name the model runs in: `requested` (fp32, bf16, auto) or, when None, the stored one."""
+    if requested is None:
+        return stored
+    from megatron_rl.models.precision import resolve_dtype_name  # imports torch: only when asked
+
+    try:
+        return {"fp32": "float32", "bf16": "bfloat16"}[resolve_dtype_name(requested)]
+    except ValueError:
+        raise EvalError(f"--dtype {requested!r} is not one of fp32, bf16, auto") from None
 
 
 def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = None) -> dict:
@@ -187,6 +205,7 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
     if cfg.num_layers % s.pp:
         raise EvalError(f"--pp={s.pp} does not divide the model's num_layers={cfg.num_layers}")
     dtype = _dtype_of(meta)
+    compute = _compute_dtype(s.dtype, dtype)
     tok = checkpoint_tokenizer(ckpt, s.tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise EvalError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}; "
@@ -199,7 +218,7 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
     from megatron_rl.parallel.spawn import LaunchError, run_local  # imports torch: after the argument checks
 
     try:
-        results = run_local(_generate_worker, s.tp * s.pp, cfg, str(ckpt / MODEL_DIR), dtype, prompts,
+        results = run_local(_generate_worker, s.tp * s.pp, cfg, str(ckpt / MODEL_DIR), compute, prompts,
                             s.max_new_tokens, tuple(sorted(tok.stop_ids)), s.batch_size, max_len, s.pp,
                             backend="auto", timeout=None, dist_timeout_s=1800.0)
     except LaunchError as e:
@@ -217,6 +236,6 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
                 f.write(json.dumps({"id": rec.id, "prompt": text, "output": resp, "reference": rec.reference,
                                     "score": score, "finish_reason": finish, "new_tokens": len(ids),
                                     **({"error": error} if error else {})}) + "\n")
-    return {"dataset": spec.name, "checkpoint": str(ckpt), "n": len(records), "correct": correct,
+    return {"dataset": spec.name, "checkpoint": str(ckpt), "dtype": compute, "n": len(records), "correct": correct,
             "accuracy": correct / len(records), "time_s": round(time.perf_counter() - t0, 2),
             "tokens_per_s": round(stats.get("tokens_per_s", 0.0), 1)}
