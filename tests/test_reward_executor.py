@@ -61,6 +61,8 @@ def test_reward_executor_trains_as_the_in_process_path_resumes_after_its_rank_di
     scores to rounding), so nothing was lost or scored twice. A third job adds a verifier's reward to the score."""
     ref = _train(_args(models, tmp_path, "in_process"))
     assert ref.returncode == 0, ref.stderr[-3000:]
+    # named after its source, not the run_dir/initial_model it was converted into
+    assert json.loads((tmp_path / "in_process" / "summary.json").read_text())["model"] == "hf"
     args = _args(models, tmp_path, "executor", "reward.executor.tp=2", "reward.executor.dp=1")
     died = _train(args, failpoint="reward_model_batch:2")
     assert died.returncode != 0

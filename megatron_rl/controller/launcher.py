@@ -277,6 +277,7 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
 
     with RunLock(run_dir_of(cfg), warn=_say):  # before anything is written into the run directory
         run_dir = prepare_run_dir(cfg)
+        model_name = cfg.model.name  # the source's name: a converted source becomes run_dir/initial_model
         cfg = initial.prepare(cfg, run_dir, log=_say)
         t0 = time.perf_counter()
         # No time limit on the whole job (a run takes as long as its steps); a dead or hung rank still ends it
@@ -290,7 +291,8 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
                                     f"{'; Ctrl-C again kills them now' if signum == signal.SIGINT else ''})"))
         except RanksFailed as e:
             raise _failed(cfg, run_dir, e) from None
-        return write_summary(cfg, results[0], run_dir, time.perf_counter() - t0, {"backend": backend})
+        return write_summary(cfg, results[0], run_dir, time.perf_counter() - t0, {"backend": backend},
+                             model_name=model_name)
 
 
 def check_world(cfg: JobConfig, world_size: int) -> ModelConfig:
@@ -325,16 +327,19 @@ def _layout_text(section) -> str:
     return " ".join(f"{d}={getattr(section, d)}" for d in ("tp", "pp", "dp") if d == "tp" or getattr(section, d) != 1)
 
 
-def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extra: Optional[dict] = None) -> dict:
+def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extra: Optional[dict] = None,
+                  model_name: Optional[str] = None) -> dict:
     """summary.json and metrics.png from rank 0's `rank_main` result (both launchers). The
-    rows are those of metrics.jsonl (all steps of the run, including those before a resume) when it exists."""
+    rows are those of metrics.jsonl (all steps of the run, including those before a resume) when it exists.
+    `model_name` names the model in both (default: `cfg.model.name`)."""
     from megatron_rl.controller.metrics import plot_run, read_metrics
 
     metrics = run_dir / "metrics.jsonl"
     rows = read_metrics(metrics) if metrics.exists() else result["rows"]
     evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
     summary = {
-        "run_dir": str(run_dir), "steps": len(rows), "resumed_from_step": result.get("start_step", 0),
+        "run_dir": str(run_dir), "model": model_name or cfg.model.name, "steps": len(rows),
+        "resumed_from_step": result.get("start_step", 0),
         "wall_time_s": round(wall, 1),
         "warm_start_s": round(rows[0]["warm_start_s"], 1) if rows else None,
         "eval_reward_start": evals[0] if evals else None, "eval_reward_end": evals[-1] if evals else None,
@@ -344,7 +349,7 @@ def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extr
         **result.get("stopped", {}), **(extra or {}),
     }
     plot = plot_run(rows, run_dir / "metrics.png",
-                    title=f"{cfg.model.name}: {cfg.rollout.mode} AIPO, trainer {_layout_text(cfg.trainer)}, "
+                    title=f"{summary['model']}: {cfg.rollout.mode} AIPO, trainer {_layout_text(cfg.trainer)}, "
                           f"generator {_layout_text(cfg.generator)}")
     summary["plot"] = str(plot) if plot else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
