@@ -70,7 +70,7 @@ def test_gsm8k_trains_on_train_and_holds_out_test_through_the_chat_template():
             return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
     class Tok(Chat):
-        tok = type("Inner", (), {"chat_template": "x"})()
+        has_chat_template = True
 
     cfg = load_config(None, ["data.dataset=gsm8k", "data.eval_size=5", "rollout.max_prompt_length=2000"])
     task = build_task(cfg, Tok())

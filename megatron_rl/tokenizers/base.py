@@ -35,6 +35,12 @@ class Tokenizer(ABC):
     def stop_ids(self) -> set[int]:
         return {self.eos_id}
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer carries its model's own chat template (a Hugging Face tokenizer that has one): what
+        `data.chat` and `eval --chat` default to. The fallback formats of `apply_chat_template` do not count."""
+        return False
+
     @abstractmethod
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 

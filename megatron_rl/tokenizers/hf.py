@@ -56,8 +56,12 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        if getattr(self.tok, "chat_template", None):
+        if self.has_chat_template:
             return self.tok.apply_chat_template(messages, tokenize=False,
                                                 add_generation_prompt=add_generation_prompt)
         return super().apply_chat_template(messages, add_generation_prompt)
