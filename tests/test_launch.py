@@ -193,8 +193,9 @@ def test_backend_and_gpus_per_rank():
         env_backend(cfg, rank, 1)
 
 
-def test_local_train_with_an_impossible_backend_fails_before_writing(tmp_path, capsys):
-    """`megatron-rl train run.backend=nccl` on a machine without CUDA: one line, exit 2, no run directory."""
+def test_local_train_with_an_impossible_backend_fails_before_writing(tmp_path, capsys, monkeypatch):
+    """`megatron-rl train run.backend=nccl` on a machine without CUDA, or with a start method that does not exist:
+    one line, exit 2, no run directory."""
     import torch
 
     from megatron_rl.cli import main
@@ -205,6 +206,13 @@ def test_local_train_with_an_impossible_backend_fails_before_writing(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == ["megatron-rl: config error: the NCCL backend needs CUDA, which this process does not "
                                "see"]
+    assert not (tmp_path / "x").exists()
+    # the start method the tests use to run ranks as GPU machines do, misspelt
+    monkeypatch.setenv("MEGATRON_RL_START_METHOD", "spwan")
+    rc = main(["train", "--launcher", "local", f"checkpoint.dir={tmp_path}", "run.name=x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["megatron-rl: config error: MEGATRON_RL_START_METHOD='spwan' is not one of spawn, "
+                               "forkserver"]
     assert not (tmp_path / "x").exists()
 
 

@@ -264,12 +264,13 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
     """The local launcher: run the job on this machine with as many processes as its executors need; returns the
     summary. `model_cfg`: what `validate` resolved, when the caller has already validated `cfg`."""
     from megatron_rl.checkpointing import initial
-    from megatron_rl.parallel.spawn import LaunchError, local_gpus, resolve_backend, run_local
+    from megatron_rl.parallel.spawn import LaunchError, local_gpus, resolve_backend, run_local, start_method
 
     world = cfg.world_size_needed
     if model_cfg is None:
         model_cfg = validate(cfg, world)
-    try:  # before anything is written: a machine with too few GPUs fails in one line
+    try:  # before anything is written: a machine with too few GPUs (or a bad start method) fails in one line
+        start_method(local_gpus())
         backend = resolve_backend(cfg.run.backend, world, local_gpus())
     except LaunchError as e:
         raise ConfigError(str(e)) from None

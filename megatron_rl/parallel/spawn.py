@@ -235,13 +235,19 @@ class _Forwarder:
         return self.now or (self.deadline is not None and time.monotonic() > self.deadline)
 
 
-def _start_context(cuda: int):
-    """The multiprocessing context ranks start from: forkserver on CPUs (a warm server with torch and Megatron-Core
-    imported), spawn where CUDA is present; MEGATRON_RL_START_METHOD=spawn runs the GPU machines' method on a CPU (the
-    tests use it)."""
+def start_method(cuda: int) -> str:
+    """How ranks start: forkserver on CPUs (a warm server with torch and Megatron-Core imported), spawn where CUDA is
+    present; MEGATRON_RL_START_METHOD=spawn runs the GPU machines' method on a CPU (the tests use it). LaunchError
+    for any other value."""
     method = os.environ.get("MEGATRON_RL_START_METHOD") or ("spawn" if cuda else "forkserver")
     if method not in ("spawn", "forkserver"):
         raise LaunchError(f"MEGATRON_RL_START_METHOD={method!r} is not one of spawn, forkserver")
+    return method
+
+
+def _start_context(cuda: int):
+    """The multiprocessing context of `start_method`."""
+    method = start_method(cuda)
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
