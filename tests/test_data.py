@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.data import (ChatPromptBuilder, DataError, JsonlPromptDataset, PromptIterator, PromptRecord,
+from megatron_rl.data import (ChatPromptBuilder, DataError, JsonlPromptDataset, PromptRecord,
                               ResumableSampler, UnknownDatasetError, default_data_dir, load_gsm8k, load_math500,
                               load_prompt_dataset, registry, resolve_dataset)
 from megatron_rl.tokenizers.byte import ByteTokenizer
@@ -272,15 +272,3 @@ def test_sampler_resume_on_a_different_world_size():
     rest = sum((s.next_indices(2) for s in three), [])
     order = ResumableSampler(12, seed=9, shuffle=True).epoch_order(0)
     assert sorted(rest) == sorted(order[6:])  # the new ranks take exactly the rest of the epoch
-
-
-def test_prompt_iterator():
-    ds = load_math500(limit=20)
-    it = PromptIterator(ds, ResumableSampler(len(ds), seed=0))
-    batch = it.next_batch(5)
-    assert all(isinstance(r, PromptRecord) for r in batch) and len({r.id for r in batch}) == 5
-    again = PromptIterator(ds, ResumableSampler(len(ds), seed=0))
-    again.load_state_dict(it.state_dict())
-    assert again.next_batch(5) == it.next_batch(5)
-    with pytest.raises(ValueError, match="sampler is for 3 items"):
-        PromptIterator(ds, ResumableSampler(3))

@@ -9,11 +9,11 @@ from megatron_rl.data.datasets import (default_data_dir, gsm8k_final_answer, loa
 from megatron_rl.data.jsonl import JsonlPromptDataset
 from megatron_rl.data.records import DataError, Message, PromptRecord
 from megatron_rl.data.registry import DatasetSpec, UnknownDatasetError, resolve_dataset
-from megatron_rl.data.sampler import PromptIterator, ResumableSampler
+from megatron_rl.data.sampler import ResumableSampler
 
 __all__ = [
     "ChatPromptBuilder", "DataError", "DatasetSpec", "GSM8K_INSTRUCTION", "INSTRUCTIONS",
-    "JsonlPromptDataset", "MATH_INSTRUCTION", "Message", "PLAIN_INSTRUCTION", "PromptIterator",
+    "JsonlPromptDataset", "MATH_INSTRUCTION", "Message", "PLAIN_INSTRUCTION",
     "PromptRecord", "ResumableSampler", "UnknownDatasetError", "default_data_dir", "gsm8k_final_answer",
     "load_gsm8k", "load_math500", "load_prompt_dataset", "resolve_dataset",
 ]

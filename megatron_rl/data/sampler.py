@@ -14,9 +14,7 @@ rank gets the same number of prompts), or cut short with `drop_last=True`.
 from __future__ import annotations
 
 import random
-from typing import Iterator, Sequence
-
-from megatron_rl.data.records import PromptRecord
+from typing import Iterator
 
 
 class ResumableSampler:
@@ -101,22 +99,3 @@ class ResumableSampler:
             raise ValueError(f"sampler state has a negative position: {state}")
         self.epoch = epoch
         self.consumed = min((consumed // self.world_size) * self.world_size, self.global_epoch_size)
-
-
-class PromptIterator:
-    """Batches of PromptRecords from a dataset in sampler order; its state is the sampler's."""
-
-    def __init__(self, dataset: Sequence[PromptRecord], sampler: ResumableSampler):
-        if len(dataset) != sampler.num_items:
-            raise ValueError(f"the sampler is for {sampler.num_items} items but the dataset has {len(dataset)}")
-        self.dataset = dataset
-        self.sampler = sampler
-
-    def next_batch(self, size: int) -> list[PromptRecord]:
-        return [self.dataset[i] for i in self.sampler.next_indices(size)]
-
-    def state_dict(self) -> dict:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
