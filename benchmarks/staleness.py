@@ -126,6 +126,9 @@ def main(argv=None) -> int:
                    help="run nothing: tabulate and plot the settings of a study run in parts, from its study "
                         "directories or study.json files (default plot: staleness-combined.png beside the first)")
     p.add_argument("--plot", type=Path, default=None, help="where to write the PNG")
+    p.add_argument("--save", type=Path, default=None,
+                   help="also write the results, curves included, to this study.json (e.g. to keep a study whose run "
+                        "directories will not be kept; `--from` reads it back)")
     args = p.parse_args(argv)
     if args.from_dirs:
         results = collect(args.from_dirs)
@@ -144,6 +147,9 @@ def main(argv=None) -> int:
                 {"config": args.config or "default", "overrides": overrides, "results": results}, indent=1) + "\n")
         png = args.plot or root / "staleness.png"
     plot(results, png)
+    if args.save:
+        args.save.write_text(json.dumps({"from": [str(d) for d in args.from_dirs or []] or None,
+                                         "config": args.config, "results": results}, indent=1) + "\n")
     print(f"wrote {png}")
     print(f"{'setting':<22} {'start':>6} {'best':>6} {'last':>6} {'last 1/4':>8} {'step s':>7} {'|dlogp|':>8}")
     for r in results:
