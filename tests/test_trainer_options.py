@@ -15,6 +15,7 @@ How Megatron-Core 0.16 applies them (read from megatron/core/optimizer/__init__.
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -91,6 +92,29 @@ def test_the_learning_rate_warms_up_linearly_over_lr_warmup_steps_then_stays(rl_
         assert entry["lr"] == pytest.approx([want[k - 1]] * len(entry["lr"]), rel=1e-12, abs=0), k
     # The reported "lr" is the optimizer's after the step: the rate the next step will use.
     assert [m["lr"] for m in metrics] == pytest.approx([rl_lr(k + 1) for k in range(1, RL_STEPS + 1)], rel=1e-12)
+
+
+def test_adamw_foreach_path_gives_the_per_parameter_paths_bits_on_cpu():
+    """`_use_fused_adam` moves CPU groups to torch's foreach AdamW on the promise that it is the per-parameter path's
+    update bit for bit: checked here on parameters of several shapes, with weight decay and amsgrad off, 5 steps."""
+    from megatron_rl.training.engine import _use_fused_adam
+
+    torch.manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2), (1,)]
+    params = {path: [torch.nn.Parameter(torch.randn(s)) for s in shapes] for path in ("plain", "switched")}
+    for i in range(len(shapes)):
+        params["switched"][i].data.copy_(params["plain"][i].data)
+    opts = {path: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False) for path, ps in params.items()}
+    _use_fused_adam(SimpleNamespace(optimizer=opts["switched"]))  # as Megatron-Core's wrapper holds it
+    assert opts["switched"].param_groups[0]["foreach"] and not opts["plain"].param_groups[0]["foreach"]
+    for _ in range(5):
+        grads = [torch.randn(s) for s in shapes]
+        for path, opt in opts.items():
+            for p, g in zip(params[path], grads):
+                p.grad = g.clone()
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params["plain"], params["switched"]))
+    assert not torch.equal(params["plain"][0], params["plain"][0].new_zeros(shapes[0]))
 
 
 def _decays(name: str, p: torch.Tensor) -> bool:

@@ -173,10 +173,10 @@ def _compute_dtype(requested: Optional[str], stored: str) -> str:
     """The torch dtype name the model runs in: `requested` (fp32, bf16, auto) or, when None, the stored one."""
     if requested is None:
         return stored
-    from megatron_rl.models.precision import resolve_dtype_name  # imports torch: only when asked
+    from megatron_rl.models.precision import resolve_dtype  # imports torch: only when asked
 
     try:
-        return {"fp32": "float32", "bf16": "bfloat16"}[resolve_dtype_name(requested)]
+        return str(resolve_dtype(requested)).removeprefix("torch.")
     except ValueError:
         raise EvalError(f"--dtype {requested!r} is not one of fp32, bf16, auto") from None
 
