@@ -5,7 +5,8 @@ What is patched and why (all of it only when CUDA is absent; see `activate`):
 1. Device placement. Megatron-Core allocates with `device=torch.cuda.current_device()` (an int),
    `device="cuda"`, calls `Tensor.cuda()`, `.to("cuda")`, `pin_memory()`, `non_blocking` copies. A
    `TorchFunctionMode` (`_CudaToCpu`) rewrites every CUDA or integer device argument to `cpu`, turns
-   `.cuda()` into a no-op and `pin_memory` into a no-op. A mode intercepts every torch call, so we need
+   `.cuda()` into a no-op and `pin_memory` into a no-op (in the CUDA-rules mode, `megatron_rl.compat.cuda_rules`,
+   into CUDA's copy, which refuses overlapping tensors). A mode intercepts every torch call, so we need
    no list of the call sites, and new Megatron-Core versions are covered as long as they go through torch.
    The mode is entered for the main thread and for every thread started afterwards (torch's function-mode
    stack is thread-local; dist_checkpointing writes from worker threads).
@@ -32,6 +33,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_rl.compat import cuda_rules
 
 _state: dict[str, Any] = {"active": False, "mode": None, "saved": {}}
 _lock = threading.Lock()
@@ -83,8 +86,10 @@ def _cpu_kwargs(kwargs: dict) -> dict:
 def _cuda_method(func, args: tuple, kwargs: dict):
     """`Tensor.cuda()` and `pin_memory()` return the tensor, `is_pinned()` False, `type()` the CUDA type name, and
     `to` a CUDA device (positional or keyword) goes to the CPU."""
-    if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+    if func is torch.Tensor.cuda:
         return args[0]
+    if func is torch.Tensor.pin_memory:  # CUDA's copy and its refusal of overlapping tensors in the CUDA-rules mode
+        return cuda_rules.pin_memory(args[0]) if cuda_rules.enabled() else args[0]
     if func is torch.Tensor.is_pinned:
         return False
     if func is torch.Tensor.type and len(args) == 1 and not kwargs:

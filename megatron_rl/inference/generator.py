@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_rl.compat import cuda_rules
 from megatron_rl.inference.kv_forward import IncrementalForward
 from megatron_rl.inference.pipeline import PipelinedDecode
 from megatron_rl.inference.sampling import SamplingParams, sample
@@ -60,10 +61,14 @@ class _Seq:
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting for the device's queued work (a pageable copy to a GPU
-    synchronizes the stream, which would stall behind a step launched ahead)."""
-    if device.type != "cuda":
+    synchronizes the stream, which would stall behind a step launched ahead).
+
+    The pinned copy has `t`'s strides, so `t` is made contiguous first: CUDA refuses to pin a tensor whose elements
+    share memory, such as the expanded position grid of a prefill. In the CUDA-rules mode the same path runs on
+    the CPU, with `cuda_rules.pin_memory` refusing what CUDA refuses."""
+    if device.type != "cuda" and not cuda_rules.enabled():
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return cuda_rules.pin_memory(t.contiguous()).to(device, non_blocking=True)
 
 
 class _DecodeStep:
@@ -92,6 +97,8 @@ class _DecodeStep:
         if use_graph:
             try:
                 self._capture()
+            except cuda_rules.CaptureError:
+                raise
             except Exception as e:  # pragma: no cover - depends on the GPU stack
                 logger.warning("CUDA graph capture failed (%s); decoding eagerly", e)
                 self.graph = None
@@ -99,7 +106,7 @@ class _DecodeStep:
     def _body(self):
         # A captured graph needs a fixed shape: the whole cache. Eagerly, attention reads up to the furthest
         # position of any slot (on a CPU reading it back costs nothing).
-        kv_len = self.cache.max_len if self.positions.is_cuda else int(self.positions.max()) + 1
+        kv_len = self.cache.max_len if cuda_rules.gpu_path(self.positions) else int(self.positions.max()) + 1
         logits = self.gen.forward(self.tokens[:, None], self.positions[:, None], self.slots, self.cache,
                                   kv_len=kv_len, all_slots=True)
         full = self.gen._full_logits(logits[:, 0])
@@ -125,6 +132,14 @@ class _DecodeStep:
 
     def _capture(self):
         self.top_p.fill_(1.0)
+        if not self.tokens.is_cuda:  # the CUDA-rules mode: warm up and "capture" as below, refusing what capture does
+            for _ in range(2):
+                self._body()
+            with cuda_rules.CaptureChecker("the generator's decode step"):
+                self._body()
+            for buf in (self.tokens, self.positions, self.steps):
+                buf.zero_()
+            return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -168,12 +183,13 @@ class Generator:
             self.pipeline = PipelinedDecode(self.forward, pp_group, self._full_logits, self._stopped)
         elif not (model.pre_process and model.post_process):
             raise ValueError("the model is one pipeline stage: the generator needs its pp_group")
-        self.cuda_graphs = torch.cuda.is_available() if cuda_graphs is None else cuda_graphs
+        gpu = torch.cuda.is_available() or cuda_rules.enabled()
+        self.cuda_graphs = gpu if cuda_graphs is None else cuda_graphs
         # Launch step t + 1 before reading step t's tokens (on by default with CUDA, where it hides the host's
         # bookkeeping behind the GPU's work; on a CPU there is nothing to overlap). A sequence that ends at step t
         # then costs its slot one more (discarded) step, and its successor is admitted one step later; every
         # sequence's tokens are the same either way.
-        self.lookahead = torch.cuda.is_available() if lookahead is None else lookahead
+        self.lookahead = gpu if lookahead is None else lookahead
         self.weight_version = 0
         self.stats: dict = {}
         self._cache = None
@@ -280,13 +296,14 @@ class Generator:
             return self.pipeline.run(pending, cache, device, filtering, noise)
         key = (filtering, noise)
         if key not in self._steps:
-            use_graph = self.cuda_graphs and device.type == "cuda"
+            use_graph = self.cuda_graphs and (device.type == "cuda" or cuda_rules.enabled())
             self._steps[key] = _DecodeStep(self, cache, device, filtering, noise, use_graph)
         step = self._steps[key]
         # Two host buffers (pinned on GPUs) for the tokens and log-probs of consecutive steps: step t's are read
         # while step t + 1 copies into the other one.
-        host = [(torch.empty(cache.slots, dtype=torch.long, pin_memory=device.type == "cuda"),
-                 torch.empty(cache.slots, dtype=torch.float32, pin_memory=device.type == "cuda")) for _ in range(2)]
+        pin = device.type == "cuda"
+        host = [(torch.empty(cache.slots, dtype=torch.long, pin_memory=pin),
+                 torch.empty(cache.slots, dtype=torch.float32, pin_memory=pin)) for _ in range(2)]
         waiting = list(pending)
         by_slot: dict[int, _Seq] = {}  # running sequences (not known to have finished)
         free = list(range(cache.slots))

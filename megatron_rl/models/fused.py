@@ -45,6 +45,9 @@ from typing import Iterable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.compat import cuda_rules
+from megatron_rl.compat.compiled import CompiledKernel
+
 FUSIONS = ("rmsnorm", "rope")
 
 FusionSpec = Union[str, Iterable[str], None]
@@ -57,7 +60,7 @@ def resolve_fusions(fusions: FusionSpec = "auto") -> frozenset:
         return frozenset()
     if isinstance(fusions, str):
         if fusions == "auto":
-            return frozenset(FUSIONS) if torch.cuda.is_available() else frozenset()
+            return frozenset(FUSIONS) if torch.cuda.is_available() or cuda_rules.enabled() else frozenset()
         if fusions in ("none", ""):
             return frozenset()
         fusions = [f.strip() for f in fusions.split(",") if f.strip()]
@@ -66,19 +69,6 @@ def resolve_fusions(fusions: FusionSpec = "auto") -> frozenset:
     if unknown:
         raise ValueError(f"unknown fusions {sorted(unknown)}; expected 'auto', 'none' or names from {FUSIONS}")
     return names
-
-
-def _compiled(fn):
-    """`fn` compiled on first use (automatic dynamic shapes: the first call specializes, a second shape makes the
-    varying sizes symbolic, so training, prefill and decode shapes share a few compiled graphs)."""
-    holder = {}
-
-    def get():
-        if "fn" not in holder:
-            holder["fn"] = torch.compile(fn, fullgraph=True)
-        return holder["fn"]
-
-    return get
 
 
 # ----------------------------------------------------------------------------------------------------- RMSNorm
@@ -93,7 +83,10 @@ def rms_norm_math(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -
     return y.to(x.dtype)
 
 
-_rms_norm_compiled = _compiled(rms_norm_math)
+# Specializations: activation dtype x weight dtype (or none) x eps x grad mode, and a single row or several. A job
+# uses a few (trainer and generator, with and without grad); a reward model or a second model adds its own.
+_rms_norm_compiled = CompiledKernel(rms_norm_math, "fused.rms_norm", lambda *args: (), max_keys=12,
+                                    graphs_per_key=1)
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, impl: Optional[str] = None) -> torch.Tensor:
@@ -101,12 +94,13 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, impl: 
     "math" (`rms_norm_math` as is; the default otherwise) or "torch" (torch's fused kernel where it has one, the
     weight cast to x's dtype for it)."""
     if impl is None:
-        impl = "compiled" if x.is_cuda else "math"
+        impl = "compiled" if cuda_rules.gpu_path(x) else "math"
     if impl == "torch":
         w = weight if weight is None or weight.dtype == x.dtype else weight.to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     if impl == "compiled":
-        return _rms_norm_compiled()(x, weight, eps)
+        # Always 2-D [tokens, hidden]: 2-D and 3-D callers share the graphs (a view for contiguous rows).
+        return _rms_norm_compiled(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
     if impl == "math":
         return rms_norm_math(x, weight, eps)
     raise ValueError(f"unknown RMSNorm implementation {impl!r}")
@@ -148,14 +142,17 @@ def rope_math(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_rope_compiled = _compiled(rope_math)
+# Specializations: dtype x grad mode x which of [s, b, heads] are 1 (decode: s = 1; GQA keys at high TP: one
+# head) x query (contiguous) or key (a strided view of the fused QKV projection).
+_rope_compiled = CompiledKernel(rope_math, "fused.rope", lambda t, freqs: (freqs.shape[-1] < t.shape[-1],),
+                                max_keys=16, graphs_per_key=1)
 
 
 def apply_rope(t: torch.Tensor, freqs: torch.Tensor, compiled: Optional[bool] = None) -> torch.Tensor:
     """`rope_math`, compiled for CUDA tensors (or as `compiled` says)."""
     if compiled is None:
-        compiled = t.is_cuda
-    return (_rope_compiled() if compiled else rope_math)(t, freqs)
+        compiled = cuda_rules.gpu_path(t)
+    return (_rope_compiled if compiled else rope_math)(t, freqs)
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,

@@ -16,6 +16,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_rl.compat import cuda_rules
+from megatron_rl.compat.compiled import CompiledKernel
+
 # Scratch per chunk: chunk_tokens x local_vocab fp32 values.
 _CHUNK_BYTES = 512 * 2**20
 
@@ -26,22 +29,31 @@ def _chunks(n_tokens: int, local_vocab: int):
         yield slice(start, min(start + step, n_tokens))
 
 
-def _maybe_compile(fn):
+def _chunk_key(chunk, idx, *rest) -> tuple:
+    temperature, first_pad = rest[-2], rest[-1]
+    return (first_pad == 0, first_pad == 1, first_pad == chunk.shape[1])
+
+
+def _maybe_compile(name: str):
     """On GPUs, fuse each chunk's elementwise work and reductions into a few kernels (one read of the logits
-    instead of one per operation); on CPUs run eagerly (compiling costs more than it saves in tests)."""
-    compiled = {}
+    instead of one per operation); on CPUs run eagerly (compiling costs more than it saves in tests), except in the
+    CUDA-rules mode. The number of tokens is dynamic, so micro-batches of any length share a graph; the
+    specializations are the logits' dtype, the temperature, whether the shard is all, some or none padding, and a
+    single token or several."""
 
-    def run(*args):
-        if not args[0].is_cuda:
-            return fn(*args)
-        if "fn" not in compiled:
-            compiled["fn"] = torch.compile(fn, dynamic=False)
-        return compiled["fn"](*args)
+    def wrap(fn):
+        kernel = CompiledKernel(fn, name, _chunk_key, max_keys=8, graphs_per_key=1)
 
-    return run
+        def run(*args):
+            return kernel(*args) if cuda_rules.gpu_path(args[0]) else fn(*args)
+
+        run.kernel = kernel
+        return run
+
+    return wrap
 
 
-@_maybe_compile
+@_maybe_compile("logprobs.forward_chunk")
 def _forward_chunk(chunk, idx, temperature: float, first_pad: int):
     """Per token, local to this vocabulary shard: max m, sum exp(x - m), sum exp(x - m)(x - m), x[target], with
     x = logits / T over the shard's real columns (the padded ones, from `first_pad` on, are left out).
@@ -67,7 +79,7 @@ def _forward_chunk(chunk, idx, temperature: float, first_pad: int):
     return m, z, s, picked
 
 
-@_maybe_compile
+@_maybe_compile("logprobs.backward_chunk")
 def _backward_chunk(chunk, idx, local, m, z, mean_xs, g_lp, g_ent, temperature: float, first_pad: int):
     """d/dx of g_lp * logp(target) + g_ent * H, divided by T: (onehot - p) g_lp - p (x - m - mean_xs) g_ent,
     i.e. -p (g_lp + g_ent (x - m - mean_xs)) plus g_lp at the target, over the real columns only (the caller
