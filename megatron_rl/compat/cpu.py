@@ -86,7 +86,9 @@ def _cpu_kwargs(kwargs: dict) -> dict:
 def _cuda_method(func, args: tuple, kwargs: dict):
     """`Tensor.cuda()` and `pin_memory()` return the tensor, `is_pinned()` False, `type()` the CUDA type name, and
     `to` a CUDA device (positional or keyword) goes to the CPU."""
-    if func is torch.Tensor.cuda:
+    if func is torch.Tensor.cuda:  # in the CUDA-rules mode, refusing what a real copy to the GPU cannot do
+        if cuda_rules.enabled() and args[0].is_meta:
+            raise NotImplementedError("Cannot copy out of meta tensor; no data!")
         return args[0]
     if func is torch.Tensor.pin_memory:  # CUDA's copy and its refusal of overlapping tensors in the CUDA-rules mode
         return cuda_rules.pin_memory(args[0]) if cuda_rules.enabled() else args[0]

@@ -36,7 +36,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -208,13 +207,24 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
         if writer is not None:
             writer.close()
     stopped = job.saved_version if job.stop_signal else cfg.run.steps
-    result = {"rows": rows, "start_step": rows[0]["step"] if rows else stopped, "time_s": time.perf_counter() - t0}
+    result = {"rows": rows, "start_step": rows[0]["step"] if rows else stopped, "time_s": time.perf_counter() - t0,
+              "compiled_graphs": compiled_graph_report()}
     if job.stop_signal:
         from megatron_rl.checkpointing.training import step_dir_name
 
         result["stopped"] = {"stopped_by": signals.name(job.stop_signal), "stopped_after_step": job.saved_version,
                              "checkpoint": step_dir_name(job.saved_version)}
     return result
+
+
+def compiled_graph_report() -> dict:
+    """This rank's compiled graphs per kernel (only those that compiled) and the specializations that fell back to
+    eager, for summary.json: a recompiling kernel shows here, not only as a slow step."""
+    from megatron_rl.compat.compiled import all_kernels, compiled_graph_counts
+
+    report = {name: n for name, n in compiled_graph_counts().items() if n}
+    fallbacks = {k.name: len(k.fallbacks) for k in all_kernels() if k.fallbacks}
+    return {"graphs": report, "eager_fallbacks": fallbacks} if report or fallbacks else {}
 
 
 def exit_code(summary: Optional[dict]) -> int:
@@ -349,6 +359,8 @@ def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extr
         "mode": cfg.rollout.mode, "staleness": cfg.rollout.staleness if cfg.rollout.mode == "async" else 0,
         **result.get("stopped", {}), **(extra or {}),
     }
+    if result.get("compiled_graphs"):
+        summary["compiled_graphs"] = result["compiled_graphs"]
     plot = plot_run(rows, run_dir / "metrics.png",
                     title=f"{summary['model']}: {cfg.rollout.mode} AIPO, trainer {_layout_text(cfg.trainer)}, "
                           f"generator {_layout_text(cfg.generator)}")
@@ -409,19 +421,17 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
-    import torch
     import torch.distributed as dist
 
     from megatron_rl.compat import activate
 
-    from megatron_rl.parallel.spawn import local_gpus
+    from megatron_rl.parallel.spawn import bind_device, init_process_group, local_gpus
 
     cuda_devices = local_gpus()
     backend = env_backend(cfg, world, cuda_devices)
     os.environ.update(MASTER_ADDR=world.master_addr, MASTER_PORT=str(world.master_port), RANK=str(world.rank),
                       WORLD_SIZE=str(world.world_size), LOCAL_RANK=str(world.local_rank))
-    if cuda_devices:
-        torch.cuda.set_device(world.local_rank % cuda_devices)
+    bind_device(world.local_rank)
     activate()  # a no-op when CUDA is present
     run_dir = run_dir_of(cfg)
     check_run_dir(cfg, run_dir)  # every rank (it only reads), so that a refusal does not leave others waiting
@@ -431,8 +441,7 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
         if timeout_s is None:
             timeout_s = dist_timeout_s()
         t0 = time.perf_counter()
-        dist.init_process_group(backend, rank=world.rank, world_size=world.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        init_process_group(backend, world.rank, world.world_size, timeout_s)
         try:
             result = rank_main(world.rank, world.world_size, cfg, model_cfg, str(run_dir))
         except Exception as e:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megatron_rl.compat import cuda_rules
 from megatron_rl.models.fused import apply_rope
 
 
@@ -105,16 +106,33 @@ class IncrementalForward:
         column-parallel one). On CPUs, Megatron-Core's local linears are called as the matmul they are plus the
         row-parallel all-reduce: their autograd-function wrapper is a cost comparable to a decode-sized matmul's
         (docs/benchmarks.md, "A real LLM learns on a CPU")."""
-        if not self._lean or x.is_cuda or getattr(module, "gather_output", False):
+        if not self._lean or cuda_rules.gpu_path(x) or getattr(module, "gather_output", False):
             return module(x)[0]
         out = F.linear(x, module.weight, module.bias if not module.skip_bias_add else None)
         if isinstance(module, RowParallelLinear) and self.tp_group.size() > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out
 
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's embedding of tokens [b, s] as [s, b, h].
+
+        On the GPU path at TP > 1 the vocabulary-parallel lookup is written out: Megatron-Core's zeroes the tokens
+        of other shards with boolean-mask writes (`x[mask] = 0`), which a CUDA graph capture refuses (the decode
+        step then fell back to eager decoding); `masked_fill` does the same arithmetic without a host sync."""
+        emb = self.model.embedding
+        words, config = emb.word_embeddings, emb.config
+        if (self.tp_group.size() == 1 or not cuda_rules.gpu_path(tokens) or emb.add_position_embedding
+                or config.sequence_parallel or config.fp32_residual_connection):
+            return emb(input_ids=tokens, position_ids=positions)
+        local = tokens - words.vocab_start_index
+        outside = (local < 0) | (local >= words.num_embeddings_per_partition)
+        out = F.embedding(local.masked_fill(outside, 0), words.weight).masked_fill_(outside[..., None], 0.0)
+        dist.all_reduce(out, group=self.tp_group)
+        return out.transpose(0, 1).contiguous()  # embedding dropout: none in inference
+
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU MLP: through `_linear` on CPUs (Megatron-Core's gated MLP: silu(first half) * second half)."""
-        if not self._lean or x.is_cuda or not mlp.config.gated_linear_unit:
+        if not self._lean or cuda_rules.gpu_path(x) or not mlp.config.gated_linear_unit:
             return mlp(x)[0]
         gate, up = torch.chunk(self._linear(mlp.linear_fc1, x), 2, dim=-1)
         return self._linear(mlp.linear_fc2, F.silu(gate) * up)
@@ -128,7 +146,7 @@ class IncrementalForward:
         the query length and attention is written out (softmax in fp32)."""
         b, heads, s, d = q.shape
         g = keys.shape[1]
-        if q.is_cuda:
+        if cuda_rules.gpu_path(q):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, scale=self.scale,
                                                  enable_gqa=g != heads)
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
@@ -162,12 +180,12 @@ class IncrementalForward:
         attend = cols[None, None, :] <= positions[:, :, None]  # [b, s, kv_len]
         attend = attend[:, None]  # [b, 1, s, kv_len]
         if self.model.pre_process:
-            hidden = self.model.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
+            hidden = self._embed(tokens, positions)  # [s, b, h]
         elif hidden is None:
             raise ValueError("a pipeline stage after the first needs the previous stage's output (hidden)")
         # On CPUs the rotation's cos/sin are computed once per forward, not twice per layer.
         rope = None
-        if self._lean and not positions.is_cuda and self._rotate is _apply_rotary_pos_emb_bshd:
+        if self._lean and not cuda_rules.gpu_path(positions) and self._rotate is _apply_rotary_pos_emb_bshd:
             rope = (angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype))
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
         for i, layer in enumerate(self.layers):

@@ -23,12 +23,14 @@ matmuls. Decoding here is eager and reads every tick's tokens on the host (no CU
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.compat import cuda_rules
 from megatron_rl.inference.kv_forward import IncrementalForward, KVCache
 from megatron_rl.inference.sampling import sample
 
@@ -171,8 +173,13 @@ class PipelinedDecode:
             prefill = fwd(c.tokens, c.positions, c.slots, cache, kv_len=c.width, logits=False,
                           hidden=received.prefill if received is not None else None)
         b = work.tokens.shape[0]
-        out = fwd(work.tokens[:, None], work.positions[:, None], torch.arange(b, device=device), cache,
-                  kv_len=work.kv_len, all_slots=True, hidden=received.decode if received is not None else None)
+        # Pipelined decoding is eager; in the CUDA-rules mode the stage's decode step is still held to what a CUDA
+        # graph capture allows, so that it stays capturable.
+        capturable = (cuda_rules.CaptureChecker("the pipelined decode step") if device.type != "cuda"
+                      and cuda_rules.enabled() else contextlib.nullcontext())
+        with capturable:
+            out = fwd(work.tokens[:, None], work.positions[:, None], torch.arange(b, device=device), cache,
+                      kv_len=work.kv_len, all_slots=True, hidden=received.decode if received is not None else None)
         if not self.last:
             return _StageOutput(prefill, out)
         # Per slot: temperature, top_p, top_k, seed and step (the tokens drawn so far); a free slot samples greedily.
@@ -181,7 +188,8 @@ class PipelinedDecode:
         temperature, top_p, top_k, seeds, steps = (
             torch.tensor(col, dtype=dtype, device=device)
             for col, dtype in zip(zip(*rows), (torch.float32, torch.float32, torch.long, torch.long, torch.long)))
-        return sample(self.full_logits(out[:, 0]), temperature, top_p, top_k, seeds, steps, filtering, noise)
+        with capturable:
+            return sample(self.full_logits(out[:, 0]), temperature, top_p, top_k, seeds, steps, filtering, noise)
 
     def _exchange(self, out: Optional[_StageOutput], incoming: Optional[_Round], device) -> Optional[_StageOutput]:
         """Send this tick's activations on and receive the previous stage's (shapes from the round, known alike on

@@ -16,6 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_rl.compat import cuda_rules
 from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.fused import FusedRMSNorm, FusionSpec, register_rope_fusion, resolve_fusions
 from megatron_rl.models.presets import ModelConfig
@@ -182,8 +183,11 @@ def build_gpt_model(
     )
     gpt.megatron_rl_fusions = frozenset(fused)
     zero_vocab_padding(gpt, model.vocab_size, pgs.tp.rank())
-    if torch.cuda.is_available():
-        gpt.cuda(torch.cuda.current_device())
+    if torch.cuda.is_available() or cuda_rules.enabled():  # (a no-op on the CPU, but for CUDA's refusals)
+        # Weights left on the meta device (an 8-bit generator's, built without them) have nothing to copy: they
+        # stay there until they are quantized or allocated in place.
+        device = torch.cuda.current_device()
+        gpt._apply(lambda t: t if t.is_meta else t.cuda(device))
     return gpt
 
 

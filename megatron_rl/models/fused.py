@@ -83,9 +83,10 @@ def rms_norm_math(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -
     return y.to(x.dtype)
 
 
-# Specializations: activation dtype x weight dtype (or none) x eps x grad mode, and a single row or several. A job
-# uses a few (trainer and generator, with and without grad); a reward model or a second model adds its own.
-_rms_norm_compiled = CompiledKernel(rms_norm_math, "fused.rms_norm", lambda *args: (), max_keys=12,
+# Specializations (`compiled.signature`): activation dtype x weight dtype (or none) x eps x grad mode x which of
+# [s, b] are 1 (decode: s = 1). A job uses a few (trainer with grad, generator prefill and decode without); a reward
+# model or a second model adds its own. Sizes are symbolic: micro-batch widths and decode batches share them.
+_rms_norm_compiled = CompiledKernel(rms_norm_math, "fused.rms_norm", lambda *args: (), max_keys=24,
                                     graphs_per_key=1)
 
 
@@ -99,8 +100,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, impl: 
         w = weight if weight is None or weight.dtype == x.dtype else weight.to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     if impl == "compiled":
-        # Always 2-D [tokens, hidden]: 2-D and 3-D callers share the graphs (a view for contiguous rows).
-        return _rms_norm_compiled(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+        return _rms_norm_compiled(x, weight, eps)
     if impl == "math":
         return rms_norm_math(x, weight, eps)
     raise ValueError(f"unknown RMSNorm implementation {impl!r}")
@@ -142,10 +142,11 @@ def rope_math(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Specializations: dtype x grad mode x which of [s, b, heads] are 1 (decode: s = 1; GQA keys at high TP: one
-# head) x query (contiguous) or key (a strided view of the fused QKV projection).
+# Specializations (`compiled.signature`): dtype x grad mode x which of [s, b, heads] are 1 (decode: s = 1; GQA
+# keys at high TP: one head) x query (contiguous) or key (a strided view of the fused QKV projection) x a rotary
+# dimension smaller than the head's.
 _rope_compiled = CompiledKernel(rope_math, "fused.rope", lambda t, freqs: (freqs.shape[-1] < t.shape[-1],),
-                                max_keys=16, graphs_per_key=1)
+                                max_keys=24, graphs_per_key=1)
 
 
 def apply_rope(t: torch.Tensor, freqs: torch.Tensor, compiled: Optional[bool] = None) -> torch.Tensor:

@@ -62,6 +62,12 @@ def resolve_backend(backend: str, world_size: int, cuda_devices: int) -> str:
         raise LaunchError(f"backend {backend!r} is not one of auto, gloo, nccl")
     if backend == "auto":
         backend = "nccl" if cuda_devices else "gloo"
+    if backend == "gloo" and cuda_devices:
+        # The model would live on the GPUs, and gloo has no CUDA all_gather_into_tensor, reduce_scatter or batched
+        # point-to-point, which the trainer and DDMA use.
+        raise LaunchError(f"run.backend=gloo cannot carry the GPU tensors of a job on this machine's "
+                          f"{cuda_devices} GPU{'s' if cuda_devices != 1 else ''}: use run.backend=nccl (or auto), "
+                          f"or CUDA_VISIBLE_DEVICES= to run on the CPU")
     if backend == "nccl":
         if not cuda_devices:
             raise LaunchError("the NCCL backend needs CUDA, which this process does not see")
@@ -69,6 +75,30 @@ def resolve_backend(backend: str, world_size: int, cuda_devices: int) -> str:
             raise LaunchError(f"{world_size} ranks need {world_size} GPUs (one each) but this machine shows "
                               f"{cuda_devices}; use fewer ranks, or CUDA_VISIBLE_DEVICES= to run on the CPU")
     return backend
+
+
+def bind_device(local_rank: int) -> None:
+    """Give this rank its GPU: local rank r takes device r of its node (both launchers; NCCL needs one GPU per rank,
+    which `resolve_backend` checks for the local launcher and `env_backend` for torchrun/srun). Without CUDA, none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    n = torch.cuda.device_count()
+    if local_rank >= n:
+        raise LaunchError(f"local rank {local_rank} has no GPU of its own: this node shows {n}")
+    torch.cuda.set_device(local_rank)
+
+
+def init_process_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """torch.distributed's world for this rank; in the CUDA-rules test mode gloo then keeps NCCL's rules."""
+    import torch.distributed as dist
+
+    from megatron_rl.compat import cuda_rules
+
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    if backend == "gloo" and cuda_rules.enabled():
+        cuda_rules.install_nccl_rules()
 
 
 def _lead_own_group() -> None:
@@ -103,11 +133,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    activate()
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=dist_timeout_s))
+        bind_device(rank)
+        activate()
+        init_process_group(backend, rank, world_size, dist_timeout_s)
         result = fn(rank, world_size, *args)
         # Serialize by value: tensors put on a queue are shared through file descriptors that die with this
         # process, which may exit before the parent reads them.

@@ -30,7 +30,7 @@ def _chunks(n_tokens: int, local_vocab: int):
 
 
 def _chunk_key(chunk, idx, *rest) -> tuple:
-    temperature, first_pad = rest[-2], rest[-1]
+    first_pad = rest[-1]  # the temperature, a float, is part of every argument signature already
     return (first_pad == 0, first_pad == 1, first_pad == chunk.shape[1])
 
 
