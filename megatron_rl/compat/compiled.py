@@ -10,8 +10,8 @@ runs eagerly from then on.
 `CompiledKernel` makes the set of graphs a design decision instead:
 
 * The specializations are named before the call: `signature` describes every argument by what a guard may depend
-  on other than its sizes (a tensor's dtype, rank, which dimensions are 1, contiguity, requires_grad, and the same
-  of the tensor it is a view of; a float's value; whether an optional argument is given), plus the global grad
+  on other than its sizes (a tensor's dtype, rank, which dimensions are 1, contiguity, 16-byte alignment,
+  requires_grad, and the same of the tensor it is a view of; a float's value; whether an optional argument is given), plus the global grad
   mode, plus the caller's ``key(*args)`` for what the arguments alone do not show (relations between integers).
 * Each key gets its own copy of the function's code object, compiled with ``fullgraph=True, dynamic=True``: sizes
   are symbolic, so one key is one graph (``graphs_per_key`` allows a few more for guards the key does not name),
@@ -161,7 +161,9 @@ def ones_pattern(t: torch.Tensor) -> tuple:
 
 
 def _layout(t: torch.Tensor) -> tuple:
-    return (t.dtype, ones_pattern(t), t.is_contiguous(), t.stride()[-1] == 1 if t.dim() else True)
+    # Inductor guards on 16-byte alignment of an input's start (a chunk sliced from a larger tensor may not be).
+    aligned = (t.storage_offset() * t.element_size()) % 16 == 0
+    return (t.dtype, ones_pattern(t), t.is_contiguous(), t.stride()[-1] == 1 if t.dim() else True, aligned)
 
 
 def signature(a) -> Hashable:

@@ -274,14 +274,14 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
     """The local launcher: run the job on this machine with as many processes as its executors need; returns the
     summary. `model_cfg`: what `validate` resolved, when the caller has already validated `cfg`."""
     from megatron_rl.checkpointing import initial
-    from megatron_rl.parallel.spawn import LaunchError, local_gpus, resolve_backend, run_local, start_method
+    from megatron_rl.parallel.spawn import LaunchError, job_backend, local_gpus, run_local, start_method
 
     world = cfg.world_size_needed
     if model_cfg is None:
         model_cfg = validate(cfg, world)
     try:  # before anything is written: a machine with too few GPUs (or a bad start method) fails in one line
         start_method(local_gpus())
-        backend = resolve_backend(cfg.run.backend, world, local_gpus())
+        backend = job_backend(cfg.run.backend, world, local_gpus())
     except LaunchError as e:
         raise ConfigError(str(e)) from None
     from megatron_rl.parallel.spawn import RanksFailed
@@ -384,10 +384,10 @@ def report_config_error(world: EnvWorld, line: str, wait_s: float = 60.0) -> int
 def env_backend(cfg: JobConfig, world: EnvWorld, cuda_devices: int) -> str:
     """run.backend for one rank of a launched world: "auto" is NCCL where CUDA is present; NCCL gives each rank of a
     node its own GPU (LOCAL_RANK), so a node must show at least as many GPUs as it runs ranks."""
-    from megatron_rl.parallel.spawn import LaunchError, resolve_backend
+    from megatron_rl.parallel.spawn import LaunchError, job_backend
 
     try:
-        backend = resolve_backend(cfg.run.backend, 1, cuda_devices)
+        backend = job_backend(cfg.run.backend, 1, cuda_devices)
     except LaunchError as e:
         raise ConfigError(f"run.backend={cfg.run.backend!r}: {e}") from None
     if backend == "nccl" and world.local_rank >= cuda_devices:

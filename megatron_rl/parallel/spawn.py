@@ -62,12 +62,6 @@ def resolve_backend(backend: str, world_size: int, cuda_devices: int) -> str:
         raise LaunchError(f"backend {backend!r} is not one of auto, gloo, nccl")
     if backend == "auto":
         backend = "nccl" if cuda_devices else "gloo"
-    if backend == "gloo" and cuda_devices:
-        # The model would live on the GPUs, and gloo has no CUDA all_gather_into_tensor, reduce_scatter or batched
-        # point-to-point, which the trainer and DDMA use.
-        raise LaunchError(f"run.backend=gloo cannot carry the GPU tensors of a job on this machine's "
-                          f"{cuda_devices} GPU{'s' if cuda_devices != 1 else ''}: use run.backend=nccl (or auto), "
-                          f"or CUDA_VISIBLE_DEVICES= to run on the CPU")
     if backend == "nccl":
         if not cuda_devices:
             raise LaunchError("the NCCL backend needs CUDA, which this process does not see")
@@ -99,6 +93,18 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout_s: floa
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     if backend == "gloo" and cuda_rules.enabled():
         cuda_rules.install_nccl_rules()
+
+
+def job_backend(backend: str, world_size: int, cuda_devices: int) -> str:
+    """`resolve_backend` for a training job's `run.backend`: gloo is refused where the job's tensors live on GPUs
+    (gloo has no CUDA all_gather_into_tensor, reduce_scatter or batched point-to-point, which the trainer and DDMA
+    use). Tools that run a world of their own (conversion) keep `resolve_backend`."""
+    backend = resolve_backend(backend, world_size, cuda_devices)
+    if backend == "gloo" and cuda_devices:
+        raise LaunchError(f"run.backend=gloo cannot carry the GPU tensors of a job on this machine's "
+                          f"{cuda_devices} GPU{'s' if cuda_devices != 1 else ''}: use run.backend=nccl (or auto), "
+                          f"or CUDA_VISIBLE_DEVICES= to run on the CPU")
+    return backend
 
 
 def _lead_own_group() -> None:
