@@ -5,6 +5,9 @@ makes the process that reaches that point SIGKILL its whole process group: no cl
 flushed buffers. A rank of the local launcher leads a group of its own (`parallel/spawn.py`): the rank dies with
 all it started, and the launcher names it and ends the other ranks. Unset (always, outside tests), a failpoint is
 one dictionary lookup.
+
+`MEGATRON_RL_FAILPOINT_ACTION=stop` makes the process SIGSTOP itself there instead, every thread at once: a stand-in
+for a rank stuck in a kernel, on a dead mount or on a frozen node (`parallel/liveness.py` must find it).
 """
 
 from __future__ import annotations
@@ -13,6 +16,15 @@ import os
 import signal
 
 
+def active(name: str, tag: str = "") -> bool:
+    """Is the failpoint `name` (or `name:tag`) set? For faults that are not a death: the caller misbehaves on
+    purpose (e.g. `push_skip`: a weight push that leaves one tensor as it was)."""
+    return os.environ.get("MEGATRON_RL_FAILPOINT") in (name, f"{name}:{tag}")
+
+
 def failpoint(name: str, tag: str = "") -> None:
     if os.environ.get("MEGATRON_RL_FAILPOINT") in (name, f"{name}:{tag}"):
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        if os.environ.get("MEGATRON_RL_FAILPOINT_ACTION") == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -25,6 +25,8 @@ from megatron_rl.controller.collector import metrics_row
 from megatron_rl.controller.executors import score
 from megatron_rl.controller.job import Job
 from megatron_rl.controller.schedule import Checkpoint, Generate, PushWeights, Train, job_plan
+from megatron_rl.failpoints import failpoint
+from megatron_rl.parallel.liveness import doing
 
 Progress = Callable[[str, int, int, str], None]  # (phase, steps done, steps in the phase, text)
 
@@ -37,8 +39,10 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
     n = cfg.run.steps
     progress = progress or (lambda *a: None)
     t_start = time.perf_counter()
+    doing("checkpoint load")
     resumed = job.resume()
     start, restored = resumed or (0, set())
+    doing("warm start")
     if resumed is None and job.trainer is not None:
         job.trainer.start(progress)  # supervised warm start; the KL reference
     warm_s = time.perf_counter() - t_start
@@ -48,6 +52,7 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
     rows: list[dict] = []
     wait_s = 0.0  # how long the generator waited for the weights of its next batch
     for action in plan:
+        doing(str(action))  # what the line names if this rank hangs here (parallel/liveness.py)
         if isinstance(action, PushWeights):
             t0 = time.perf_counter()
             if job.stop_requested():  # SIGTERM / SIGINT on any rank: every rank takes part here, so all stop here
@@ -56,6 +61,7 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
             wait_s = time.perf_counter() - t0 + job.push_weights(action.version)
 
         elif isinstance(action, Generate) and job.generator is not None:
+            failpoint("generate", str(action.batch))
             generated = job.generator.generate(action.batch, action.version)
             evaluated = job.generator.evaluate() if action.evaluate else None
             if generated is not None:  # the replica's leader scores its samples and sends them on

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch.multiprocessing as mp
 
 from megatron_rl import quiet
+from megatron_rl.parallel import liveness
 
 # Every process that imports this module (the fork server, spawned ranks: the worker function lives here) filters
 # the dependency warnings that say nothing on this machine, before Megatron-Core is imported.
@@ -125,8 +126,10 @@ def cause_of(exc: BaseException) -> str:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s: float, note_signals: bool,
-            fn: Callable, args: tuple, queue) -> None:
+            fn: Callable, args: tuple, queue, beats: Optional[liveness.LocalBeats], beat_s: float) -> None:
     _lead_own_group()
+    if beats is not None:
+        liveness.install(beats.heartbeat(rank, beat_s))
     if note_signals:
         from megatron_rl.controller import signals
 
@@ -291,12 +294,14 @@ def _start_context(cuda: int):
 
 def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
               timeout: Optional[float] = 300.0, dist_timeout_s: float = 120.0,
-              stop_grace_s: Optional[float] = None, on_signal: Optional[Callable[[int], None]] = None) -> list:
+              stop_grace_s: Optional[float] = None, on_signal: Optional[Callable[[int], None]] = None,
+              hang_timeout_s: Optional[float] = None) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return the results in rank order.
 
     `fn` must be importable (a module-level function). `backend`: gloo, nccl, or auto (NCCL when CUDA is present).
     `timeout`: seconds for the whole run, None for no limit; `dist_timeout_s`: the process group's timeout for one
-    collective or message. `stop_grace_s`: forward SIGTERM and SIGINT to the ranks (`on_signal(signum)` is called
+    collective or message. `hang_timeout_s`: a rank whose heartbeat (`parallel/liveness.py`) has not moved for that
+    long is hung, and the world is ended (None: not watched). `stop_grace_s`: forward SIGTERM and SIGINT to the ranks (`on_signal(signum)` is called
     then) and kill them that many seconds later if they have not ended. Raises LaunchError when the machine cannot
     host the world, RanksFailed (a RuntimeError) when a rank fails, dies or is killed, TimeoutError past the
     timeout. However it ends, every rank's process group is killed before it returns: nothing a rank started
@@ -313,8 +318,10 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     port = free_port()
     # Not daemonic: ranks may start processes of their own (dist_checkpointing's writer does).
     note = stop_grace_s is not None
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, note, fn, args, queue),
-                         daemon=False) for r in range(world_size)]
+    beats = liveness.LocalBeats(ctx, world_size)
+    beat_s = liveness.beat_interval_s(hang_timeout_s or dist_timeout_s)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, note, fn, args, queue,
+                                               beats, beat_s), daemon=False) for r in range(world_size)]
     results: dict[int, Any] = {}
     failures: dict[int, RankFailure] = {}
     forward = _Forwarder(procs, stop_grace_s or 0.0, on_signal)
@@ -342,6 +349,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
         with forward if note else contextlib.nullcontext():
             for p in procs:
                 p.start()
+            started = time.monotonic()
             while len(results) + len(failures) < world_size:
                 if note and forward.must_kill():
                     _end_groups(procs)
@@ -356,6 +364,11 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
                 except queue_mod.Empty:
                     for r in dead():
                         failures[r] = RankFailure(r, _death(procs[r]), _death(procs[r]))
+                    if hang_timeout_s is not None and not failures:
+                        running = [r for r in range(world_size) if r not in results and procs[r].exitcode is None]
+                        for r, silent in beats.silent(running, started, hang_timeout_s):
+                            cause = liveness.hung_cause(silent, beats.label(r))
+                            failures[r] = RankFailure(r, cause, cause)
                 if failures:
                     # Give the other ranks a moment to report (they are often blocked on the failed one).
                     time.sleep(0.5)

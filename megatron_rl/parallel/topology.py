@@ -13,6 +13,7 @@ in the same order. `build_topology` does exactly that, and returns, for each exe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -102,12 +103,33 @@ def check_placements(placements: list[ExecutorPlacement], world_size: int) -> No
             )
 
 
+def world_timeout() -> timedelta:
+    """The world's timeout for one collective, for every group made from it: torch gives a new group its backend's
+    default (30 min for gloo, 10 for NCCL), not the world's, and a subgroup that gave up sooner would call a slow
+    peer dead (hangs are found by heartbeats, `parallel/liveness.py`)."""
+    import torch
+
+    from megatron_rl.parallel import liveness
+
+    pg = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    try:
+        return pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # a backend without options: the configured value
+        return timedelta(seconds=liveness.collective_timeout_s())
+
+
+def new_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None):
+    """`dist.new_group` with the world's timeout (collective over the world)."""
+    return dist.new_group(ranks=ranks, backend=backend, timeout=world_timeout())
+
+
 def _new_subgroups(rank_lists: list[list[int]], backend: Optional[str]):
     """Create one group per list (collective over the world); return the one holding this rank, if any."""
     mine = None
     me = dist.get_rank()
     for ranks in rank_lists:
-        group = dist.new_group(ranks=ranks, backend=backend)
+        group = new_group(ranks, backend)
         if me in ranks:
             mine = group
     return mine
@@ -122,9 +144,10 @@ def _executor_groups(placement: ExecutorPlacement, backend: Optional[str]) -> Ex
     )
     member = rank in placement.ranks
     made = {}
+    timeout = world_timeout()
     for dims in (["tp"], ["pp"], ["dp"], ["cp"], ["tp", "pp"], ["cp", "dp"], ["tp", "cp"],
                  ["tp", "cp", "dp"], ["tp", "cp", "dp", "pp"]):
-        made["-".join(dims)] = grid.create_pg(dims)
+        made["-".join(dims)] = grid.create_pg(dims, timeout=timeout)
     # Embedding group: first and last pipeline stage of each pipeline (tied embeddings' gradients are summed
     # there); position-embedding group: first stage only. Both are enumerated from the pipeline groups.
     pp_lists = grid.get_rank_enum(["pp"])
