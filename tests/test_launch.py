@@ -92,24 +92,53 @@ def _sbatch(script, env, args, cwd, timeout=240):
                           timeout=timeout)
 
 
-def test_8b_recipe_runs_the_job_under_srun_and_torchrun(slurm_env, tmp_path):
-    env = dict(slurm_env, GPUS_PER_NODE="3")
+TWO_NODES = [*TINY, "generator.dp=2", "run.world_size=4"]  # 2 nodes x 2 ranks: trainer TP2, generator DP2
+
+
+def test_8b_recipe_runs_the_job_on_two_nodes_under_srun_and_torchrun(slurm_env, tmp_path):
+    env = dict(slurm_env, SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost,localhost", GPUS_PER_NODE="2",
+               PYTHON=sys.executable)
     out = _sbatch(REPO / "launch/slurm/llama3_8b.sbatch", env,
-                  [*TINY, f"checkpoint.dir={tmp_path / 'ckpt'}", "run.name=slurm"], cwd=tmp_path)
+                  [*TWO_NODES, f"checkpoint.dir={tmp_path / 'ckpt'}", "run.name=slurm"], cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     srun = (tmp_path / "srun.log").read_text().splitlines()
-    assert len(srun) == 1 and srun[0].startswith("srun nodes=1: ")
-    assert f"--rdzv-endpoint localhost:{env['MASTER_PORT']}" in srun[0] and "--nproc-per-node 3" in srun[0]
+    assert len(srun) == 1 and srun[0].startswith("srun nodes=2: ")
+    assert f"--rdzv-endpoint localhost:{env['MASTER_PORT']}" in srun[0] and "--nproc-per-node 2" in srun[0]
     assert "-c configs/llama3-8b.yaml" in srun[0] and "--launcher env" in srun[0]
     run_dir = tmp_path / "ckpt" / "slurm"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     assert [r["generated_with_version"] for r in rows] == [0, 0]  # async, staleness 1
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["launcher"] == "env (torchrun)" and summary["world_size"] == 3 and summary["steps"] == 2
+    assert summary["launcher"] == "env (torchrun)" and summary["world_size"] == 4 and summary["steps"] == 2
     assert json.loads(out.stdout.strip().splitlines()[-1])["run_dir"] == str(run_dir)  # printed by rank 0 only
     assert out.stdout.count('"run_dir"') == 1
     assert "preset: tiny" in (run_dir / "config.yaml").read_text()
+    assert out.stderr == ""  # progress and torchrun's lines are in the log the banner names
+    assert f"progress in {run_dir / 'torchrun-4242.log'}" in out.stdout
+
+
+def test_a_bad_config_under_the_recipe_is_one_line_and_starts_nothing(slurm_env, tmp_path):
+    env = dict(slurm_env, SLURM_NNODES="2", GPUS_PER_NODE="2", PYTHON=sys.executable)
+    out = _sbatch(REPO / "launch/slurm/llama3_8b.sbatch", env,
+                  [*TWO_NODES, "reward.kind=function", "reward.function=reward_fns:says_mat",
+                   f"checkpoint.dir={tmp_path / 'ckpt'}"], cwd=tmp_path, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.startswith("megatron-rl: config error: ") and len(out.stderr.strip().splitlines()) == 1, \
+        out.stderr
+    assert not (tmp_path / "srun.log").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_a_dead_rank_under_the_recipe_is_one_line_naming_it(slurm_env, tmp_path):
+    env = dict(slurm_env, SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost,localhost", GPUS_PER_NODE="2",
+               PYTHON=sys.executable, MEGATRON_RL_FAILPOINT="train_step:1")
+    out = _sbatch(REPO / "launch/slurm/llama3_8b.sbatch", env,
+                  [*TWO_NODES, "run.steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}", "run.name=dead"], cwd=tmp_path)
+    assert out.returncode != 0
+    log = tmp_path / "ckpt" / "dead" / "torchrun-4242.log"
+    assert re.fullmatch(rf"megatron-rl: rank [01] \(trainer\) died with signal 9 \(SIGKILL\); torchrun's report: "
+                        rf"{log}\n", out.stderr), out.stderr[-3000:]
+    assert "ChildFailedError" in log.read_text()
 
 
 def test_too_small_world_fails_at_once_with_one_line(slurm_env, tmp_path):

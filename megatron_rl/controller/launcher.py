@@ -44,6 +44,7 @@ from megatron_rl.controller import signals
 from megatron_rl.controller.rundir import check_run_dir
 from megatron_rl.controller.runlock import RunLock
 from megatron_rl.models.presets import ModelConfig
+from megatron_rl.parallel import liveness
 
 LAUNCHERS = ("auto", "local", "env")
 DEFAULT_PORT = 29500
@@ -251,12 +252,11 @@ def _latest(run_dir: Path) -> str:
 
 def _failed(cfg: JobConfig, run_dir: Path, e) -> JobFailed:
     """The one line (and failure.log) for ranks of the local launcher that failed, died or were killed."""
-    log = run_dir / FAILURE_LOG
-    with open(log, "w") as f:
-        f.write(f"megatron-rl train, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {len(e.failures)} of {e.world_size} "
-                f"ranks ended without a result (likely cause first)\n")
-        for fail in e.failures:
-            f.write(f"\n--- rank {fail.rank} ({rank_role(cfg, fail.rank)}): {fail.cause} ---\n{fail.report}\n")
+    text = (f"megatron-rl train, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {len(e.failures)} of {e.world_size} "
+            f"ranks ended without a result (likely cause first)\n")
+    for fail in e.failures:
+        text += f"\n--- rank {fail.rank} ({rank_role(cfg, fail.rank)}): {fail.cause} ---\n{fail.report}\n"
+    where = write_failure_log(run_dir, text)
     if e.killed:
         how = ("at a second SIGINT" if e.killed == "twice"
                else f"run.stop_grace_s={cfg.run.stop_grace_s:g} s after it")
@@ -264,7 +264,7 @@ def _failed(cfg: JobConfig, run_dir: Path, e) -> JobFailed:
                          f"{_latest(run_dir)}; relaunch to resume", signals.exit_code(e.signal))
     first = e.first
     what = first.cause if first.cause.startswith(("died", "exited", "hung")) else f"failed: {first.cause}"
-    line = f"megatron-rl: rank {first.rank} ({rank_role(cfg, first.rank)}) {what}; every rank's traceback: {log}"
+    line = f"megatron-rl: rank {first.rank} ({rank_role(cfg, first.rank)}) {what}; {where}"
     if e.signal:
         line = f"megatron-rl: stopped by {signals.name(e.signal)}: {line.removeprefix('megatron-rl: ')}"
     return JobFailed(line, signals.exit_code(e.signal) if e.signal else 1)
@@ -284,6 +284,7 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
         backend = job_backend(cfg.run.backend, world, local_gpus())
     except LaunchError as e:
         raise ConfigError(str(e)) from None
+    hang_s, collective_s = timeouts()
     from megatron_rl.parallel.spawn import RanksFailed
 
     with RunLock(run_dir_of(cfg), warn=_say):  # before anything is written into the run directory
@@ -291,11 +292,12 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
         model_name = cfg.model.name  # the source's name: a converted source becomes run_dir/initial_model
         cfg = initial.prepare(cfg, run_dir, log=_say)
         t0 = time.perf_counter()
-        # No time limit on the whole job (a run takes as long as its steps); a dead or hung rank still ends it
-        # through the process group's timeout.
+        # No time limit on the whole job (a run takes as long as its steps); a dead rank ends it at once, a hung one
+        # when its heartbeat has been silent for the hang timeout.
         try:
             results = run_local(rank_main, world, cfg, model_cfg, str(run_dir), backend=backend, timeout=None,
-                                dist_timeout_s=dist_timeout_s(), stop_grace_s=cfg.run.stop_grace_s,
+                                dist_timeout_s=collective_s, hang_timeout_s=hang_s,
+                                stop_grace_s=cfg.run.stop_grace_s,
                                 on_signal=lambda signum: _say_below_bar(
                                     f"{signals.name(signum)}: stopping at the next weight push with a checkpoint "
                                     f"(ranks killed after run.stop_grace_s={cfg.run.stop_grace_s:g} s"
@@ -396,10 +398,12 @@ def env_backend(cfg: JobConfig, world: EnvWorld, cuda_devices: int) -> str:
     return backend
 
 
-def dist_timeout_s() -> float:
-    """How long a rank waits in one collective or message before the job fails (both launchers): long enough for
-    a checkpoint save or an evaluation on another executor, short enough that a dead peer ends the job."""
-    return float(os.environ.get("MEGATRON_RL_DIST_TIMEOUT_S", 1800))
+def timeouts() -> tuple[float, float]:
+    """(hang timeout, collective timeout) in seconds (`parallel/liveness.py`); ConfigError for a bad value."""
+    try:
+        return liveness.hang_timeout_s(), liveness.collective_timeout_s()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optional[float] = None) -> Optional[dict]:
@@ -438,21 +442,65 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
     with RunLock(run_dir, warn=_say) if world.rank == 0 else contextlib.nullcontext():
         if world.rank == 0:
             prepare_run_dir(cfg)
-        if timeout_s is None:
-            timeout_s = dist_timeout_s()
+        hang_s, collective_s = timeouts()
         t0 = time.perf_counter()
-        init_process_group(backend, world.rank, world.world_size, timeout_s)
+        init_process_group(backend, world.rank, world.world_size, timeout_s or collective_s)
+        _watch_ranks(cfg, world, run_dir, hang_s)
         try:
             result = rank_main(world.rank, world.world_size, cfg, model_cfg, str(run_dir))
         except Exception as e:
             raise _rank_failed(cfg, run_dir, world.rank, e) from None
         finally:
+            liveness.uninstall()
             dist.destroy_process_group()
         if world.rank != 0:
             return result.get("stopped")
         return write_summary(cfg, result, run_dir, time.perf_counter() - t0,
                              {"launcher": f"env ({world.source})", "world_size": world.world_size,
                               "backend": backend})
+
+
+def _watch_ranks(cfg: JobConfig, world: EnvWorld, run_dir: Path, hang_s: float) -> None:
+    """This rank's heartbeat through the rendezvous store, and its watch over the next ranks of the ring
+    (`parallel/liveness.py`): the first rank to find a hung one prints the line and writes failure.log; then every
+    rank ends its process, and torchrun or srun ends the hung one."""
+    import torch.distributed as dist
+
+    def describe(rank: int, silent_s: float, label: str) -> str:
+        return f"megatron-rl: rank {rank} ({rank_role(cfg, rank)}) {liveness.hung_cause(silent_s, label)}"
+
+    def report(line: str) -> None:
+        where = write_failure_log(run_dir, f"{line}\n(found by rank {world.rank}, which watches it; the hung rank "
+                                           f"wrote nothing: it was stopped or frozen)\n", append=True)
+        print(f"{line}; {where}", file=sys.stderr, flush=True)
+
+    def end() -> None:
+        os._exit(1)  # from the heartbeat thread: the main thread may be blocked in a collective on the hung rank
+
+    beats = liveness.StoreBeats(dist.distributed_c10d._get_default_store(), world.rank, world.world_size, hang_s,
+                                describe, report, end)
+    liveness.install(liveness.Heartbeat(beats.publish, liveness.beat_interval_s(hang_s)))
+
+
+def write_failure_log(run_dir: Path, text: str, append: bool = False) -> str:
+    """Write failure.log in the run directory; where that cannot be written (a full disk, a read-only or vanished
+    directory), in the system's temporary directory. Returns the words for the failure line: "every rank's
+    traceback: PATH", saying so when the run directory refused it."""
+    import tempfile
+
+    log = run_dir / FAILURE_LOG
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(log, "a" if append else "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return f"every rank's traceback: {log}"
+    except OSError as e:
+        fd, spare = tempfile.mkstemp(prefix="megatron-rl-failure-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return f"every rank's traceback: {spare} ({log} could not be written: {os.strerror(e.errno or 0)})"
 
 
 def _rank_failed(cfg: JobConfig, run_dir: Path, rank: int, e: Exception) -> JobFailed:
@@ -463,17 +511,53 @@ def _rank_failed(cfg: JobConfig, run_dir: Path, rank: int, e: Exception) -> JobF
     from megatron_rl.parallel.spawn import cause_of, is_peer_error
 
     cause = cause_of(e)
-    log = run_dir / FAILURE_LOG
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as f:  # every rank appends its own report
-        f.write(f"\n--- rank {rank} ({rank_role(cfg, rank)}), {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {cause} ---\n"
-                f"{traceback.format_exc()}")
-    line = "" if is_peer_error(cause) else \
-        f"megatron-rl: rank {rank} ({rank_role(cfg, rank)}) failed: {cause}; traceback in {log}"
-    return JobFailed(line, 1)
+    line = "" if is_peer_error(cause) else f"megatron-rl: rank {rank} ({rank_role(cfg, rank)}) failed: {cause}"
+    # The failing rank's line heads its report in failure.log: under srun the recipe prints the first such line.
+    where = write_failure_log(run_dir, (f"{line}\n" if line else "") + f"--- rank {rank} ({rank_role(cfg, rank)}), "
+                              f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {cause} ---\n{traceback.format_exc()}\n",
+                              append=True)
+    return JobFailed(f"{line}; {where}" if line else "", 1)
+
+
+def srun_failure_line(run_dir: Path, torchrun_log: Path, rc: int) -> str:
+    """The one line a SLURM recipe prints when srun ended with `rc` != 0 (`launch/slurm/*.sbatch`): the failing
+    rank's own line (the first `megatron-rl:` line in failure.log: a rank that raised, or the watcher of a hung
+    rank), else a stop's line from the ranks' output, else the rank torchrun found dead (a signal before an exit
+    code), else srun's exit code; with where the reports are."""
+    import re
+
+    log_words = f"torchrun's report: {torchrun_log}"
+    failure = run_dir / FAILURE_LOG
+    if failure.is_file():
+        for line in failure.read_text(errors="replace").splitlines():
+            if line.startswith("megatron-rl: "):
+                return f"{line}; every rank's traceback: {failure}; {log_words}"
+    text = torchrun_log.read_text(errors="replace") if torchrun_log.is_file() else ""
+    for line in re.split(r"[\r\n]", text):
+        if line.startswith("megatron-rl: stopped by "):
+            return line
+    causes = [(int(code), int(rank)) for rank, code in
+              re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*exitcode\s*:\s*(-?\d+)", text)]
+    if causes:
+        code, rank = min(causes, key=lambda c: (c[0] >= 0, causes.index(c)))  # a signal death first
+        try:
+            from megatron_rl.config import load_config
+
+            role = f" ({rank_role(load_config(run_dir / 'config.yaml', []), rank)})"
+        except Exception:  # noqa: BLE001 - the role only adds to the line
+            role = ""
+        import signal as signal_mod
+
+        what = (f"died with signal {-code} ({signal_mod.Signals(-code).name})" if code < 0
+                else f"exited with code {code}")
+        return f"megatron-rl: rank {rank}{role} {what}; {log_words}"
+    return f"megatron-rl: srun exited with code {rc} before any rank reported; {log_words}"
 
 
 def _main(argv: Optional[list[str]] = None) -> int:
+    """The launch scripts' helpers: `world-size` (launch/local.sh), `check` (the SLURM recipes, before srun: the
+    config against the world it will get, once; prints the run directory) and `failure-line` (after a failed
+    srun)."""
     import argparse
 
     from megatron_rl.config import load_config
@@ -481,16 +565,31 @@ def _main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_rl.controller.launcher")
     sub = p.add_subparsers(dest="command", required=True)
     w = sub.add_parser("world-size", help="print the number of ranks the executors of a config need")
-    w.add_argument("--config", "-c")
-    w.add_argument("overrides", nargs="*")
+    c = sub.add_parser("check", help="check a config against a world of --world-size ranks; print the run directory")
+    c.add_argument("--world-size", type=int, required=True)
+    for a in (w, c):
+        a.add_argument("--config", "-c")
+        a.add_argument("overrides", nargs="*")
+    f = sub.add_parser("failure-line", help="the one line for a failed srun")
+    f.add_argument("run_dir", type=Path)
+    f.add_argument("torchrun_log", type=Path)
+    f.add_argument("rc", type=int)
     args = p.parse_args(argv)
+    if args.command == "failure-line":
+        print(srun_failure_line(args.run_dir, args.torchrun_log, args.rc), file=sys.stderr)
+        return 0
     try:
         cfg = load_config(args.config, args.overrides)
-        validate(cfg)
+        if args.command == "check":
+            check_world(cfg, args.world_size)
+            timeouts()
+            check_run_dir(cfg, run_dir_of(cfg))
+        else:
+            validate(cfg)
     except ConfigError as e:
         print(f"megatron-rl: config error: {e}", file=sys.stderr)
         return 2
-    print(cfg.world_size_needed)
+    print(run_dir_of(cfg) if args.command == "check" else cfg.world_size_needed)
     return 0
 
 
