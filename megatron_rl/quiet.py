@@ -24,6 +24,9 @@ _ALWAYS = (
     ("`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning),
     ("`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning),
     ("resource_tracker", UserWarning),
+    # Megatron-Core's checkpoint loads call torch's deprecated ShardedTensor and load_state_dict (on resume).
+    ("`load_state_dict` is deprecated", FutureWarning),
+    ("Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
 )
 _WITHOUT_CUDA = (
     ("Transformer Engine and Apex are not installed", UserWarning),

@@ -42,7 +42,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ from megatron_rl.checkpointing.layout import (CHECKSUM_MISMATCH, CHECKSUMS, LATE
                                               OPTIMIZER_DIR, RL_STATE, RNG_DIR, STEP_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
                                               CheckpointError, checksum_mismatches, file_checksum, manifest,
                                               manifest_problems, read_latest, step_dir_name)
+from megatron_rl.checkpointing import storage
 from megatron_rl.checkpointing.tokenizer import save_tokenizer
 from megatron_rl.failpoints import failpoint
 
@@ -317,6 +318,28 @@ def verify(path: Path, checksums: bool = False) -> dict:
     return meta
 
 
+@contextlib.contextmanager
+def _writer_logs_captured():
+    """Megatron-Core's checkpoint writers log their errors (a full disk, from a writer process) before the save
+    raises a CheckpointException that names none: keep those records off the terminal, for the error's message
+    (failure.log), not the console."""
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(f"{record.name}: {record.getMessage()}"[:500])
+
+    log = logging.getLogger("megatron.core.dist_checkpointing")
+    handler, propagate = _Keep(logging.ERROR), log.propagate
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
+
+
 def _raise_mismatch(path: Path, mismatches: list[str]) -> None:
     if mismatches:
         more = f" (and {len(mismatches) - 1} more files)" if len(mismatches) > 1 else ""
@@ -329,6 +352,7 @@ class TrainCheckpointer:
 
     root: Path
     keep_last: int = 2
+    log: Optional[Callable[[str], None]] = None  # rank 0's notes (unfinished saves removed)
 
     def __post_init__(self):
         self.root = Path(self.root)
@@ -342,11 +366,32 @@ class TrainCheckpointer:
         """Collective over the world. Trainer ranks pass their TrainEngine (and the layout / model shape, and the
         KL reference model when the run has one: `RLTrainer.reference`); the controller (rank 0) passes
         `rl_state`. `tokenizer` is the metadata entry, or {"source": PATH} to copy a tokenizer (HF directory,
-        .gguf, sentencepiece .model) into the checkpoint. Returns the final path."""
+        .gguf, sentencepiece .model) into the checkpoint. Returns the final path.
+
+        When the filesystem refuses the save (full, read-only, permissions, gone), CheckpointError in one line that
+        names the directory, the cause, what to do and the checkpoint kept; the unfinished write is removed."""
+        name = step_dir_name(step)
+        try:
+            with _writer_logs_captured() as records:
+                return self._save(step, name, engine, reference=reference, layout=layout, model_cfg=model_cfg,
+                                  rl_state=rl_state, tokenizer=tokenizer, extra=extra)
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - Megatron-Core's CheckpointException is a BaseException
+            problem = storage.diagnose(self.root, e)
+            if problem is None:
+                raise
+            shutil.rmtree(self.root / f"{name}.tmp", ignore_errors=True)  # it must not hold the next save's space
+            latest = read_latest(self.root)
+            kept = f"the last complete checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved"
+            raise CheckpointError(f"{self.root}: {name} not saved: {problem}; {kept}"
+                                  + "".join(f"\n  {r}" for r in records)) from e
+
+    def _save(self, step: int, name: str, engine, *, reference, layout, model_cfg, rl_state, tokenizer,
+              extra) -> Path:
         from megatron.core import dist_checkpointing
 
         rank = dist.get_rank()
-        name = step_dir_name(step)
         final, tmp = self.root / name, self.root / f"{name}.tmp"
         self._verified.discard(final)
         t0 = time.perf_counter()
@@ -355,8 +400,7 @@ class TrainCheckpointer:
                                   f"values (the last finite state is the newest checkpoint)")
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            self.remove_unfinished()
             for sub in (MODEL_DIR, OPTIMIZER_DIR, RNG_DIR):
                 (tmp / sub).mkdir(parents=True)
         dist.barrier()
@@ -417,6 +461,14 @@ class TrainCheckpointer:
         dist.barrier()
         self.last_save_s = time.perf_counter() - t0
         return final
+
+    def remove_unfinished(self) -> None:
+        """Delete the `step_*.tmp` left by saves that failed or were killed (rank 0: before a save, and on resume),
+        and say how much space that gave back."""
+        names, freed = storage.remove_unfinished(self.root)
+        if names and self.log is not None:
+            self.log(f"removed {len(names)} unfinished checkpoint write{'s' if len(names) > 1 else ''} "
+                     f"({', '.join(names)}): {storage.human_bytes(freed)} freed in {self.root}")
 
     def _prune(self, keep: Path) -> None:
         complete = [p for _, p in list_checkpoints(self.root)]

@@ -29,6 +29,7 @@ from megatron_rl.controller.tasks import build_task
 from megatron_rl.failpoints import failpoint
 from megatron_rl.models import ModelConfig
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+from megatron_rl.parallel.topology import new_group
 from megatron_rl.rollout import RolloutBatch
 
 
@@ -61,11 +62,12 @@ class Job:
         if self.r is not None:
             rl = self.r.layout
             self.scorers = [self.r.placement.first_rank + rl.local_rank(0, 0, d % rl.dp) for d in range(gl.dp)]
-        self.trainer_group = dist.new_group(list(self.t.placement.ranks), backend="gloo")
-        self.control_group = dist.new_group(sorted({0, *self.leaders, *(self.scorers or [])}), backend="gloo")
-        self.world_group = dist.new_group(backend="gloo")  # small control collectives over every rank
+        self.trainer_group = new_group(list(self.t.placement.ranks), backend="gloo")
+        self.control_group = new_group(sorted({0, *self.leaders, *(self.scorers or [])}), backend="gloo")
+        self.world_group = new_group(backend="gloo")  # small control collectives over every rank
         self.stop_signal = 0  # the signal that stopped the run (`stop_requested`), 0 while it runs
         self.saved_version: Optional[int] = None  # the newest state saved or resumed from
+        self.space_checked = False  # the checkpoint directory's free space, checked before the first save
 
         self.initial = initial.megatron_checkpoint(cfg.model.checkpoint)
         self.tok = initial.job_tokenizer(cfg)
@@ -74,7 +76,8 @@ class Job:
                              f"{model_cfg.vocab_size}")
         # Generator replica leaders score responses (and run reward workers); other ranks only need the prompts.
         self.task = build_task(cfg, self.tok, with_reward=self.rank in self.leaders)
-        self.ckpt = TrainCheckpointer(run_dir, keep_last=cfg.checkpoint.keep_last)
+        self.ckpt = TrainCheckpointer(run_dir, keep_last=cfg.checkpoint.keep_last,
+                                      log=self.echo if self.rank == 0 else None)
         self.resume_from = self.ckpt.find(cfg.checkpoint.fallback) if cfg.checkpoint.resume else None
         self._build_executors()
         self.collector = None
@@ -156,6 +159,9 @@ class Job:
         one last saved or resumed from."""
         if version == self.saved_version:
             return
+        if self.rank == 0 and not self.space_checked:
+            self.space_checked = True
+            self._check_space()
         rl_state = None
         engine = self.trainer.engine if self.trainer is not None else None
         if self.collector is not None:
@@ -171,9 +177,25 @@ class Job:
         if self.rank == 0:
             self.echo(f"checkpoint {step_dir_name(version)} saved ({self.ckpt.last_save_s:.1f} s)")
 
+    def _check_space(self) -> None:
+        """Warn once, before the first save, when the checkpoint directory cannot hold the checkpoints it must."""
+        from megatron_rl.checkpointing import storage
+        from megatron_rl.checkpointing.training import list_checkpoints
+        from megatron_rl.models.precision import resolve_dtype_name
+
+        param_bytes = {"fp32": 4}.get(resolve_dtype_name(self.cfg.trainer.dtype), 2)
+        size = storage.estimate_checkpoint_bytes(self.model_cfg.num_parameters(self.cfg.trainer.tp), param_bytes,
+                                                 with_reference=self.cfg.algorithm.kl_coef > 0)
+        warning = storage.space_warning(self.ckpt.root, size, self.cfg.checkpoint.keep_last,
+                                        len(list_checkpoints(self.ckpt.root)))
+        if warning is not None:
+            self.echo(f"megatron-rl: warning: {warning}")
+
     def resume(self) -> Optional[tuple[int, set[int]]]:
         """Restore the newest checkpoint, if the run has one: (trainer steps already done, batches restored with
-        it). None when the run starts from scratch."""
+        it). None when the run starts from scratch. Unfinished writes of an earlier run are removed first."""
+        if self.rank == 0:
+            self.ckpt.remove_unfinished()
         path = self.resume_from
         if path is None:
             return None
