@@ -42,6 +42,25 @@ def smollm2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def reward_model_job(tmp_path_factory):
+    """A tiny HF Llama policy with a word tokenizer, a tiny reward model, and JSONL prompts of those words: what a
+    job with `reward.kind=reward-model` needs."""
+    pytest.importorskip("transformers")
+    import json
+
+    from test_rewards import _tiny_reward_model
+    from tiny_hf import WORDS, save_tiny_llama, save_word_tokenizer
+
+    d = tmp_path_factory.mktemp("rm_job")
+    save_tiny_llama(d / "hf", vocab_size=16)
+    save_word_tokenizer(d / "hf")
+    _tiny_reward_model(d / "rm")
+    data = d / "words.jsonl"
+    data.write_text("".join(json.dumps({"question": " ".join(WORDS[i % 5: i % 5 + 3])}) + "\n" for i in range(12)))
+    return d
+
+
+@pytest.fixture(scope="session")
 def tiny_hf():
     """A random transformers Llama (3 layers, GQA, untied) with enlarged weights, its Megatron config and its
     weights in Megatron names."""

@@ -360,32 +360,17 @@ def test_a_cpu_made_checkpoints_rng_states_resume_on_a_gpu(caplog):
 # -------------------------------------------------------------------------------------------- the job itself
 
 
-@pytest.fixture(scope="module")
-def rm_models(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from test_rewards import _tiny_reward_model
-    from tiny_hf import WORDS, save_tiny_llama, save_word_tokenizer
-
-    d = tmp_path_factory.mktemp("rules_job")
-    save_tiny_llama(d / "hf", vocab_size=16)
-    save_word_tokenizer(d / "hf")
-    _tiny_reward_model(d / "rm")
-    data = d / "words.jsonl"
-    data.write_text("".join(json.dumps({"question": " ".join(WORDS[i % 5: i % 5 + 3])}) + "\n" for i in range(12)))
-    return d
-
-
 # Per function, the most graphs a short job may compile (one per specialization it uses; see each kernel's key).
 GRAPH_BUDGET = {"fused.rms_norm": 8, "fused.rope": 12, "logprobs.forward_chunk": 3, "logprobs.backward_chunk": 2,
                 "megatron.swiglu": 4, "megatron.swiglu_back": 2, "megatron.bias_swiglu": 4,
                 "megatron.bias_swiglu_back": 2}
 
 
-def test_a_colocated_job_runs_under_cuda_rules_within_its_graph_budget(rm_models, tmp_path):
+def test_a_colocated_job_runs_under_cuda_rules_within_its_graph_budget(reward_model_job, tmp_path):
     """The job as one GPU runs it (trainer and generator colocated, bf16, fusions and compiled chunks on, the decode
     step capture-checked, pinned copies, gloo under NCCL's rules), with a KL reference, held-out eval, the int8
     generator and the reward model in process."""
-    d = rm_models
+    d = reward_model_job
     args = [f"model.checkpoint={d / 'hf'}", "data.dataset=jsonl", f"data.path={d / 'words.jsonl'}",
             "data.answer_field=null", "data.eval_size=4", "data.eval_samples=2", "reward.kind=reward-model",
             f"reward.model={d / 'rm'}", "trainer.sft_warmup_steps=0", "trainer.dtype=bf16", "generator.dtype=bf16",

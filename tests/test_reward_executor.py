@@ -14,22 +14,6 @@ from megatron_rl.config import ConfigError, load_config, validate
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A tiny HF Llama policy with a word tokenizer, a tiny reward model, and JSONL prompts of those words."""
-    pytest.importorskip("transformers")
-    from test_rewards import _tiny_reward_model
-    from tiny_hf import WORDS, save_tiny_llama, save_word_tokenizer
-
-    d = tmp_path_factory.mktemp("rm_job")
-    save_tiny_llama(d / "hf", vocab_size=16)
-    save_word_tokenizer(d / "hf")
-    _tiny_reward_model(d / "rm")
-    data = d / "words.jsonl"
-    data.write_text("".join(json.dumps({"question": " ".join(WORDS[i % 5: i % 5 + 3])}) + "\n" for i in range(12)))
-    return d
-
-
 def _args(d, run_dir, name, *extra):
     return [f"model.checkpoint={d / 'hf'}", "data.dataset=jsonl", f"data.path={d / 'words.jsonl'}",
             "data.answer_field=null", "data.eval_size=4", "data.eval_samples=2", "reward.kind=reward-model",
@@ -54,16 +38,16 @@ def _rows(run_dir, name):
 
 
 def test_reward_executor_trains_as_the_in_process_path_resumes_after_its_rank_dies_and_adds_to_a_verifier(
-        models, tmp_path):
+        reward_model_job, tmp_path):
     """The same job twice: the reward model in the generator's leader (the in-process path), and on two TP ranks of
     its own (the policy's one colocated rank, which is also the controller, sends its texts there). The second run's reward rank is killed while it scores batch 2 (the job ends), and the run resumes.
     Every step's reward and held-out reward equal the in-process run's (fp32: the same responses, the same
     scores to rounding), so nothing was lost or scored twice. A third job adds a verifier's reward to the score."""
-    ref = _train(_args(models, tmp_path, "in_process"))
+    ref = _train(_args(reward_model_job, tmp_path, "in_process"))
     assert ref.returncode == 0, ref.stderr[-3000:]
     # named after its source, not the run_dir/initial_model it was converted into
     assert json.loads((tmp_path / "in_process" / "summary.json").read_text())["model"] == "hf"
-    args = _args(models, tmp_path, "executor", "reward.executor.tp=2", "reward.executor.dp=1")
+    args = _args(reward_model_job, tmp_path, "executor", "reward.executor.tp=2", "reward.executor.dp=1")
     died = _train(args, failpoint="reward_model_batch:2")
     assert died.returncode != 0
     assert "reward model" in (tmp_path / "executor" / "failure.log").read_text()  # the dead rank's role is named
@@ -83,7 +67,7 @@ def test_reward_executor_trains_as_the_in_process_path_resumes_after_its_rank_di
         assert g["time/reward_model_s"] > 0 and "time/reward_model_s" not in w
     # A verifier plus the reward model on its ranks: each sample's reward is the verifier's (a constant 0.25 here) plus
     # reward.model_coef times the model's score. Step 0 samples from the starting weights, as both runs above did.
-    both = _train(_args(models, tmp_path, "both", "reward.executor.tp=2", "reward.executor.dp=1",
+    both = _train(_args(reward_model_job, tmp_path, "both", "reward.executor.tp=2", "reward.executor.dp=1",
                         "reward.kind=function", "reward.function=test_rewards:quarter_reward", "reward.model_coef=2",
                         "run.steps=1"))
     assert both.returncode == 0, both.stderr[-3000:]
@@ -106,15 +90,16 @@ def test_reward_executor_settings_that_cannot_work_fail_in_one_line(overrides, m
         validate(load_config(None, overrides), 3)
 
 
-def test_reward_executor_layouts_are_checked_against_the_reward_model(models):
-    base = [f"model.checkpoint={models / 'hf'}", "data.dataset=jsonl", f"data.path={models / 'words.jsonl'}",
+def test_reward_executor_layouts_are_checked_against_the_reward_model(reward_model_job):
+    d = reward_model_job
+    base = [f"model.checkpoint={d / 'hf'}", "data.dataset=jsonl", f"data.path={d / 'words.jsonl'}",
             "data.answer_field=null", "data.eval_size=4", "trainer.sft_warmup_steps=0"]
-    rm = [f"reward.model={models / 'rm'}", "reward.executor.dp=1"]
+    rm = [f"reward.model={d / 'rm'}", "reward.executor.dp=1"]
     with pytest.raises(ConfigError, match=r"4 attention heads.*reward.executor.tp=3"):
         validate(load_config(None, base + rm + ["reward.kind=reward-model", "reward.executor.tp=3"]), 8)
     with pytest.raises(ConfigError, match=r"verifier's reward plus a reward model's score needs the reward model on "
                                           r"ranks of its own"):
-        validate(load_config(None, base + [f"reward.model={models / 'rm'}", "reward.kind=function",
+        validate(load_config(None, base + [f"reward.model={reward_model_job / 'rm'}", "reward.kind=function",
                                            "reward.function=test_rewards:length_reward"]), 8)
     # a verifier plus the reward model on its own ranks is a valid job, and it needs one more rank
     cfg = load_config(None, base + rm + ["reward.kind=function", "reward.function=test_rewards:length_reward"])
