@@ -41,6 +41,7 @@ def _params(cfg, layout, local_rank, dtype, device, fill):
 
 
 def _cpu_worker(rank, world_size, preset, src, dst, steps, bucket_mb):
+    from megatron_rl.ddma.fingerprint import PushCheck
     from megatron_rl.ddma.planner import plan_reshard
     from megatron_rl.ddma.transport import TransportSettings, execute_plan
     from megatron_rl.models import get_preset
@@ -75,9 +76,14 @@ def _cpu_worker(rank, world_size, preset, src, dst, steps, bucket_mb):
         for req in dist.batch_isend_irecv(ops) if ops else []:
             req.wait()
 
-    times = {"ddma": [], "raw": []}
+    push_check = PushCheck(plan, rank, dist.group.WORLD)
+
+    def check():  # the end-to-end check of that push (ddma/fingerprint.py), as the job runs it every N pushes
+        push_check(sp, dp, 0)
+
+    times = {"ddma": [], "raw": [], "check": []}
     for i in range(steps + 1):  # the first round of each is a warm-up
-        for name, fn in (("ddma", ddma), ("raw", raw)):
+        for name, fn in (("ddma", ddma), ("raw", raw), ("check", check)):
             dist.barrier()
             t = time.perf_counter()
             fn()
@@ -94,12 +100,14 @@ def cpu_case(preset: str, src: str, dst: str, steps: int, bucket_mb: float) -> d
     world = ParallelLayout.parse(src).size + ParallelLayout.parse(dst).size
     out = run_local(_cpu_worker, world, preset, src, dst, steps, bucket_mb, timeout=1800)[0]
     ddma, raw = statistics.median(out["times"]["ddma"]), statistics.median(out["times"]["raw"])
+    check = statistics.median(out["times"]["check"])
     return {"preset": preset, "src": src, "dst": dst, "bucket_mb": bucket_mb, "bytes": out["bytes"],
-            "ddma_s": ddma, "raw_gloo_s": raw, "ratio": raw / ddma}
+            "ddma_s": ddma, "raw_gloo_s": raw, "ratio": raw / ddma, "check_s": check, "check_over_push": check / ddma}
 
 
 def gpu_case(preset: str, src: str, dst: str, steps: int) -> dict:
     """Single process: every virtual rank's shards on this GPU; the reshard against one copy of the same bytes."""
+    from megatron_rl.ddma.fingerprint import held_dtypes, local_fingerprints
     from megatron_rl.ddma.local import InProcessReshard
     from megatron_rl.ddma.planner import plan_reshard
     from megatron_rl.models import get_preset
@@ -118,12 +126,20 @@ def gpu_case(preset: str, src: str, dst: str, steps: int) -> dict:
     a = torch.empty(job.bytes // 2, dtype=torch.bfloat16, device=dev)
     b = torch.empty_like(a)
     copy = statistics.median(timed(lambda: b.copy_(a), steps, 2))
-    del a, b, srcs, dsts, job
+
+    dtypes = {k: v for r in dsts for k, v in held_dtypes(plan, r, dsts[r]).items()}
+
+    def fingerprints():  # every rank's half of the push check (the sums; the all_gather of a few KB is not timed)
+        for r in set(srcs) | set(dsts):
+            local_fingerprints(plan, r, srcs.get(r), dsts.get(r), dtypes)
+    check = statistics.median(timed(fingerprints, steps, 1))
+    a = b = srcs = dsts = job = None  # free the device memory before the next case
     torch.cuda.empty_cache()
     return {"preset": preset, "src": src, "dst": dst, "bytes": plan.network_elements * 2 + plan.local_elements * 2,
             "copies": len(plan.copies), "reshard_s": reshard, "d2d_copy_s": copy, "ratio": copy / reshard,
             "reshard_bf16_elements_s": narrow, "ratio_bf16_elements": copy / narrow,
-            "reshard_GBps_rw": 2 * (plan.network_elements + plan.local_elements) * 2 / reshard / 1e9}
+            "reshard_GBps_rw": 2 * (plan.network_elements + plan.local_elements) * 2 / reshard / 1e9,
+            "check_s": check, "check_over_push": check / reshard}
 
 
 # (trainer layout, generator layout) at the paper's scale: the trainer on most GPUs, generators with fewer GPUs
@@ -169,7 +185,8 @@ def main(argv=None) -> int:
     if not args.no_cpu:
         c = cpu_case(args.cpu_preset, args.cpu_src, args.cpu_dst, args.steps, args.bucket_mb)
         print(f"CPU {c['preset']} {c['src']} -> {c['dst']}: DDMA {c['ddma_s'] * 1e3:.1f} ms, raw gloo "
-              f"{c['raw_gloo_s'] * 1e3:.1f} ms for {c['bytes'] / 1e6:.1f} MB (ratio {c['ratio']:.2f})", flush=True)
+              f"{c['raw_gloo_s'] * 1e3:.1f} ms for {c['bytes'] / 1e6:.1f} MB (ratio {c['ratio']:.2f}); push check "
+              f"{c['check_s'] * 1e3:.1f} ms ({c['check_over_push']:.3f} of a push)", flush=True)
         result["cpu"] = c
         result["cpu_ratio"] = c["ratio"]
     if torch.cuda.is_available():
@@ -179,7 +196,8 @@ def main(argv=None) -> int:
             print(f"GPU {preset} {src} -> {dst}: reshard {g['reshard_s'] * 1e3:.2f} ms, d2d copy "
                   f"{g['d2d_copy_s'] * 1e3:.2f} ms for {g['bytes'] / 1e9:.2f} GB ({g['copies']} copies, ratio "
                   f"{g['ratio']:.2f}, {g['reshard_GBps_rw']:.0f} GB/s read+write; as bf16 elements "
-                  f"{g['reshard_bf16_elements_s'] * 1e3:.2f} ms, ratio {g['ratio_bf16_elements']:.2f})", flush=True)
+                  f"{g['reshard_bf16_elements_s'] * 1e3:.2f} ms, ratio {g['ratio_bf16_elements']:.2f}); push check "
+                  f"sums {g['check_s'] * 1e3:.2f} ms ({g['check_over_push']:.3f} of a reshard)", flush=True)
             result[key] = g
             result[f"{key}_ratio"] = g["ratio"]
     result["extrapolated"] = extrapolate()

@@ -106,6 +106,9 @@ class GeneratorSection:
     dp: int = 1
     colocated: bool = False
     quantization: Literal["none", "int8", "fp8"] = "none"
+    # every N-th weight push is checked end to end (ddma/fingerprint.py); 0: never; "auto": push 0, then as often
+    # as keeps the checks under 1% of the pushes' time, measured
+    push_check_interval: Union[int, Literal["auto"]] = "auto"
     max_batch_size: int = 64
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -465,6 +468,7 @@ _RANGES: dict[str, tuple[str, str]] = {
     "trainer.adam_eps": ("> 0", ""),
     "trainer.max_nonfinite_steps": (">= 1", ""),
     "generator.max_batch_size": (">= 1", "(sequences decoded together)"),
+    "generator.push_check_interval": (">= 0", "(0 never checks a weight push)"),
     "algorithm.rho": (">= 1", "(importance weights are truncated at rho)"),
     "algorithm.ppo_clip": ("> 0", ""),
     "algorithm.kl_coef": (">= 0", ""),
@@ -516,7 +520,7 @@ def _check_fields(errors: list[str], cfg: JobConfig) -> None:
         if f.name == "model":
             continue
         for path, value, optional in _numbers(getattr(cfg, f.name), f.name):
-            if value is None:
+            if value is None or isinstance(value, str):  # a word a number field also takes ("auto")
                 continue
             if isinstance(value, float) and not math.isfinite(value):
                 errors.append(f"{path}={value} must be a finite number")

@@ -155,7 +155,7 @@ def _numbers(section, prefix):
         value = getattr(section, f.name)
         if dataclasses.is_dataclass(value):
             yield from _numbers(value, f"{prefix}.{f.name}")
-        elif f.type in ("int", "float", "Optional[int]", "Optional[float]"):
+        elif f.type in ("int", "float", "Optional[int]", "Optional[float]") or f.type.startswith("Union[int, Literal["):
             yield f"{prefix}.{f.name}"
 
 
