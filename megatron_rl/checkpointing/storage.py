@@ -50,8 +50,9 @@ def _errno_in(exc: BaseException) -> Optional[int]:
         if isinstance(e, OSError) and e.errno in _WHAT_TO_DO:
             return e.errno
         failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo.extend(f for f in failures.values() if isinstance(f, BaseException))
+        if isinstance(failures, dict):  # torch's: rank -> (exception, stack summary)
+            for f in failures.values():
+                todo.extend(x for x in (f if isinstance(f, tuple) else (f,)) if isinstance(x, BaseException))
         todo.extend([e.__cause__, e.__context__])
     return None
 

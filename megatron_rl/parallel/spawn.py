@@ -171,7 +171,8 @@ class RankFailure:
 
 # Errors a rank gets because a peer failed: they name the victim, not the cause.
 _PEER_ERRORS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                "Timed out", "NCCL")
+                "Timed out", "NCCL",
+                "CheckpointException ranks:dict_keys([])")  # torch's checkpoint save failed elsewhere, not here
 
 
 class RanksFailed(RuntimeError):
