@@ -172,7 +172,9 @@ class RankFailure:
 # Errors a rank gets because a peer failed: they name the victim, not the cause.
 _PEER_ERRORS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
                 "Timed out", "NCCL",
-                "CheckpointException ranks:dict_keys([])")  # torch's checkpoint save failed elsewhere, not here
+                # torch's checkpoint save failed, and the rank could not say why: the rank that found the cause (a
+                # full disk: `checkpointing/storage.py`) raises CheckpointError, and it names the fault
+                "CheckpointException ranks:")
 
 
 class RanksFailed(RuntimeError):
