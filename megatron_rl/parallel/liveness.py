@@ -13,8 +13,8 @@ Who watches:
                     (`LocalBeats`) and ends every rank's process group.
     torchrun/srun   each rank's thread also watches the two ranks after it in the ring through the rendezvous store
                     (`StoreBeats`); the first to find a hung rank reports it once (the store counts reporters), and
-                    every rank's thread, seeing the verdict, ends its process. The launcher (torchrun, srun
-                    --kill-on-bad-exit) ends the stopped one.
+                    every rank's thread, seeing the verdict, ends its process; a rank on the stopped one's host
+                    SIGKILLs it first (elsewhere srun --kill-on-bad-exit ends it).
 
 Process groups keep a timeout of their own, `collective_timeout_s()` (default 2 h, at least the hang timeout): the
 backstop for live ranks that wait on each other forever (a deadlock). It no longer has to be short, because a dead
@@ -24,6 +24,8 @@ or stopped rank is found by its beats.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import threading
 import time
 from typing import Callable, Optional
@@ -182,16 +184,29 @@ class StoreBeats:
         self.seen: dict[int, tuple[bytes, float]] = {}
         self.started = time.monotonic()
         self.ended = False
+        self.store.set(f"where/{rank}", f"{socket.gethostname()}|{os.getpid()}")
 
     def publish(self, count: int, label: str) -> None:
         self.store.set(f"hb/{self.rank}", f"{count}|{label}")
         if not self.ended:
             self.watch()
 
+    def _finish(self) -> None:
+        """End this rank; first, a rank on the hung rank's host SIGKILLs it (a stopped process takes no SIGTERM, and
+        torchrun waits 30 s before its own SIGKILL; on other hosts srun --kill-on-bad-exit ends it)."""
+        self.ended = True
+        try:
+            hung = int(self.store.get("hung"))
+            host, _, pid = self.store.get(f"where/{hung}").decode().partition("|")
+            if host == socket.gethostname() and int(pid) != os.getpid():
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError, RuntimeError):  # gone already, or the store is: ending is what matters
+            pass
+        self.end()
+
     def watch(self) -> None:
         if self.store.check(["verdict"]):
-            self.ended = True
-            self.end()
+            self._finish()
             return
         now = time.monotonic()
         for r in self.watched:
@@ -206,8 +221,8 @@ class StoreBeats:
                 label = value.decode(errors="replace").partition("|")[2] or "starting"
                 if self.store.add("reporters", 1) == 1:  # the first watcher in the world reports it
                     line = self.describe(r, since, label)
+                    self.store.set("hung", str(r))
                     self.store.set("verdict", line)
                     self.report(line)
-                self.ended = True
-                self.end()
+                self._finish()
                 return
