@@ -144,6 +144,11 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = 0
 
+    @property
+    def lag(self) -> int:
+        """How many weight versions the generator may run ahead: `staleness` when async, 0 when sync."""
+        return self.staleness if self.mode == "async" else 0
+
 
 @dataclass
 class DataSection:

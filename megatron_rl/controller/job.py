@@ -28,14 +28,14 @@ from megatron_rl.controller.executors import (GeneratorExecutor, Generated, Eval
 from megatron_rl.controller.tasks import build_task
 from megatron_rl.failpoints import failpoint
 from megatron_rl.models import ModelConfig
-from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+from megatron_rl.parallel import ExecutorPlacement, build_topology
 from megatron_rl.parallel.topology import new_group
 from megatron_rl.rollout import RolloutBatch
 
 
 def placements(cfg: JobConfig) -> list[ExecutorPlacement]:
-    t = ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp)
-    g = ParallelLayout(cfg.generator.tp, cfg.generator.pp, cfg.generator.dp)
+    t = cfg.trainer.layout
+    g = cfg.generator.layout
     first = 0 if cfg.generator.colocated else t.size
     out = [ExecutorPlacement("trainer", t, 0), ExecutorPlacement("generator", g, first)]
     if cfg.reward.model_executor:
@@ -51,7 +51,7 @@ class Job:
         self.cfg, self.model_cfg, self.run_dir = cfg, model_cfg, run_dir
         self.echo = echo or (lambda text: None)
         self.rank = dist.get_rank()
-        self.staleness = cfg.rollout.staleness if cfg.rollout.mode == "async" else 0
+        self.staleness = cfg.rollout.lag
         topo = build_topology(placements(cfg))
         self.t, self.g, self.r = topo["trainer"], topo["generator"], topo.get("reward")
         # Generator replica leaders (tp rank 0) talk to the controller (rank 0), and replica d's to the leader of

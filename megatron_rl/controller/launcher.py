@@ -358,7 +358,7 @@ def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extr
         "eval_reward_start": evals[0] if evals else None, "eval_reward_end": evals[-1] if evals else None,
         "eval_reward_gain": (evals[-1] - evals[0]) if len(evals) > 1 else None,
         "mean_step_s": sum(r["time/total_s"] for r in rows) / max(len(rows), 1),
-        "mode": cfg.rollout.mode, "staleness": cfg.rollout.staleness if cfg.rollout.mode == "async" else 0,
+        "mode": cfg.rollout.mode, "staleness": cfg.rollout.lag,
         **result.get("stopped", {}), **(extra or {}),
     }
     if result.get("compiled_graphs"):

@@ -284,7 +284,7 @@ def _reward_model_memory(cfg: JobConfig, cal: Calibration, device_bytes: int) ->
     except ValueError as err:
         raise PlanError(str(err).splitlines()[0]) from None
     dtype = _dtype(cfg.generator.dtype, cal)
-    mods = build_rank_modules(rm, ParallelLayout(e.tp, 1, e.dp), params_dtype=dtype, attention="sdpa")
+    mods = build_rank_modules(rm, e.layout, params_dtype=dtype, attention="sdpa")
     head = 4 * rm.hidden_size
     weights = sum(p.nbytes for p in mods.params if not p.name.startswith("output_layer.")) + head
     defaults = inspect.signature(ParallelRewardModel).parameters  # the executor passes neither
@@ -349,8 +349,8 @@ def predict_steps(cfg: JobConfig, model: ModelConfig, cal: Calibration, device_b
                   sync: SyncEstimate, stages: list[RankModules]) -> tuple[StepTimes, dict, list]:
     """Step times of both modes for the job `cfg`, given its generator's modules (its heaviest pipeline stage's)
     and its DDMA estimate; returns (times, the assumptions they rest on, notes)."""
-    tl = ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp)
-    gl = ParallelLayout(cfg.generator.tp, cfg.generator.pp, cfg.generator.dp)
+    tl = cfg.trainer.layout
+    gl = cfg.generator.layout
     colocated = cfg.generator.colocated
     w, cost = workload(cfg), model_cost(model)
     gpus = tl.size if colocated else tl.size + gl.size
@@ -393,8 +393,8 @@ def make_plan(cfg: JobConfig, model: ModelConfig, calibration: Calibration, *,
     if not (isinstance(gib, (int, float)) and math.isfinite(gib) and gib > 0):
         raise PlanError(f"--gpu-memory {gib!r} is not a device memory size: give GiB per GPU, e.g. 80")
     device_bytes = int(gib * GIB)
-    tl = ParallelLayout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.dp)
-    gl = ParallelLayout(cfg.generator.tp, cfg.generator.pp, cfg.generator.dp)
+    tl = cfg.trainer.layout
+    gl = cfg.generator.layout
     colocated = cfg.generator.colocated
     staging = TransportSettings().bucket_bytes
     stages = _build_trainer(cfg, model, tl, cal)
