@@ -319,7 +319,5 @@ class WeightPush:
                        step=version if trainer is not None else None)
         if kept is not None:
             dst[kept[0]].data.copy_(kept[1])
-        if generator is not None:
-            generator.generator.weight_version = version
         self.check.after_push(src, dst, version, time.perf_counter() - t0)  # every few pushes: a collective
         return time.perf_counter() - t0

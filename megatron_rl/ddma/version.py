@@ -1,14 +1,13 @@
-"""Which trainer step a generator's weights come from.
+"""Which trainer step a generator's weights come from, for users of `WeightSync` on its own.
 
-Every rollout carries the version of the weights that produced it (the controller's staleness bound and AIPO's
-behaviour policy depend on it). A sync stamps the generator model with the trainer step it copied; the controller
-reads it with `weight_version(model)` (or from the `WeightSync` that ran the sync).
+A sync stamps the generator model with the trainer step it copied; `weight_version(model)` reads it (as does
+`WeightSync.version`). The job does not read the stamp: there the schedule's actions carry the version
+(`controller/schedule.py`), and every rollout records it (`RolloutBatch.weight_versions`).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -18,10 +17,9 @@ _ATTR = "_ddma_weight_version"
 
 @dataclass(frozen=True)
 class WeightVersion:
-    """The trainer step whose weights a model holds, and when (wall clock, seconds) they arrived."""
+    """The trainer step whose weights a model holds."""
 
     step: int
-    synced_at: float = field(default_factory=time.time)
 
 
 def set_weight_version(model: torch.nn.Module, version: WeightVersion) -> None:

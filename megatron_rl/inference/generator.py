@@ -40,7 +40,6 @@ class GenerationOutput:
     token_ids: list[int]
     logprobs: list[float]  # log mu(token) under softmax(logits / T), T = 1 for greedy
     finish_reason: str  # "stop" (stop token or string), "length", or "error"
-    weight_version: int
     text: Optional[str] = None
     error: Optional[str] = None
 
@@ -190,7 +189,6 @@ class Generator:
         # then costs its slot one more (discarded) step, and its successor is admitted one step later; every
         # sequence's tokens are the same either way.
         self.lookahead = gpu if lookahead is None else lookahead
-        self.weight_version = 0
         self.stats: dict = {}
         self._cache = None
         self._steps: dict = {}
@@ -247,7 +245,7 @@ class Generator:
             for k in range(max(r.params.n, 1)):
                 if err is not None:
                     outputs.append(GenerationOutput(r.request_id, k, list(r.prompt_ids), [], [], "error",
-                                                    self.weight_version, error=err))
+                                                    error=err))
                     continue
                 outputs.append(None)
                 seed = (int(base) * 1_000_003 + k) & 0x7FFFFFFF
@@ -265,7 +263,7 @@ class Generator:
         for s in pending:
             text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
             outputs[s.req] = GenerationOutput(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish,
-                                              self.weight_version, text=text)
+                                              text=text)
         n_tokens = sum(len(s.tokens) for s in pending)
         elapsed = time.perf_counter() - t0
         self.stats = {"generated_tokens": n_tokens, "time_s": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9),
