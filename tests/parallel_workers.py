@@ -78,6 +78,9 @@ def two_executors_worker(rank, world_size, placements_kw):
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=group)
             info[dim] = (dist.get_process_group_ranks(group), t.item())
+        # each group's own timeout for one collective (torch would give a new group gloo's 30 min default)
+        info["timeouts"] = {getattr(g.pgs, dim)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                            for dim in ("tp", "pp", "dp", "mp", "embd", "intra_dist_opt")}
         out[name] = info
     # Interleave the executors' collectives (as a running job does) to show they do not wait on each other.
     for _ in range(3):

@@ -38,7 +38,9 @@ def test_placements_beyond_the_world_are_rejected():
 def test_disjoint_executors_have_their_own_groups():
     # trainer TP=2 x PP=2 on ranks 0-3, generator TP=1 x DP=2 on ranks 4-5
     placements = [("trainer", dict(tp=2, pp=2), 0), ("generator", dict(tp=1, dp=2), 4)]
-    out = run_local(two_executors_worker, 6, placements)
+    out = run_local(two_executors_worker, 6, placements, dist_timeout_s=77)
+    for rank in range(6):  # every executor group keeps the world's timeout (a slow peer is not a dead one)
+        assert [info["timeouts"] for info in out[rank].values() if info] == [{77.0}]
     for rank in range(4):
         t = out[rank]["trainer"]
         assert out[rank]["generator"] is None

@@ -107,16 +107,15 @@ def world_timeout() -> timedelta:
     """The world's timeout for one collective, for every group made from it: torch gives a new group its backend's
     default (30 min for gloo, 10 for NCCL), not the world's, and a subgroup that gave up sooner would call a slow
     peer dead (hangs are found by heartbeats, `parallel/liveness.py`)."""
-    import torch
-
     from megatron_rl.parallel import liveness
 
     pg = dist.distributed_c10d._get_default_group()
-    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
-    try:
-        return pg._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):  # a backend without options: the configured value
-        return timedelta(seconds=liveness.collective_timeout_s())
+    for device in pg._device_types:  # gloo registers cpu and cuda, NCCL cuda: one backend's options hold it
+        try:
+            return pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return timedelta(seconds=liveness.collective_timeout_s())  # a backend without options: the configured value
 
 
 def new_group(ranks: Optional[list[int]] = None, backend: Optional[str] = None):
