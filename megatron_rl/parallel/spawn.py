@@ -321,8 +321,9 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     port = free_port()
     # Not daemonic: ranks may start processes of their own (dist_checkpointing's writer does).
     note = stop_grace_s is not None
-    beats = liveness.LocalBeats(ctx, world_size)
-    beat_s = liveness.beat_interval_s(hang_timeout_s or dist_timeout_s)
+    watched = hang_timeout_s is not None
+    beats = liveness.LocalBeats(ctx, world_size) if watched else None  # unwatched worlds run no heartbeat thread
+    beat_s = liveness.beat_interval_s(hang_timeout_s) if watched else 0.0
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, note, fn, args, queue,
                                                beats, beat_s), daemon=False) for r in range(world_size)]
     results: dict[int, Any] = {}
@@ -367,7 +368,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
                 except queue_mod.Empty:
                     for r in dead():
                         failures[r] = RankFailure(r, _death(procs[r]), _death(procs[r]))
-                    if hang_timeout_s is not None and not failures:
+                    if watched and not failures:
                         running = [r for r in range(world_size) if r not in results and procs[r].exitcode is None]
                         for r, silent in beats.silent(running, started, hang_timeout_s):
                             cause = liveness.hung_cause(silent, beats.label(r))
