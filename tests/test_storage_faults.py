@@ -67,6 +67,14 @@ def test_a_full_disk_is_one_line_and_the_run_resumes_when_it_grows(small_fs):
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {run / kept}" in again.stderr
     assert (run / "latest").read_text().strip() == "step_00000012"
+    # The space warning's estimate against what a save wrote: below it by the files' own overheads (metadata, RNG
+    # state, per-tensor headers), which a 0.25M-parameter model makes large and a real one negligible.
+    from megatron_rl.config import load_config, validate
+    from megatron_rl.controller.job import checkpoint_bytes
+
+    cfg = load_config(None, FAST)
+    ratio = checkpoint_bytes(cfg, validate(cfg)) / storage.dir_bytes(run / "step_00000012")
+    assert 0.8 <= ratio <= 1.0, ratio
 
 
 def test_unfinished_writes_are_removed_and_reported(tmp_path):

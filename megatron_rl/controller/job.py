@@ -43,6 +43,17 @@ def placements(cfg: JobConfig) -> list[ExecutorPlacement]:
     return out
 
 
+def checkpoint_bytes(cfg: JobConfig, model_cfg: ModelConfig) -> int:
+    """A training checkpoint's estimated size (`checkpointing/storage.py`) for this job's model, trainer dtype and
+    KL reference."""
+    from megatron_rl.checkpointing import storage
+    from megatron_rl.models.precision import resolve_dtype_name
+
+    param_bytes = {"fp32": 4}.get(resolve_dtype_name(cfg.trainer.dtype), 2)
+    return storage.estimate_checkpoint_bytes(model_cfg.num_parameters(cfg.trainer.tp), param_bytes,
+                                             with_reference=cfg.algorithm.kl_coef > 0)
+
+
 class Job:
     """Everything one rank of the job holds. `echo(text)` prints a log line (rank 0's progress bar)."""
 
@@ -181,13 +192,9 @@ class Job:
         """Warn once, before the first save, when the checkpoint directory cannot hold the checkpoints it must."""
         from megatron_rl.checkpointing import storage
         from megatron_rl.checkpointing.training import list_checkpoints
-        from megatron_rl.models.precision import resolve_dtype_name
 
-        param_bytes = {"fp32": 4}.get(resolve_dtype_name(self.cfg.trainer.dtype), 2)
-        size = storage.estimate_checkpoint_bytes(self.model_cfg.num_parameters(self.cfg.trainer.tp), param_bytes,
-                                                 with_reference=self.cfg.algorithm.kl_coef > 0)
-        warning = storage.space_warning(self.ckpt.root, size, self.cfg.checkpoint.keep_last,
-                                        len(list_checkpoints(self.ckpt.root)))
+        warning = storage.space_warning(self.ckpt.root, checkpoint_bytes(self.cfg, self.model_cfg),
+                                        self.cfg.checkpoint.keep_last, len(list_checkpoints(self.ckpt.root)))
         if warning is not None:
             self.echo(f"megatron-rl: warning: {warning}")
 
