@@ -214,6 +214,10 @@ class CheckpointSection:
     keep_last: int = 2
     resume: bool = True
     fallback: bool = False  # resume from an older checkpoint when the latest is corrupt
+    # Training waits only while each rank copies its state out; the files are written and the checkpoint completed
+    # in the background (the next save, a stop and the end wait for it). false: every save completes before
+    # training goes on.
+    async_save: bool = True
 
 
 @dataclass

@@ -17,6 +17,8 @@ from rl_workers import make_rollouts
 
 
 def _trainer(layout_kw, state_path, seed=0):
+    layout_kw = dict(layout_kw)
+    distributed = layout_kw.pop("distributed_optimizer", True)  # False: Megatron-Core's DP-replicated optimizer
     layout = ParallelLayout(**layout_kw)
     cfg = get_preset("tiny")
     g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
@@ -25,21 +27,52 @@ def _trainer(layout_kw, state_path, seed=0):
         load_full_state_dict(model, torch.load(state_path), cfg, g.pgs)
     settings = RLTrainerSettings(micro_batch_size=2, temperature=0.8, aipo=AIPOSettings(rho=2.0),
                                  optim=OptimSettings(lr=1e-3, adam_eps=1e-4, clip_grad=10.0, warmup_steps=2,
-                                                     total_steps=20, lr_decay_style="cosine"))
+                                                     total_steps=20, lr_decay_style="cosine",
+                                                     use_distributed_optimizer=distributed))
     return cfg, layout, g, RLTrainer(model, cfg, g, settings)
 
 
-def train_save_continue(rank, world_size, layout_kw, state_path, root, steps):
-    """`steps` AIPO steps, a checkpoint, one more step: the uninterrupted reference."""
+def train_save_continue(rank, world_size, layout_kw, state_path, root, steps, async_save=False):
+    """`steps` AIPO steps, a checkpoint, one more step: the uninterrupted reference. With `async_save`, the next
+    step runs before the checkpoint's files are written (the write waits for it): the checkpoint must still hold
+    the state of the save, not the step's."""
+    import threading
+
+    from megatron_rl.checkpointing.background import PlannedWrite
+
     cfg, layout, g, trainer = _trainer(layout_kw, state_path)
     for i in range(steps):
         trainer.step(make_rollouts(cfg.vocab_size, seed=i))
-    ck = TrainCheckpointer(root, keep_last=2)
+    ck = TrainCheckpointer(root, keep_last=2, async_save=async_save)
+    stepped = threading.Event()
+    if async_save:
+        write = PlannedWrite.write
+        PlannedWrite.write = lambda self: (stepped.wait(), write(self))[1]
     path = ck.save(steps, trainer.engine, layout=layout, model_cfg=cfg,
                    rl_state={"step": steps, "weight_version": steps} if rank == 0 else None,
                    tokenizer={"type": "byte"})
     metrics = trainer.step(make_rollouts(cfg.vocab_size, seed=steps))
+    stepped.set()
+    ck.wait()
     return {"path": str(path), "metrics": metrics, "params": gather_full_state_dict(trainer.model.module, cfg, g.pgs)}
+
+
+def train_save_continue_old_format(rank, world_size, layout_kw, state_path, root, steps):
+    """`train_save_continue`, with the optimizer written as main wrote it before the pieces format: Megatron-Core's
+    `fully_reshardable` (gathered onto each DP group's rank 0)."""
+    from megatron_rl.checkpointing import training
+
+    def old_format(engine, model_sd, is_loading, with_state=True):
+        out = {"scheduler": engine.scheduler.state_dict(),
+               "engine": {"steps_done": engine.steps_done, "nonfinite_total": engine.nonfinite_total,
+                          "nonfinite_in_a_row": engine.nonfinite_in_a_row}}
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                    "dp_cp_group": engine.pgs.dp_cp}
+        out["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+        return out
+
+    training._optimizer_sharded_state_dict = old_format
+    return train_save_continue(rank, world_size, layout_kw, state_path, root, steps)
 
 
 def load_and_continue(rank, world_size, layout_kw, path, steps, load_optimizer=True):

@@ -112,7 +112,8 @@ def test_bf16_trainer_with_a_quantized_generator_trains_and_resumes(tmp_path, qu
 
 
 def test_killed_runs_resume_to_the_same_result(tmp_path):
-    """SIGKILL in the middle of a checkpoint write, then in the middle of a trainer step; each time the launcher
+    """SIGKILL in the middle of a checkpoint's background write (training has gone on meanwhile), then in the middle
+    of a trainer step; each time the launcher
     names the dead rank in one line and the same command resumes. Final weights and every step's metrics equal an
     uninterrupted run's."""
     import os
@@ -132,7 +133,7 @@ def test_killed_runs_resume_to_the_same_result(tmp_path):
 
     ref = launch("ref")
     assert ref.returncode == 0, ref.stderr[-3000:]
-    first = launch("crash", "checkpoint_between_model_and_optimizer:step_00000004")
+    first = launch("crash", "checkpoint_background_write:step_00000004")
     assert first.returncode == 1, first.stderr[-3000:]
     assert re.fullmatch(r"megatron-rl: rank \d \((trainer|generator)\) died with signal 9 \(SIGKILL\); every rank's "
                         r"traceback: .*failure.log", first.stderr.strip().splitlines()[-1]), first.stderr[-3000:]

@@ -29,6 +29,62 @@ def test_resume_at_another_layout_continues_exactly(saved, layout):
             torch.testing.assert_close(r["params"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")
 
 
+@pytest.fixture(scope="module")
+def saved_dp2(tmp_path_factory):
+    """Saved at TP2 x DP2 (each DP rank owns half of every bucket, so its ranges cut parameters mid-row), in the
+    background: the next step changes the weights before the files are written."""
+    state = tmp_path_factory.mktemp("init") / "full.pt"
+    torch.save(random_full_state(), state)
+    root = tmp_path_factory.mktemp("ckpt_dp2")
+    return run_local(train_save_continue, 4, dict(tp=2, pp=1, dp=2), str(state), str(root), 3, True)
+
+
+@pytest.mark.parametrize("layout", [dict(tp=1, pp=2, dp=2), dict(tp=1, pp=1, dp=1)], ids=["tp1pp2dp2", "tp1"])
+def test_state_saved_in_pieces_resumes_at_another_layout(saved_dp2, layout):
+    """No rank gathers: every rank writes the boxes of its own ranges, from the copies taken when `save` returned.
+    A layout that splits the parameters differently in TP, PP and DP reads them back and takes the same next
+    step."""
+    from megatron_rl.checkpointing.training import verify
+
+    ref = saved_dp2[0]
+    assert verify(ref["path"])["optimizer_format"] == "model_space_pieces"
+    out = run_local(load_and_continue, layout["tp"] * layout["pp"] * layout["dp"], layout, ref["path"], 3)
+    for r in out:
+        assert r["steps_done"] == 4
+        assert r["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], rel=1e-5, abs=1e-7)
+        for k, v in ref["params"].items():
+            torch.testing.assert_close(r["params"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")
+
+
+def test_a_checkpoint_of_the_gathered_format_still_loads(tmp_path):
+    """Checkpoints written before the pieces format (Megatron-Core's `fully_reshardable`, gathered on DP rank 0)
+    hold the same keys and shapes: they load through the same code, at another layout."""
+    from ckpt_workers import train_save_continue_old_format
+
+    state = tmp_path / "full.pt"
+    torch.save(random_full_state(), state)
+    ref = run_local(train_save_continue_old_format, 2, dict(tp=1, dp=2), str(state), str(tmp_path / "run"), 3)[0]
+    out = run_local(load_and_continue, 2, dict(tp=2, dp=1), ref["path"], 3)
+    for r in out:
+        assert r["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], rel=1e-5, abs=1e-7)
+        for k, v in ref["params"].items():
+            torch.testing.assert_close(r["params"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")
+
+
+def test_without_the_distributed_optimizer_a_checkpoint_resumes_at_another_layout(tmp_path):
+    """`trainer.use_distributed_optimizer=false`: every DP rank holds the whole optimizer state, saved once (by
+    DP rank 0 of each model-parallel shard) in Megatron-Core's own form."""
+    state = tmp_path / "full.pt"
+    torch.save(random_full_state(), state)
+    ref = run_local(train_save_continue, 2, dict(tp=1, dp=2, distributed_optimizer=False), str(state),
+                    str(tmp_path / "run"), 3)[0]
+    out = run_local(load_and_continue, 2, dict(tp=2, dp=1, distributed_optimizer=False), ref["path"], 3)
+    for r in out:
+        assert r["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], rel=1e-5, abs=1e-7)
+        for k, v in ref["params"].items():
+            torch.testing.assert_close(r["params"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")
+
+
 def test_the_optimizer_state_matters(saved):
     """Control: restoring the weights alone (fresh Adam moments, fresh LR schedule) does not reproduce the next
     step, so the test above really checks the optimizer and scheduler restore."""
@@ -38,7 +94,8 @@ def test_the_optimizer_state_matters(saved):
     assert diff > 1e-4
 
 
-@pytest.mark.parametrize("failpoint", ["checkpoint_between_model_and_optimizer", "checkpoint_before_rename"])
+@pytest.mark.parametrize("failpoint", ["checkpoint_between_model_and_optimizer", "checkpoint_background_write",
+                                       "checkpoint_before_rename"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, failpoint):
     import os
     import subprocess
@@ -175,3 +232,28 @@ def test_an_update_that_makes_the_weights_non_finite_stops_and_is_never_saved(tm
     for sub in ("model", "optimizer"):
         tensors = _weights(root / "step_00000001" / sub)
         assert tensors and all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()), sub
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (4, 3, 5), (2, 1, 6)])
+def test_a_flat_range_is_covered_by_contiguous_boxes(shape):
+    """`boxes` against the flat indices themselves: every box is one contiguous run of the range, in order, and
+    there are at most 2N-1 of them for an N-d tensor."""
+    import math
+    import random
+
+    from megatron_rl.checkpointing.optimizer_state import boxes
+
+    n = math.prod(shape)
+    index = torch.arange(n).view(shape)
+    rng = random.Random(0)
+    for _ in range(100):
+        start = rng.randint(0, n)
+        end = rng.randint(start, n)
+        covered = []
+        found = list(boxes(shape, start, end))
+        assert len(found) <= 2 * len(shape) - 1
+        for offset, size, flat in found:
+            run = index[tuple(slice(o, o + z) for o, z in zip(offset, size))].reshape(-1).tolist()
+            assert run == list(range(flat, flat + len(run)))
+            covered += run
+        assert covered == list(range(start, end))

@@ -81,7 +81,11 @@ def _probe(root: Path) -> Optional[int]:
 def diagnose(root: Path, exc: BaseException) -> Optional[str]:
     """The storage fault behind a failed save into `root`, in words with what to do; None when the filesystem is
     not the cause."""
-    code = _errno_in(exc) or _probe(root)
+    code = _errno_in(exc)
+    if code is None and (isinstance(exc, (OSError, RuntimeError)) or "Checkpoint" in type(exc).__name__):
+        # No errno in the error (a writer process's, a C++ stream's): ask the filesystem. Only for errors that a
+        # write can raise: a bug before the first write is not a storage fault (the root may not exist yet).
+        code = _probe(root)
     if code not in _WHAT_TO_DO:
         return None
     free = ""

@@ -7,9 +7,9 @@ Layout of a run's checkpoint root (see checkpoints/README.md):
                                   tokenizer, and a manifest (every file with its size and CRC-32) written last
         model/                    Megatron-Core dist_checkpointing (torch_dist) of the GPTModel: the same as a
                                   converted checkpoint, so `convert --to hf`, `eval` and `inspect` read it
-        optimizer/                dist_checkpointing of the optimizer in its fully reshardable form (the
-                                  distributed optimizer's state per parameter, not per DP bucket), the LR
-                                  scheduler, the trainer's counters and, in runs with a KL penalty, the frozen
+        optimizer/                dist_checkpointing of the optimizer in model space (the distributed
+                                  optimizer's state per parameter, each rank writing the pieces it owns:
+                                  `optimizer_state`; it loads at any TP/PP/DP), the LR scheduler, the trainer's counters and, in runs with a KL penalty, the frozen
                                   reference model's weights (keys `reference.*`)
         rng/rank_00000.pt         per-rank RNG states (restored when the layout is unchanged)
         rl_state.pt               the controller's state: next step, weight version, rollouts of batches that
@@ -36,10 +36,10 @@ import functools
 import json
 import logging
 import os
-import queue
 import random
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -51,7 +51,7 @@ from megatron_rl.checkpointing.layout import (CHECKSUM_MISMATCH, CHECKSUMS, LATE
                                               OPTIMIZER_DIR, RL_STATE, RNG_DIR, STEP_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
                                               CheckpointError, checksum_mismatches, file_checksum, manifest,
                                               manifest_problems, read_latest, step_dir_name)
-from megatron_rl.checkpointing import storage
+from megatron_rl.checkpointing import background, optimizer_state, storage
 from megatron_rl.checkpointing.tokenizer import save_tokenizer
 from megatron_rl.failpoints import failpoint
 
@@ -59,7 +59,8 @@ logger = logging.getLogger(__name__)
 
 # Megatron-Core is imported by the functions that use it: importing this module (the controller does) needs only torch.
 
-# The distributed optimizer's state is saved per parameter (canonical form), so it loads at any TP/PP/DP.
+# Optimizers other than the distributed one are written by Megatron-Core (each DP group's rank 0 holds the whole
+# state already); the distributed optimizer's state is written in pieces by `optimizer_state`.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 # A rank whose weights are smaller than this saves with one writer process (`_save_strategy`).
 ONE_WRITER_BELOW_BYTES = 64 << 20
@@ -160,31 +161,6 @@ def _ensure_optimizer_state(optimizer) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
-@contextlib.contextmanager
-def _torch_adam_step_tolerated():
-    """Megatron-Core 0.16 restores torch Adam's per-parameter `step` from the param groups, then copies every
-    state key of the live optimizer from the checkpoint's per-parameter tensors, which do not carry `step`
-    (KeyError 'step' without apex/TE). During our load, the step already set is passed through unchanged."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def set_states(self, model_param, tensors):
-        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-            state = self.optimizer.state[main_param]
-            if "step" in state:
-                tensors = {**tensors, "step": state["step"].clone()}
-        return original(self, model_param, tensors)
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-    try:
-        yield
-    finally:
-        DistributedOptimizer._set_main_param_and_optimizer_states = original
-
-
 def _unshare_adam_steps(optimizer) -> None:
     """Megatron-Core's load gives every parameter's torch Adam state the *same* `step` tensor object; torch
     increments each parameter's step in place, so a shared tensor advances once per parameter per update and
@@ -204,15 +180,50 @@ def _has_optimizer_state(optimizer) -> bool:
 
 
 def _optimizer_sharded_state_dict(engine, model_sd: dict, is_loading: bool, with_state: bool = True) -> dict:
-    metadata = dict(_OPTIM_METADATA, dp_cp_group=engine.pgs.dp_cp)
+    """The optimizer checkpoint's state dict: scheduler, counters and (once the optimizer has state) the optimizer,
+    the distributed optimizer's per-parameter state in pieces (`optimizer_state`: each rank its own range, no
+    gather; other optimizers as Megatron-Core writes them). The tensors are views of the live state, so the same
+    dict serves a save and a load (`_load_optimizer`)."""
     out = {
         "scheduler": engine.scheduler.state_dict(),
         "engine": {"steps_done": engine.steps_done, "nonfinite_total": engine.nonfinite_total,
                    "nonfinite_in_a_row": engine.nonfinite_in_a_row},
     }
-    if with_state:
-        out["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    if not with_state:
+        return out
+    opts = _distributed_optimizers(engine.optimizer)
+    if opts is None:
+        out["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(
+            _OPTIM_METADATA, dp_cp_group=engine.pgs.dp_cp))
+        return out
+    parts = [{**o.state_dict(), "param_state": optimizer_state.sharded_param_state(o, model_sd)} for o in opts]
+    out["optimizer"] = parts[0] if len(parts) == 1 else dict(enumerate(parts))
     return out
+
+
+def _distributed_optimizers(optimizer) -> Optional[list]:
+    """The DistributedOptimizers behind `optimizer` (a chain or one), or None when it is another kind."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    return opts if all(isinstance(o, DistributedOptimizer) for o in opts) else None
+
+
+def _load_optimizer(engine, model_sd: dict, loaded: dict) -> None:
+    """Restore the optimizer from what `dist_checkpointing.load` returned for `_optimizer_sharded_state_dict`:
+    the common state (param groups, the step) through Megatron-Core, then each rank's own range of the
+    per-parameter state (any layout; also checkpoints written in the `fully_reshardable` format, whose keys and
+    shapes are the same)."""
+    opts = _distributed_optimizers(engine.optimizer)
+    if opts is None:
+        engine.optimizer.load_state_dict(loaded)
+        return
+    parts = [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))]
+    for o, part in zip(opts, parts):
+        common = {k: v for k, v in part.items() if k not in ("param_state", "param_state_sharding_type")}
+        o.load_state_dict(common)  # param groups and step; the state tensors keep their storage
+        # The views are built again after that load, in case the inner optimizer replaced its state tensors.
+        optimizer_state.apply(optimizer_state.sharded_param_state(o, model_sd), part["param_state"])
 
 
 def _no_common(common_state_dict: dict) -> dict:
@@ -223,30 +234,12 @@ def _device() -> Optional[torch.device]:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
-def _save_strategy(engine):
-    """Megatron-Core's default torch_dist save strategy, with one writer process instead of its default two when this
-    rank's weights are smaller than `ONE_WRITER_BELOW_BYTES`.
-
-    Every save forks its writers from the rank; for a small shard a fork of a process holding torch, Megatron-Core
-    and the job costs more than the writing, which a second writer only splits. The format is the same either way
-    (a rank writes one `__<rank>_<i>.distcp` file per writer) and loads with any writer count."""
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
+def _writer_count(engine) -> int:
+    """Files (and writer threads) per rank and directory: two for a rank whose weights reach
+    `ONE_WRITER_BELOW_BYTES`, so that large shards are written in parallel, else one (fewer, larger files). The
+    format is the same either way (a rank writes `__<rank>_<i>.distcp` per writer) and loads with any count."""
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters()) if engine is not None else 0
-    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1 if weights < ONE_WRITER_BELOW_BYTES else 2)
-
-
-def _results_stay_in_process() -> None:
-    """Give Megatron-Core's torch_dist writer a plain queue for its write results, before its first save here.
-
-    Left alone, the writer's first save starts a `multiprocessing.Manager` server (a fresh interpreter: seconds on a
-    CPU, in every rank that writes) to serve that queue to background savers. Our saves are synchronous: the writer
-    processes hand their results to the rank, which puts them on this queue and reads them back in the same save,
-    so nothing crosses a process boundary through it."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
+    return 1 if weights < ONE_WRITER_BELOW_BYTES else 2
 
 
 def _state_finite_everywhere(engine) -> bool:
@@ -269,15 +262,10 @@ def _writer_rank(name: str, world_size: int) -> int:
     return rank if rank < world_size else 0
 
 
-def _checksums(tmp: Path) -> Optional[dict[str, str]]:
-    """Collective: the checksum of every file under `tmp`, each computed by the rank that wrote it; the whole map
-    on rank 0 (None elsewhere)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-    mine = {rel: file_checksum(tmp / rel) for rel in files if _writer_rank(Path(rel).name, world) == rank}
-    parts = [None] * world if rank == 0 else None
-    dist.gather_object(mine, parts, dst=0)
-    return {rel: c for part in parts for rel, c in part.items()} if rank == 0 else None
+def _files(tmp: Path) -> list[str]:
+    """Every file under `tmp`, relative, sorted (the markers of a background save excluded)."""
+    return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*")
+                  if p.is_file() and background.MARKERS not in p.relative_to(tmp).parts)
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -347,18 +335,40 @@ def _raise_mismatch(path: Path, mismatches: list[str]) -> None:
 
 
 @dataclasses.dataclass
+class _Pending:
+    """A save whose files are being written in the background (`TrainCheckpointer.wait` ends it)."""
+
+    name: str
+    tmp: Path
+    thread: threading.Thread
+    started: float
+    blocking_s: float
+    error: Optional[str] = None  # this rank's one-line error (rank 0: also the first other rank's, or its own)
+    written: threading.Event = dataclasses.field(default_factory=threading.Event)  # this rank's files are written
+    abort: threading.Event = dataclasses.field(default_factory=threading.Event)  # rank 0: stop waiting for markers
+
+
+@dataclasses.dataclass
 class TrainCheckpointer:
-    """Saves and finds the training checkpoints of one run under `root`."""
+    """Saves and finds the training checkpoints of one run under `root`.
+
+    With `async_save`, `save` returns once this rank's state is copied out (training goes on) and the checkpoint
+    completes in the background (`background.py`); the next `save`, and `wait` (the job calls it when it ends),
+    wait for it and raise its failure in one line. Without, `save` returns when the checkpoint is complete."""
 
     root: Path
     keep_last: int = 2
     log: Optional[Callable[[str], None]] = None  # rank 0's notes (unfinished saves removed)
+    async_save: bool = False
 
     def __post_init__(self):
         self.root = Path(self.root)
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
         self._verified: set[Path] = set()  # checkpoints whose checksums `verify` has read (find, then load)
+        self._staging = background.HostStaging(keep=self.async_save)
+        self._pending: Optional[_Pending] = None
+        self.last_save_s = self.last_blocking_s = 0.0
 
     # ---- save ------------------------------------------------------------------------------------------------
     def save(self, step: int, engine=None, *, reference=None, layout=None, model_cfg=None,
@@ -366,31 +376,38 @@ class TrainCheckpointer:
         """Collective over the world. Trainer ranks pass their TrainEngine (and the layout / model shape, and the
         KL reference model when the run has one: `RLTrainer.reference`); the controller (rank 0) passes
         `rl_state`. `tokenizer` is the metadata entry, or {"source": PATH} to copy a tokenizer (HF directory,
-        .gguf, sentencepiece .model) into the checkpoint. Returns the final path.
+        .gguf, sentencepiece .model) into the checkpoint. Returns the final path (complete once `wait` returns).
 
         When the filesystem refuses the save (full, read-only, permissions, gone), CheckpointError in one line that
         names the directory, the cause, what to do and the checkpoint kept; the unfinished write is removed."""
+        self.wait()  # the previous save completes first (and its failure is raised here)
         name = step_dir_name(step)
         try:
             with _writer_logs_captured() as records:
-                return self._save(step, name, engine, reference=reference, layout=layout, model_cfg=model_cfg,
-                                  rl_state=rl_state, tokenizer=tokenizer, extra=extra)
+                final = self._save(step, name, engine, reference=reference, layout=layout, model_cfg=model_cfg,
+                                   rl_state=rl_state, tokenizer=tokenizer, extra=extra)
         except (KeyboardInterrupt, SystemExit, GeneratorExit):
             raise
         except BaseException as e:  # noqa: BLE001 - Megatron-Core's CheckpointException is a BaseException
+            self._staging.release()
             problem = storage.diagnose(self.root, e)
             if problem is None:
                 raise
             shutil.rmtree(self.root / f"{name}.tmp", ignore_errors=True)  # it must not hold the next save's space
-            latest = read_latest(self.root)
-            kept = f"the last complete checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved"
-            raise CheckpointError(f"{self.root}: {name} not saved: {problem}; {kept}"
-                                  + "".join(f"\n  {r}" for r in records)) from e
+            raise CheckpointError(self._not_saved(name, problem) + "".join(f"\n  {r}" for r in records)) from e
+        if not self.async_save:
+            self.wait()
+        return final
+
+    def _not_saved(self, name: str, problem: str) -> str:
+        latest = read_latest(self.root)
+        kept = f"the last complete checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved"
+        return f"{self.root}: {name} not saved: {problem}; {kept}"
 
     def _save(self, step: int, name: str, engine, *, reference, layout, model_cfg, rl_state, tokenizer,
               extra) -> Path:
-        from megatron.core import dist_checkpointing
-
+        """The foreground of a save: checks, copies of the state, the plan, the small files; then the background
+        thread (`_complete`) writes and completes it."""
         rank = dist.get_rank()
         final, tmp = self.root / name, self.root / f"{name}.tmp"
         self._verified.discard(final)
@@ -401,38 +418,34 @@ class TrainCheckpointer:
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             self.remove_unfinished()
-            for sub in (MODEL_DIR, OPTIMIZER_DIR, RNG_DIR):
+            for sub in (MODEL_DIR, OPTIMIZER_DIR, RNG_DIR, background.MARKERS):
                 (tmp / sub).mkdir(parents=True)
         dist.barrier()
         # Ranks without trainer state (generators) hold no common state either: skip the cross-rank comparison
         # of common state dicts, which would only report that.
-        save = functools.partial(dist_checkpointing.save, preprocess_common_before_consistancy_check=_no_common,
-                                 sharded_strategy=_save_strategy(engine))
-        _results_stay_in_process()
-        if engine is not None:
-            model_sd = _model_sharded_state_dict(engine)
-            save(model_sd, str(tmp / MODEL_DIR))
-        else:
-            save({}, str(tmp / MODEL_DIR))
+        plan = functools.partial(background.PlannedWrite, thread_count=_writer_count(engine),
+                                 preprocess_common=_no_common)
+        writes = {}
+        model_sd = _model_sharded_state_dict(engine) if engine is not None else {}
+        self._staging.stage(model_sd)
+        writes[MODEL_DIR] = plan(model_sd, tmp / MODEL_DIR)
         failpoint("checkpoint_between_model_and_optimizer", name)
+        optim_sd = {}
         if engine is not None:
-            optimizer_state = _has_optimizer_state(engine.optimizer)
             optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=False,
-                                                     with_state=optimizer_state)
+                                                     with_state=_has_optimizer_state(engine.optimizer))
             if reference is not None:
                 optim_sd["reference"] = _reference_sharded_state_dict(reference, engine)
-            save(optim_sd, str(tmp / OPTIMIZER_DIR))
             torch.save(_rng_state(), tmp / RNG_DIR / f"rank_{rank:05d}.pt")
-        else:
-            save({}, str(tmp / OPTIMIZER_DIR))
-        if rank == 0 and rl_state is not None:
-            torch.save(rl_state, tmp / RL_STATE)
-        if rank == 0 and tokenizer is not None and "source" in tokenizer:
-            # The checkpoint carries its tokenizer's files, so that it stands on its own (eval, convert, resume).
-            tokenizer = save_tokenizer(Path(tokenizer["source"]), tmp / TOKENIZER_DIR)
-        dist.barrier()
-        checksums = _checksums(tmp)
+        self._staging.stage(optim_sd)
+        writes[OPTIMIZER_DIR] = plan(optim_sd, tmp / OPTIMIZER_DIR)
+        meta = None
         if rank == 0:
+            if rl_state is not None:
+                torch.save(rl_state, tmp / RL_STATE)
+            if tokenizer is not None and "source" in tokenizer:
+                # The checkpoint carries its tokenizer's files, so that it stands on its own (eval, convert, resume).
+                tokenizer = save_tokenizer(Path(tokenizer["source"]), tmp / TOKENIZER_DIR)
             meta = {
                 "format": TRAIN_FORMAT, "step": step,
                 "weight_version": (rl_state or {}).get("weight_version", step),
@@ -443,8 +456,51 @@ class TrainCheckpointer:
                 "model": dataclasses.asdict(model_cfg) if model_cfg is not None else None,
                 "tokenizer": tokenizer, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "optimizer_state": _has_optimizer_state(engine.optimizer) if engine is not None else None,
+                "optimizer_format": optimizer_state.FORMAT,
                 **(extra or {}),
             }
+        blocking = time.perf_counter() - t0
+        self.last_blocking_s = blocking
+        thread = threading.Thread(target=self._complete, args=(name, tmp, final, writes, meta),
+                                  name=f"checkpoint-{name}", daemon=True)
+        self._pending = _Pending(name, tmp, thread, t0, blocking)
+        thread.start()
+        return final
+
+    def _complete(self, name: str, tmp: Path, final: Path, writes: dict, meta: Optional[dict]) -> None:
+        """The background of a save, on every rank: write this rank's files, their checksums, post the marker; on
+        rank 0 then wait for every rank's, complete the format's metadata and the checkpoint (rename, `latest`,
+        prune). No collective (see background.py); errors end up in `_pending.error`."""
+        pending = self._pending
+        rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            results = {sub: w.write() for sub, w in writes.items()}
+            self._staging.release()
+            failpoint("checkpoint_background_write", name)
+            mine = {rel: file_checksum(tmp / rel) for rel in _files(tmp)
+                    if _writer_rank(Path(rel).name, world) == rank and rank != 0}
+            background.post(tmp, rank, {"results": results, "checksums": mine}, None)
+        except BaseException as e:  # noqa: BLE001 - reported by `wait` or `raise_if_failed`, in one line
+            self._staging.release()
+            pending.error = self._failure(name, rank, e)
+            with contextlib.suppress(OSError):  # on a full disk even the marker may not fit: `wait` also gathers
+                background.post(tmp, rank, None, pending.error)
+            return
+        finally:
+            pending.written.set()
+        if rank != 0:
+            return
+        try:
+            values, error = background.gather(tmp, world, pending.abort)
+            if error is not None:
+                pending.error = error
+                shutil.rmtree(tmp, ignore_errors=True)  # it must not hold the next save's space
+                return
+            for sub, w in writes.items():
+                w.finish([values[r]["results"][sub] for r in range(world)])
+            shutil.rmtree(tmp / background.MARKERS)
+            checksums = {rel: c for v in values.values() for rel, c in v["checksums"].items()}
+            checksums.update({rel: file_checksum(tmp / rel) for rel in _files(tmp) if rel not in checksums})
             meta[MANIFEST] = manifest(tmp)
             meta[CHECKSUMS] = checksums
             _fsync_write(tmp / META, json.dumps(meta, indent=2))
@@ -458,9 +514,52 @@ class TrainCheckpointer:
             os.replace(pointer_tmp, self.root / LATEST)
             _fsync_dir(self.root)
             self._prune(keep=final)
-        dist.barrier()
-        self.last_save_s = time.perf_counter() - t0
-        return final
+        except BaseException as e:  # noqa: BLE001
+            pending.error = self._failure(name, rank, e)
+
+    def _failure(self, name: str, rank: int, e: BaseException) -> str:
+        """The one line for a save that failed on `rank` in the background; a storage fault's unfinished write is
+        removed at once (it must not hold the next save's space)."""
+        problem = storage.diagnose(self.root, e)
+        if problem is None:
+            return f"{self.root}: {name} not saved: rank {rank}: {type(e).__name__}: {e}"
+        shutil.rmtree(self.root / f"{name}.tmp", ignore_errors=True)
+        return self._not_saved(name, problem)
+
+    def raise_if_failed(self) -> None:
+        """Not collective, cheap: raise CheckpointError now if this rank's part of the save in the background has
+        failed (the job then ends with that line instead of training on until the next save)."""
+        pending = self._pending
+        if pending is not None and pending.error is not None:
+            self._pending = None
+            raise CheckpointError(pending.error)
+
+    @property
+    def pending_name(self) -> Optional[str]:
+        """The step directory of the save not yet waited for (None when there is none)."""
+        return self._pending.name if self._pending is not None else None
+
+    def wait(self) -> None:
+        """Collective over the world: wait until the save in the background is complete on every rank. Raises
+        CheckpointError with one line (rank 0's, which names the first rank that failed) when it failed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        # First every rank's own writes, then their errors (a marker that did not fit on a full disk is not waited
+        # for), then rank 0's completion of the checkpoint.
+        pending.written.wait()
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, pending.error)
+        if any(errors) and dist.get_rank() == 0:
+            pending.abort.set()
+        pending.thread.join()
+        if not any(errors):
+            errors = [pending.error]
+            dist.broadcast_object_list(errors, src=0)
+        error = errors[0] or next((e for e in errors if e), None)
+        if error is not None:
+            raise CheckpointError(error)
+        self.last_save_s = time.perf_counter() - pending.started
 
     def remove_unfinished(self) -> None:
         """Delete the `step_*.tmp` left by saves that failed or were killed (rank 0: before a save, and on resume),
@@ -547,16 +646,15 @@ class TrainCheckpointer:
             model_sd = _model_sharded_state_dict(engine)
             state = dist_checkpointing.load(model_sd, str(path / MODEL_DIR))
             engine.model.module.load_state_dict(state)
-            optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=True,
-                                                     with_state=with_state)
+            model_sd = _model_sharded_state_dict(engine)
+            optim_sd = _optimizer_sharded_state_dict(engine, model_sd, is_loading=True, with_state=with_state)
             if reference is not None:
                 optim_sd["reference"] = _reference_sharded_state_dict(reference, engine)
             ostate = dist_checkpointing.load(optim_sd, str(path / OPTIMIZER_DIR))
             if reference is not None:
                 reference.load_state_dict(ostate["reference"])
             if with_state:
-                with _torch_adam_step_tolerated():
-                    engine.optimizer.load_state_dict(ostate["optimizer"])
+                _load_optimizer(engine, model_sd, ostate["optimizer"])
                 _unshare_adam_steps(engine.optimizer)
             else:  # saved before the first update: the main parameters are still copies of the old weights
                 engine.optimizer.reload_model_params()

@@ -88,7 +88,7 @@ class Job:
         # Generator replica leaders score responses (and run reward workers); other ranks only need the prompts.
         self.task = build_task(cfg, self.tok, with_reward=self.rank in self.leaders)
         self.ckpt = TrainCheckpointer(run_dir, keep_last=cfg.checkpoint.keep_last,
-                                      log=self.echo if self.rank == 0 else None)
+                                      log=self.echo if self.rank == 0 else None, async_save=cfg.checkpoint.async_save)
         self.resume_from = self.ckpt.find(cfg.checkpoint.fallback) if cfg.checkpoint.resume else None
         self._build_executors()
         self.collector = None
@@ -158,9 +158,19 @@ class Job:
         return self.stop_signal != 0
 
     def finish(self) -> None:
+        """Collective over the world, at the end of the run (or a stop): the last checkpoint completes."""
         for box in (self.outbox, self.scorer_outbox):
             if box is not None:
                 box.flush()
+        self._checkpoint_done()
+
+    def _checkpoint_done(self) -> None:
+        """Collective: wait for the save in the background, and say it is complete (rank 0)."""
+        pending = self.ckpt.pending_name
+        self.ckpt.wait()
+        if pending is not None and self.rank == 0:
+            self.echo(f"checkpoint {pending} saved ({self.ckpt.last_save_s:.1f} s, training waited "
+                      f"{self.ckpt.last_blocking_s:.1f} s)")
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def checkpoint(self, version: int) -> None:
@@ -180,12 +190,13 @@ class Job:
                         "pending": self.collector.pending(version, self.staleness, self.cfg.run.steps),
                         "nonfinite_total": engine.nonfinite_total if engine is not None else 0}
         reference = self.trainer.reference if self.trainer is not None else None
+        self._checkpoint_done()  # the previous save first
         self.ckpt.save(version, engine, reference=reference, layout=self.t.layout, model_cfg=self.model_cfg,
                        rl_state=rl_state,
                        tokenizer=initial.tokenizer_entry(self.cfg, self.tok, self.initial),
                        extra={"run": self.cfg.run.name, "mode": self.cfg.rollout.mode, "staleness": self.staleness})
         self.saved_version = version
-        if self.rank == 0:
+        if self.rank == 0 and not self.cfg.checkpoint.async_save:
             self.echo(f"checkpoint {step_dir_name(version)} saved ({self.ckpt.last_save_s:.1f} s)")
 
     def _check_space(self) -> None:

@@ -172,6 +172,8 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
     metrics.jsonl as rows arrive."""
     from tqdm import tqdm
 
+    from megatron_rl.checkpointing import storage
+    from megatron_rl.checkpointing.layout import CheckpointError, read_latest
     from megatron_rl.controller import loop
     from megatron_rl.controller.job import Job
     from megatron_rl.controller.metrics import open_metrics
@@ -198,15 +200,33 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
             writer = open_metrics(cfg, Path(run_dir), row["step"], echo)
         writer.write(row)
 
+    failing = False
     try:
         job = Job(cfg, model_cfg, Path(run_dir), echo)
         freeze_startup_objects()
         rows = loop.run(job, progress, on_row=on_row)
+    except OSError as e:  # the run directory refused a write (metrics, TensorBoard): a storage fault in one line
+        failing = True
+        problem = storage.diagnose(Path(run_dir), e)
+        if problem is None:
+            raise
+        if rank == 0:
+            storage.remove_unfinished(Path(run_dir))  # a checkpoint being written must not hold the space
+        latest = read_latest(Path(run_dir))
+        kept = f"the last complete checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved"
+        raise CheckpointError(f"{run_dir}: a write failed: {problem}; {kept}") from e
+    except BaseException:
+        failing = True
+        raise
     finally:
         if bar is not None:
             bar.close()
         if writer is not None:
-            writer.close()
+            try:
+                writer.close()
+            except OSError:
+                if not failing:
+                    raise
     stopped = job.saved_version if job.stop_signal else cfg.run.steps
     result = {"rows": rows, "start_step": rows[0]["step"] if rows else stopped, "time_s": time.perf_counter() - t0,
               "compiled_graphs": compiled_graph_report()}

@@ -322,8 +322,10 @@ class TrainEngine:
         optimizer_state = [v for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
                            for state in opt.optimizer.state.values() for v in state.values()
                            if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        return all_finite([b.param_data for b in self.model.buffers + self.model.expert_parallel_buffers]
-                          + self._main_params() + optimizer_state)
+        # Without the distributed optimizer the buffers hold only gradients: the weights are the parameters.
+        weights = [b.param_data for b in self.model.buffers + self.model.expert_parallel_buffers
+                   if b.param_data is not None] or [p.data for p in self.model.parameters()]
+        return all_finite(weights + self._main_params() + optimizer_state)
 
     def _reduce_loss(self, outputs: Iterable) -> float:
         """Token-mean loss over the whole step (all micro-batches and DP ranks), known on every rank."""

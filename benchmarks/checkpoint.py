@@ -1,0 +1,201 @@
+"""Training checkpoints against the disk: save (blocking part and whole), load, host memory (issue 30).
+
+    python benchmarks/checkpoint.py --dp 1            # SmolLM2-135M shape, trainer TP1, one gloo rank
+    python benchmarks/checkpoint.py --dp 2 --preset tiny
+
+Each rank builds the trainer (Megatron-Core DDP, distributed optimizer with Adam state, bf16 weights) and saves one
+checkpoint with `TrainCheckpointer.save`, the job's own call, then loads it back (`verify` reads every file's
+checksum, then `load`). The page cache is emptied of the checkpoint's files before the load (posix_fadvise
+DONTNEED after fsync), so the load reads the disk. In the same run it times the references on the same
+filesystem: a durable raw write of the checkpoint's bytes (64 MiB writes, fsync) and a raw read of them after the
+same eviction, and reports every time as a ratio to its reference.
+
+Host memory: a thread samples each rank's proportional set size (PSS, its own pages plus its share of pages shared
+with its forked writer processes, which are counted too) every 10 ms; `host_peak_bytes` is the largest rank's
+peak during the save above its size before it, beside that rank's own shard of the checkpoint.
+
+Ends with one JSON line: checkpoint_bytes, save_s, save_blocking_s, load_s, verify_s, raw_write_s, raw_read_s,
+host_peak_bytes, shard_bytes and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit  # noqa: E402
+
+CHUNK = 64 << 20
+
+
+def _pss(pid: int) -> int:
+    """Proportional set size of `pid` and its children (bytes): shared pages split between their sharers."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:")) * 1024
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+class PeakMemory:
+    """Samples `_pss` of this process (and children) every 10 ms while active."""
+
+    def __init__(self):
+        self.base = _pss(os.getpid())
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, _pss(os.getpid()))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _pss(os.getpid()))
+
+
+def evict(paths) -> None:
+    """Drop the files' clean pages from the page cache, so that the next read goes to the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(path: Path) -> list[Path]:
+    return [p for p in Path(path).rglob("*") if p.is_file()]
+
+
+def rank_main(rank, world_size, preset, root, sync):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.checkpointing.training import TrainCheckpointer, _ensure_optimizer_state
+    from megatron_rl.models import build_gpt_model, get_preset
+    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+    from megatron_rl.training.engine import OptimSettings, TrainEngine
+
+    cfg = get_preset(preset)
+    layout = ParallelLayout(tp=1, pp=1, dp=world_size)
+    g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
+    model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", params_dtype=torch.bfloat16)
+    engine = TrainEngine.create(model, g.pgs, OptimSettings(lr=1e-5))
+    _ensure_optimizer_state(engine.optimizer)  # Adam moments allocated, as after a step
+    ck = TrainCheckpointer(root, keep_last=1, async_save=not sync)
+    dist.barrier()
+    with PeakMemory() as mem:
+        t0 = time.perf_counter()
+        path = ck.save(1, engine, layout=layout, model_cfg=cfg,
+                       rl_state={"step": 1, "weight_version": 1} if rank == 0 else None, tokenizer={"type": "byte"})
+        blocking = time.perf_counter() - t0
+        ck.wait()
+        total = time.perf_counter() - t0
+    own = sum(p.stat().st_size for p in files_under(path) if f"__{rank}_" in p.name)
+    dist.barrier()
+    if rank == 0:
+        evict(files_under(path))
+    dist.barrier()
+    fresh = TrainCheckpointer(root)
+    t0 = time.perf_counter()
+    fresh.verify(path)
+    verify_s = time.perf_counter() - t0
+    if rank == 0:
+        evict(files_under(path))
+    dist.barrier()
+    t0 = time.perf_counter()
+    fresh.load(path, engine)
+    load_s = time.perf_counter() - t0
+    return {"path": str(path), "save_s": total, "save_blocking_s": blocking, "verify_s": verify_s,
+            "load_s": load_s, "host_peak_bytes": mem.peak - mem.base, "shard_bytes": own}
+
+
+def raw_write_read(directory: Path, nbytes: int) -> tuple[float, float]:
+    """Seconds to write `nbytes` durably (64 MiB writes, fsync) into one file under `directory`, and to read them
+    back after evicting them from the page cache."""
+    block = os.urandom(1 << 20) * (CHUNK >> 20)
+    path = directory / "raw.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(memoryview(block)[: min(left, CHUNK)])
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t0
+    evict([path])
+    buf = bytearray(CHUNK)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    read_s = time.perf_counter() - t0
+    path.unlink()
+    return write_s, read_s
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (gloo processes)")
+    p.add_argument("--preset", default="smollm2-135m")
+    p.add_argument("--dir", default="runs/checkpoint_bench", help="where to write (the filesystem measured)")
+    p.add_argument("--sync", action="store_true", help="checkpoint.async_save=false: the save completes before "
+                   "training goes on")
+    args = p.parse_args(argv)
+
+    from megatron_rl.checkpointing.storage import dir_bytes
+    from megatron_rl.parallel.spawn import run_local
+
+    root = Path(args.dir) / f"dp{args.dp}"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    ranks = run_local(rank_main, args.dp, args.preset, str(root), args.sync, timeout=1800)
+    nbytes = dir_bytes(Path(ranks[0]["path"]))
+    # The disk's speed moves between runs (a VM's virtual disk): the reference is the better of two raw writes.
+    (w1, r1), (w2, r2) = raw_write_read(root, nbytes), raw_write_read(root, nbytes)
+    raw_write_s, raw_read_s = min(w1, w2), min(r1, r2)
+    worst = max(ranks, key=lambda r: r["host_peak_bytes"])
+    out = {
+        "preset": args.preset, "dp": args.dp, "async_save": not args.sync, "checkpoint_bytes": nbytes,
+        "save_s": max(r["save_s"] for r in ranks), "save_blocking_s": max(r["save_blocking_s"] for r in ranks),
+        "verify_s": max(r["verify_s"] for r in ranks), "load_s": max(r["load_s"] for r in ranks),
+        "raw_write_s": raw_write_s, "raw_read_s": raw_read_s,
+        "host_peak_bytes": worst["host_peak_bytes"], "shard_bytes": worst["shard_bytes"],
+    }
+    out["save_vs_raw_write"] = out["save_s"] / raw_write_s
+    out["blocking_share"] = out["save_blocking_s"] / out["save_s"]
+    out["load_vs_raw_read"] = out["load_s"] / raw_read_s
+    out["host_peak_vs_shard"] = out["host_peak_bytes"] / max(out["shard_bytes"], 1)
+    print(f"checkpoint {nbytes / 1e9:.2f} GB at DP{args.dp} ({args.preset}): save {out['save_s']:.2f} s "
+          f"({out['save_vs_raw_write']:.2f}x a durable raw write, {raw_write_s:.2f} s), blocking "
+          f"{out['save_blocking_s']:.2f} s ({out['blocking_share']:.0%}); load {out['load_s']:.2f} s "
+          f"({out['load_vs_raw_read']:.2f}x a raw read, {raw_read_s:.2f} s) after checksums {out['verify_s']:.2f} s; "
+          f"host peak during the save {out['host_peak_bytes'] / 1e9:.2f} GB "
+          f"({out['host_peak_vs_shard']:.2f}x the rank's shard, {out['shard_bytes'] / 1e9:.2f} GB)")
+    emit(out)
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
