@@ -72,29 +72,26 @@ class _Piece:
     """One model-space tensor's part of a parameter's local shard: the elements [base, base + numel) of the local
     shard (flat), which sit at `sharded`'s place in the global tensor."""
 
-    sharded: object  # megatron.core.dist_checkpointing.ShardedTensor (data: the local flat indices it holds)
+    sharded: object  # megatron.core.dist_checkpointing.ShardedTensor (data: a meta tensor; only its metadata is used)
     base: int
 
 
 def _pieces(meta) -> list[_Piece]:
-    """The model-space tensors a parameter's local shard maps to (one, or one per factory output)."""
+    """The model-space tensors a parameter's local shard maps to (one, or one per factory output). A factory is
+    applied to a meta tensor of the local shape: each output is a view of it, whose storage offset is where its
+    elements start in the local shard (no memory, no copy)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    local = meta.data
-    index = torch.arange(local.numel(), dtype=torch.int64).view(local.shape)
-    if isinstance(meta, ShardedTensorFactory):
-        built = list(nested_values(meta.build_fn(meta.key, index, meta.replica_id, None)))
-    else:
-        built = [dataclasses.replace(meta, data=index, dtype=index.dtype)]
+    local = torch.empty(meta.data.shape, dtype=meta.data.dtype, device="meta")
+    if not isinstance(meta, ShardedTensorFactory):
+        return [_Piece(dataclasses.replace(meta, data=local), 0)]
     pieces = []
-    for sh in built:
-        flat = sh.data.reshape(-1)
-        base = int(flat[0]) if flat.numel() else 0
-        if flat.numel() and not torch.equal(flat, torch.arange(base, base + flat.numel())):
+    for sh in nested_values(meta.build_fn(meta.key, local, meta.replica_id, None)):
+        if sh.data._base is not local or not sh.data.is_contiguous():
             raise NotImplementedError(f"{sh.key}: the model's sharding of this parameter is not a contiguous "
                                       f"range of its local shard; its optimizer state cannot be saved in pieces")
-        pieces.append(_Piece(sh, base))
+        pieces.append(_Piece(sh, sh.data.storage_offset()))
     return pieces
 
 
