@@ -79,14 +79,35 @@ def cmd_plan(args) -> int:
             except ValueError:
                 raise PlanError(f"--gpu-memory {args.gpu_memory!r} is not a device memory size: give GiB per GPU, "
                                 f"e.g. 80") from None
-        plan = make_plan(cfg, model, load_calibration(args.calibration), gpu_memory_gib=gib,
-                         checkpoint=args.checkpoint)
+        cal = load_calibration(args.calibration)
+        if args.filesystem_gbps is not None:
+            cal = _with_filesystem_rates(cal, args.filesystem_gbps)
+        plan = make_plan(cfg, model, cal, gpu_memory_gib=gib, checkpoint=args.checkpoint)
     except (PlanError, CalibrationError) as e:
         print(f"megatron-rl: plan: {e}", file=sys.stderr)
         return 2
     plan.notes.append(f"not checked here ({', '.join(CLUSTER_FILES)}): `train` checks them where it runs")
     print(json.dumps(plan.to_dict()) if args.json else format_text(plan))
     return 0 if plan.fits else 1
+
+
+def _with_filesystem_rates(cal, text: str):
+    """The calibration with `--filesystem-gbps WRITE[,READ]` (GB/s per node; READ defaults to twice WRITE)."""
+    import dataclasses
+
+    from megatron_rl.planning.plan import PlanError
+
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        rates = []
+    if len(rates) not in (1, 2) or not all(r > 0 for r in rates):
+        raise PlanError(f"--filesystem-gbps {text!r}: give the write rate per node in GB/s, and optionally the "
+                        f"read rate, e.g. 5 or 5,10")
+    write, read = rates[0], rates[1] if len(rates) == 2 else 2 * rates[0]
+    sources = {**cal.sources, "filesystem_write_gbps": "--filesystem-gbps",
+               "filesystem_read_gbps": "--filesystem-gbps" + ("" if len(rates) == 2 else " (twice the write rate)")}
+    return dataclasses.replace(cal, filesystem_write_gbps=write, filesystem_read_gbps=read, sources=sources)
 
 
 def _train_env(args) -> int:
@@ -233,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also check that this checkpoint (or run root) loads into the trainer layout")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="device rates, each with its source (default: megatron_rl/planning/h100.yaml)")
+    p.add_argument("--filesystem-gbps", default=None, metavar="WRITE[,READ]",
+                   help="the checkpoint filesystem's rates per node in GB/s (default: the calibration's, 5,10)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("config", help="print the resolved, validated configuration as YAML")
     _add_config_args(p)

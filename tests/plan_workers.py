@@ -48,6 +48,12 @@ def allocated_worker(rank, world_size, cfg, run_dir):
         from megatron_rl.inference.quantized import weight_bytes
 
         out["generator"] = {"pp": job.g.pp_rank, "weights": weight_bytes(job.generator.model, job.generator.quantized)}
+    engine = job.trainer.engine if job.trainer is not None else None
+    job.ckpt.save(1, engine, layout=job.t.layout, model_cfg=job.model_cfg)
+    job.ckpt.wait()
+    if job.trainer is not None:
+        out["trainer"]["checkpoint"] = job.ckpt.last_staged_bytes
+        out["trainer"]["tp"] = job.t.tp_rank
     return out
 
 

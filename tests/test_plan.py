@@ -58,6 +58,12 @@ def test_planned_bytes_equal_what_the_job_allocates(overrides, tmp_path):
             k: t[k] for k in ("parameters", "gradients", "main_weights", "optimizer_state")}
     weights = {(m["generator"]["pp"], m["generator"]["weights"]) for m in measured if "generator" in m}
     assert weights == {(p, r.parts["weights"]) for p, r in enumerate(plan.generator.ranks)}
+    # A checkpoint: each TP-rank-0 trainer rank copies out (and writes) the bytes the plan gives it. Ranks at other
+    # TP ranks leave the TP-replicated norms to TP rank 0.
+    planned = plan.checkpointing["bytes_per_rank"]
+    for t in trainers:
+        want = planned[f"pp {t['pp']}, dp {t['dp']}"]
+        assert t["checkpoint"] == want if t["tp"] == 0 else 0.9 * want < t["checkpoint"] <= want, (t, want)
 
 
 def test_activation_model_bounds_what_autograd_keeps():
@@ -220,6 +226,8 @@ def test_checkpoint_reshards_from_metadata(tmp_path, capsys):
     (["--gpu-memory", "lots"], "--gpu-memory 'lots' is not a device memory size"),
     (["--gpu-memory", "0"], "--gpu-memory 0.0 is not a device memory size"),
     (["generator.pp=3"], "generator.pp=3 does not divide model.num_layers=4"),
+    (["--filesystem-gbps", "fast"], "--filesystem-gbps 'fast': give the write rate per node in GB/s"),
+    (["--filesystem-gbps", "5,0"], "--filesystem-gbps '5,0': give the write rate per node in GB/s"),
 ])
 def test_bad_inputs_get_one_line(args, needle, capsys):
     from megatron_rl import cli
@@ -341,3 +349,20 @@ def test_reward_executor_gpus_and_weights_are_planned(tmp_path):
         text = format_text(plan)
         assert f"{executors + tp * dp} GPUs" in text and f"reward model (tp={tp},dp={dp}): fits" in text
         assert "reward model's" in text and "in neither step time" in text
+
+
+def test_checkpoint_times_follow_the_rates(capsys):
+    """The 405B recipe (TP8 x PP14 x DP4): the busiest rank writes its DP quarter of the optimizer state (12 bytes
+    an element) and a quarter of its shard's weights; nothing is gathered. Times are bytes over the stated rates."""
+    from megatron_rl import cli
+
+    assert cli.main(["plan", "-c", str(CONFIGS / "llama3-405b.yaml"), "--json", "--filesystem-gbps", "8"]) == 0
+    c = json.loads(capsys.readouterr().out)["checkpointing"]
+    n = 405e9 / (8 * 14)  # parameters of one model-parallel shard, about
+    assert 0.95 < c["busiest_rank_bytes"] / (n * 2 / 4 + n * 12 / 4) < 1.1
+    assert c["host_bytes_per_rank"] == c["busiest_rank_bytes"]
+    assert c["rates"] == {"host_copy_gbps": 55, "filesystem_write_gbps": 8.0, "filesystem_read_gbps": 16.0}
+    assert c["save_blocking_s"] == pytest.approx(c["busiest_rank_bytes"] / 55e9)
+    assert c["save_total_s"] == pytest.approx(c["save_blocking_s"] + c["node_bytes"] / 8e9)
+    assert c["load_s"] == pytest.approx(2 * c["node_bytes"] / 16e9)
+    assert c["node_bytes"] == pytest.approx(c["total_bytes"] / (8 * 14 * 4) * 8, rel=1e-6)

@@ -33,6 +33,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_rl.compat import cuda_rules
+
 MARKERS = ".background"  # inside the step's .tmp directory; removed before the rename
 
 
@@ -46,35 +48,42 @@ class HostStaging:
         self.keep = keep
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._lent: list[torch.Tensor] = []
-        self.pinned = torch.cuda.is_available()
+        # The GPU path: pinned buffers and asynchronous copies (on a CPU in the CUDA-rules test mode, the same
+        # path with CUDA's pinned-copy rules, `compat/cuda_rules.py`).
+        self.pinned = torch.cuda.is_available() or cuda_rules.enabled()
 
     def _buffer(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         free = self._free.get((shape, dtype))
         if free:
             buf = free.pop()
+        elif torch.cuda.is_available():
+            buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        elif self.pinned:
+            buf = cuda_rules.pin_memory(torch.empty(shape, dtype=dtype))
         else:
-            buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pinned)
+            buf = torch.empty(shape, dtype=dtype)
         self._lent.append(buf)
         return buf
 
     def stage(self, sharded_state_dict: dict) -> int:
-        """Replace the data of every ShardedTensor in `sharded_state_dict` (factories applied first) by a host
-        copy; returns the bytes copied. On a GPU the copies are asynchronous into pinned memory and this waits for
+        """Replace the data of every main-replica ShardedTensor in `sharded_state_dict` (factories applied first)
+        by a host copy; returns the bytes copied. On a GPU the copies are asynchronous into pinned memory and this waits for
         them once at the end: the writer may read them as soon as it returns."""
         from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 
         apply_factories(sharded_state_dict)
         copied = 0
         for sh in nested_values(sharded_state_dict):
-            if isinstance(sh, ShardedTensor) and sh.data is not None:
+            # Another rank writes a replica that is not main (the torch_dist strategy keeps only main replicas).
+            if isinstance(sh, ShardedTensor) and sh.data is not None and is_main_replica(sh.replica_id):
                 src = sh.data.detach()
                 buf = self._buffer(tuple(src.shape), src.dtype)
                 buf.copy_(src, non_blocking=self.pinned)
                 sh.data = buf
                 copied += buf.numel() * buf.element_size()
-        if self.pinned:
-            torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies are asynchronous: the writer thread must not read before they end
         return copied
 
     def release(self) -> None:

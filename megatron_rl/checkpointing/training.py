@@ -124,8 +124,51 @@ def _set_rng_state(state: dict) -> None:
     tracker.set_states(saved)
 
 
+@contextlib.contextmanager
+def _global_dp_rank_is(group):
+    """Megatron-Core 0.16.1's `LanguageModule.tie_embeddings_and_output_weights_state_dict` (tied embeddings on a
+    last pipeline stage that is not the first) reads the DP rank from the global `parallel_state`, which our
+    executors never initialize (each has its own process groups): the save and load fail with "data parallel group
+    with context parallel combined is not initialized". While a sharded state dict is built, that one call answers
+    from the executor's own group."""
+    from megatron.core import parallel_state
+
+    original = parallel_state.get_data_parallel_rank
+    parallel_state.get_data_parallel_rank = lambda *args, **kwargs: group.rank()
+    try:
+        yield
+    finally:
+        parallel_state.get_data_parallel_rank = original
+
+
 def _model_sharded_state_dict(engine) -> dict:
-    return engine.model.module.sharded_state_dict(metadata={"dp_cp_group": engine.pgs.dp_cp})
+    with _global_dp_rank_is(engine.pgs.dp_cp):
+        return engine.model.module.sharded_state_dict(metadata={"dp_cp_group": engine.pgs.dp_cp})
+
+
+def _spread_replicas(sharded_state_dict: dict, group) -> None:
+    """Decide which DP rank writes each model tensor, so that the weights' writes (and their host copies) are spread
+    over the DP group instead of all falling on DP rank 0, the main replica Megatron-Core picks.
+
+    Every DP rank of a model-parallel shard holds the same tensors, so each computes the same assignment alone, with
+    no communication: the tensors largest first (then by key and offset), each to the least-loaded rank. The owner
+    becomes the main replica (DP coordinate 0 of the replica id), the others not (1). Factories are applied first
+    (SwiGLU's two halves are spread separately)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    size, rank = group.size(), group.rank()
+    apply_factories(sharded_state_dict)
+    if size == 1:
+        return
+    shards = [sh for sh in nested_values(sharded_state_dict)
+              if isinstance(sh, ShardedTensor) and isinstance(sh.replica_id, tuple) and len(sh.replica_id) == 3]
+    shards.sort(key=lambda sh: (-sh.data.numel() * sh.data.element_size(), sh.key, sh.global_offset))
+    loads = [0] * size
+    for sh in shards:
+        owner = min(range(size), key=lambda r: (loads[r], r))
+        loads[owner] += sh.data.numel() * sh.data.element_size()
+        sh.replica_id = (*sh.replica_id[:2], 0 if owner == rank else 1)
 
 
 _REFERENCE_PREFIX = "reference."
@@ -136,7 +179,8 @@ def _reference_sharded_state_dict(reference, engine) -> dict:
     unchanged, so what `load` returns goes straight into `reference.load_state_dict`)."""
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
-    sd = reference.sharded_state_dict(metadata={"dp_cp_group": engine.pgs.dp_cp})
+    with _global_dp_rank_is(engine.pgs.dp_cp):
+        sd = reference.sharded_state_dict(metadata={"dp_cp_group": engine.pgs.dp_cp})
     replace_prefix_for_sharding(sd, "", _REFERENCE_PREFIX)
     return sd
 
@@ -369,6 +413,7 @@ class TrainCheckpointer:
         self._staging = background.HostStaging(keep=self.async_save)
         self._pending: Optional[_Pending] = None
         self.last_save_s = self.last_blocking_s = 0.0
+        self.last_staged_bytes = 0  # the tensor bytes this rank copied out (and writes) in the last save
 
     # ---- save ------------------------------------------------------------------------------------------------
     def save(self, step: int, engine=None, *, reference=None, layout=None, model_cfg=None,
@@ -427,7 +472,9 @@ class TrainCheckpointer:
                                  preprocess_common=_no_common)
         writes = {}
         model_sd = _model_sharded_state_dict(engine) if engine is not None else {}
-        self._staging.stage(model_sd)
+        if engine is not None:
+            _spread_replicas(model_sd, engine.pgs.dp_cp)
+        staged = self._staging.stage(model_sd)
         writes[MODEL_DIR] = plan(model_sd, tmp / MODEL_DIR)
         failpoint("checkpoint_between_model_and_optimizer", name)
         optim_sd = {}
@@ -436,8 +483,10 @@ class TrainCheckpointer:
                                                      with_state=_has_optimizer_state(engine.optimizer))
             if reference is not None:
                 optim_sd["reference"] = _reference_sharded_state_dict(reference, engine)
+                _spread_replicas(optim_sd["reference"], engine.pgs.dp_cp)
             torch.save(_rng_state(), tmp / RNG_DIR / f"rank_{rank:05d}.pt")
-        self._staging.stage(optim_sd)
+        staged += self._staging.stage(optim_sd)
+        self.last_staged_bytes = staged
         writes[OPTIMIZER_DIR] = plan(optim_sd, tmp / OPTIMIZER_DIR)
         meta = None
         if rank == 0:

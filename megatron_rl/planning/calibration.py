@@ -41,6 +41,9 @@ class Calibration:
     nvlink_gbps: float  # per GPU, each way
     infiniband_gbps: float  # per GPU, each way
     gpus_per_node: int
+    host_copy_gbps: float  # per GPU, device to pinned host memory (a checkpoint's copy out of the training tensors)
+    filesystem_write_gbps: float  # per node, durable writes to the checkpoint filesystem
+    filesystem_read_gbps: float  # per node, reads from it
     sources: dict  # key -> source text
 
     def source(self, key: str) -> str:

@@ -85,3 +85,47 @@ def checkpoint_report(path: Path, model: ModelConfig, layout: ParallelLayout, st
     return {"path": str(ckpt), "format": meta.get("format"), "step": meta.get("step"),
             "written_at": meta.get("layout"), "loads": True, "tensors": len(tensors),
             "read_bytes_per_rank": per_rank}
+
+
+def checkpoint_cost(cfg, model: ModelConfig, stages, cal) -> dict:
+    """What saving and loading a training checkpoint costs this job, per trainer rank (`megatron-rl plan`).
+
+    Bytes a rank writes: its DP range of the optimizer's per-parameter state (fp32 main weights and two Adam
+    moments: 12 bytes an element; without the distributed optimizer DP rank 0 writes the whole shard's), plus the
+    weights its DP rank owns: every DP rank of a shard holds the same weights and each writes a share, assigned
+    largest first to the least-loaded rank (`checkpointing/training.py: _spread_replicas`); the KL reference
+    model's weights the same way. Host memory during a save: the same bytes (each rank copies what it writes into
+    host buffers, kept between saves).
+
+    Times, from the calibration's rates: training waits while the busiest rank copies its bytes out
+    (`host_copy_gbps`, into pinned memory); the save completes when a node's ranks have written theirs
+    (`filesystem_write_gbps`, per node; the node holds `gpus_per_node` ranks of the mean size); a load reads every
+    file twice over the world (checksums, then each rank its part: `filesystem_read_gbps`). Megatron-Core's
+    planning (a metadata exchange, about a second on a 2-core CPU) is not modelled."""
+    layout = cfg.trainer.layout
+    distributed = cfg.trainer.use_distributed_optimizer
+    copies = 2 if cfg.algorithm.kl_coef > 0 else 1  # the policy's weights, and the KL reference's
+    per_rank = {}
+    for pp_rank, mods in enumerate(stages):
+        # A last stage's output layer tied to the first stage's embedding is a copy of it, saved once, by the first.
+        copy = [p for p in mods.params if p.name == "output_layer.weight"] if (
+            model.tie_word_embeddings and layout.pp > 1 and pp_rank == layout.pp - 1) else []
+        weights = [0] * layout.dp
+        for nbytes in sorted((p.nbytes for p in mods.params if p not in copy), reverse=True) * copies:
+            owner = min(range(layout.dp), key=lambda r: (weights[r], r))
+            weights[owner] += nbytes
+        for dp_rank, o in enumerate(mods.optimizer):
+            elements = o.state_elements - sum(p.numel for p in copy) // (layout.dp if distributed else 1)
+            optimizer = 12 * elements if distributed or dp_rank == 0 else 0
+            per_rank[f"pp {pp_rank}, dp {dp_rank}"] = weights[dp_rank] + optimizer
+    busiest = max(per_rank, key=per_rank.get)
+    ranks = layout.tp * layout.pp * layout.dp
+    total = layout.tp * sum(per_rank.values())
+    node = total / ranks * min(cal.gpus_per_node, ranks)
+    blocking = per_rank[busiest] / (cal.host_copy_gbps * 1e9)
+    return {"bytes_per_rank": per_rank, "busiest_rank": busiest, "busiest_rank_bytes": per_rank[busiest],
+            "host_bytes_per_rank": per_rank[busiest], "total_bytes": total, "node_bytes": int(node),
+            "save_blocking_s": blocking, "save_total_s": blocking + node / (cal.filesystem_write_gbps * 1e9),
+            "load_s": 2 * node / (cal.filesystem_read_gbps * 1e9),
+            "rates": {"host_copy_gbps": cal.host_copy_gbps, "filesystem_write_gbps": cal.filesystem_write_gbps,
+                      "filesystem_read_gbps": cal.filesystem_read_gbps}}

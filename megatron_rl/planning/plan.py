@@ -34,7 +34,7 @@ from megatron_rl.config import JobConfig
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.planning.calibration import Calibration
-from megatron_rl.planning.checkpoint import ReshardError, checkpoint_report
+from megatron_rl.planning.checkpoint import ReshardError, checkpoint_cost, checkpoint_report
 from megatron_rl.planning.memory import RankMemory, activation_bytes, prefill_workspace_bytes
 from megatron_rl.planning.meta import RankModules, build_rank_modules
 from megatron_rl.planning.steptime import (
@@ -118,6 +118,7 @@ class Plan:
     checkpoint: Optional[dict] = None
     notes: list = field(default_factory=list)
     reward_model: Optional[ExecutorMemory] = None  # the reward model's own ranks (reward.executor.dp >= 1)
+    checkpointing: Optional[dict] = None  # what a save and a load cost (`planning.checkpoint.checkpoint_cost`)
 
     @property
     def fits(self) -> bool:
@@ -130,7 +131,8 @@ class Plan:
                 "memory": {"trainer": self.trainer.to_dict(), "generator": self.generator.to_dict(),
                            **({"reward_model": self.reward_model.to_dict()} if self.reward_model else {})},
                 "weight_sync": self.sync.to_dict(), "step_time": self.steps.to_dict(),
-                "assumptions": self.assumptions, "checkpoint": self.checkpoint, "notes": list(self.notes),
+                "assumptions": self.assumptions, "checkpoint": self.checkpoint,
+                "checkpointing": self.checkpointing, "notes": list(self.notes),
                 "calibration": {"device": cal.device, **{k: {"value": getattr(cal, k), "source": s}
                                                          for k, s in cal.sources.items()}}}
 
@@ -427,4 +429,4 @@ def make_plan(cfg: JobConfig, model: ModelConfig, calibration: Calibration, *,
         except ReshardError as e:
             raise PlanError(str(e)) from None
     return Plan(model.name, model.num_parameters(), trainer_mem, gen_mem, colocated, sync, steps, assumptions,
-                cal, ckpt, notes, reward_mem)
+                cal, ckpt, notes, reward_mem, checkpoint_cost(cfg, model, stages, cal))

@@ -11,6 +11,10 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+def _size(n: float) -> str:
+    return _gib(n) if n >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
 def _executor(e: ExecutorMemory) -> list[str]:
     w = e.worst
     verdict = "fits" if e.fits else "DOES NOT FIT"
@@ -57,6 +61,15 @@ def format_text(plan: Plan) -> str:
     lines.append(f"  speed-up {t.speedup:.2f}x")
     for note in plan.notes:
         lines.append(f"  note: {note}")
+    if plan.checkpointing:
+        c, r = plan.checkpointing, plan.checkpointing["rates"]
+        lines += ["", f"checkpoints  {_size(c['busiest_rank_bytes'])} written by the busiest trainer rank "
+                      f"({c['busiest_rank']}), {_size(c['total_bytes'])} in all; host memory per rank during a save "
+                      f"{_size(c['host_bytes_per_rank'])} (kept between saves)",
+                  f"  training waits {c['save_blocking_s']:.2f} s (the copy out at {r['host_copy_gbps']:g} GB/s); "
+                  f"the save completes after {c['save_total_s']:.1f} s ({_size(c['node_bytes'])} a node at "
+                  f"{r['filesystem_write_gbps']:g} GB/s); a load takes {c['load_s']:.1f} s (read twice, checksums "
+                  f"first, at {r['filesystem_read_gbps']:g} GB/s a node; set yours: --filesystem-gbps WRITE,READ)"]
     if plan.checkpoint:
         c = plan.checkpoint
         reads = ", ".join(f"{k} {_gib(v)}" for k, v in c["read_bytes_per_rank"].items())
