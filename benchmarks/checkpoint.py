@@ -94,6 +94,7 @@ def rank_main(rank, world_size, preset, root, sync):
     import torch.distributed as dist
 
     from megatron_rl.checkpointing.training import TrainCheckpointer, _ensure_optimizer_state
+    from megatron_rl.controller.launcher import freeze_startup_objects
     from megatron_rl.models import build_gpt_model, get_preset
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
     from megatron_rl.training.engine import OptimSettings, TrainEngine
@@ -104,6 +105,7 @@ def rank_main(rank, world_size, preset, root, sync):
     model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", params_dtype=torch.bfloat16)
     engine = TrainEngine.create(model, g.pgs, OptimSettings(lr=1e-5))
     _ensure_optimizer_state(engine.optimizer)  # Adam moments allocated, as after a step
+    freeze_startup_objects()  # as the job does once its executors exist: a full GC pass does not re-read them
     ck = TrainCheckpointer(root, keep_last=1, async_save=not sync)
     saves = []
     for step in (1, 2):  # the first save allocates the host buffers (pinned on a GPU); the second is every later one
