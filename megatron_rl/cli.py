@@ -235,15 +235,8 @@ def cmd_inspect(args) -> int:
     return run(args.path, as_json=args.json)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="run the RL job (built-in default when given no arguments)")
-    _add_config_args(p)
-    p.add_argument("--launcher", choices=["auto", "local", "env"], default="auto",
-                   help="local: start the ranks on this machine; env: this process is one rank started by torchrun "
-                        "or srun; auto (default): env when WORLD_SIZE is set, else local")
-    p.set_defaults(func=cmd_train)
+def _add_plan_parser(sub) -> None:
+    """`megatron-rl plan` and its arguments."""
     p = sub.add_parser("plan", help="memory per rank, weight-sync and step time of the job `train` would start, "
                                     "without starting it")
     _add_config_args(p)
@@ -257,6 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filesystem-gbps", default=None, metavar="WRITE[,READ]",
                    help="the checkpoint filesystem's rates per node in GB/s (default: the calibration's, 5,10)")
     p.set_defaults(func=cmd_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="run the RL job (built-in default when given no arguments)")
+    _add_config_args(p)
+    p.add_argument("--launcher", choices=["auto", "local", "env"], default="auto",
+                   help="local: start the ranks on this machine; env: this process is one rank started by torchrun "
+                        "or srun; auto (default): env when WORLD_SIZE is set, else local")
+    p.set_defaults(func=cmd_train)
+    _add_plan_parser(sub)
     p = sub.add_parser("config", help="print the resolved, validated configuration as YAML")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)

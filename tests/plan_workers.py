@@ -48,6 +48,8 @@ def allocated_worker(rank, world_size, cfg, run_dir):
         from megatron_rl.inference.quantized import weight_bytes
 
         out["generator"] = {"pp": job.g.pp_rank, "weights": weight_bytes(job.generator.model, job.generator.quantized)}
+    if job.model_cfg.num_parameters() > 10_000_000:  # a checkpoint of the small models only (time)
+        return out
     engine = job.trainer.engine if job.trainer is not None else None
     job.ckpt.save(1, engine, layout=job.t.layout, model_cfg=job.model_cfg)
     job.ckpt.wait()

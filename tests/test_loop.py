@@ -192,6 +192,9 @@ class _FakeJob:
     def checkpoint(self, version):
         self.log.append(("checkpoint", version))
 
+    def raise_if_checkpoint_failed(self):
+        pass
+
     def finish(self):
         self.log.append(("finish",))
 

@@ -39,7 +39,7 @@ def saved_dp2(tmp_path_factory):
     return run_local(train_save_continue, 4, dict(tp=2, pp=1, dp=2), str(state), str(root), 3, True)
 
 
-@pytest.mark.parametrize("layout", [dict(tp=1, pp=2, dp=2), dict(tp=1, pp=1, dp=1)], ids=["tp1pp2dp2", "tp1"])
+@pytest.mark.parametrize("layout", [dict(tp=1, pp=2, dp=2)], ids=["tp1pp2dp2"])
 def test_state_saved_in_pieces_resumes_at_another_layout(saved_dp2, layout):
     """No rank gathers: every rank writes the boxes of its own ranges, from the copies taken when `save` returned.
     A layout that splits the parameters differently in TP, PP and DP reads them back and takes the same next

@@ -164,6 +164,10 @@ class Job:
                 box.flush()
         self._checkpoint_done()
 
+    def raise_if_checkpoint_failed(self) -> None:
+        """Not collective, cheap: CheckpointError now if this rank's part of the save in the background failed."""
+        self.ckpt.raise_if_failed()
+
     def _checkpoint_done(self) -> None:
         """Collective: wait for the save in the background, and say it is complete (rank 0)."""
         pending = self.ckpt.pending_name

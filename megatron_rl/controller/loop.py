@@ -53,7 +53,7 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
     wait_s = 0.0  # how long the generator waited for the weights of its next batch
     for action in plan:
         doing(str(action))  # what the line names if this rank hangs here (parallel/liveness.py)
-        job.ckpt.raise_if_failed()  # a checkpoint that failed in the background ends the job now, in one line
+        job.raise_if_checkpoint_failed()  # a save that failed in the background ends the job now, in one line
         if isinstance(action, PushWeights):
             t0 = time.perf_counter()
             if job.stop_requested():  # SIGTERM / SIGINT on any rank: every rank takes part here, so all stop here

@@ -295,6 +295,87 @@ def _start_context(cuda: int):
     return ctx
 
 
+class _Ranks:
+    """The processes of one `run_local` world and what each has reported: a result, or a failure (its own report,
+    a death, a silent heartbeat)."""
+
+    def __init__(self, procs: list, queue):
+        self.procs, self.queue = procs, queue
+        self.results: dict[int, Any] = {}
+        self.failures: dict[int, RankFailure] = {}
+
+    def take(self, rank: int, ok: bool, payload) -> None:
+        if ok:
+            self.results[rank] = payload
+        else:
+            self.failures[rank] = RankFailure(rank, *payload)
+
+    def open(self) -> list[int]:
+        """Ranks that have reported nothing yet."""
+        return [r for r in range(len(self.procs)) if r not in self.results and r not in self.failures]
+
+    def dead(self) -> list[int]:
+        """Ranks whose process ended without a report."""
+        return [r for r in self.open() if self.procs[r].exitcode is not None]
+
+    def drain(self) -> None:
+        import queue as queue_mod
+
+        while True:
+            try:
+                self.take(*self.queue.get_nowait())
+            except queue_mod.Empty:
+                return
+
+
+def _wait(ranks: _Ranks, forward: Optional["_Forwarder"], deadline: Optional[float], timeout: Optional[float],
+          beats, hang_timeout_s: Optional[float]) -> str:
+    """Collect the ranks' reports until all have reported or one has failed (died, hung, or reported a failure);
+    returns how a forwarded stop ended the world ("twice", "grace"), else "". TimeoutError past `deadline`."""
+    import queue as queue_mod
+
+    started = time.monotonic()
+    while ranks.open():
+        if forward is not None and forward.must_kill():
+            _end_groups(ranks.procs)
+            return "twice" if forward.now else "grace"
+        remaining = 1.0 if deadline is None else deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"ranks {ranks.open()} did not finish within {timeout:.0f} s")
+        try:
+            ranks.take(*ranks.queue.get(timeout=min(remaining, 1.0)))
+        except queue_mod.Empty:
+            for r in ranks.dead():
+                ranks.failures[r] = RankFailure(r, _death(ranks.procs[r]), _death(ranks.procs[r]))
+            if beats is not None and not ranks.failures:
+                running = [r for r in ranks.open() if ranks.procs[r].exitcode is None]
+                for r, silent in beats.silent(running, started, hang_timeout_s):
+                    cause = liveness.hung_cause(silent, beats.label(r))
+                    ranks.failures[r] = RankFailure(r, cause, cause)
+        if ranks.failures:
+            # Give the other ranks a moment to report (they are often blocked on the failed one).
+            time.sleep(0.5)
+            ranks.drain()
+            return ""
+    return ""
+
+
+def _end_world(ranks: _Ranks, killed: str) -> dict[int, str]:
+    """However the run ended: join the ranks briefly, note which died on their own (and, when every failure is a
+    peer's timeout or lost connection, which still run: those are what the others waited for), then kill every
+    rank's process group. Returns those causes by rank."""
+    procs, failures = ranks.procs, ranks.failures
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=5 if not failures and not killed else 0.1)
+    died_alone = {r: _death(procs[r]) for r in ranks.dead()}  # before the launcher ends the rest
+    if failures and all(is_peer_error(f.cause) for f in failures.values()):
+        died_alone.update({r: _HUNG for r, p in enumerate(procs)
+                           if p.pid is not None and p.exitcode is None and r not in ranks.results})
+    _end_all(procs)
+    return died_alone
+
+
 def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
               timeout: Optional[float] = 300.0, dist_timeout_s: float = 120.0,
               stop_grace_s: Optional[float] = None, on_signal: Optional[Callable[[int], None]] = None,
@@ -310,8 +391,6 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     timeout. However it ends, every rank's process group is killed before it returns: nothing a rank started
     outlives it.
     """
-    import queue as queue_mod
-
     import torch
 
     cuda = local_gpus()
@@ -326,72 +405,22 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     beat_s = liveness.beat_interval_s(hang_timeout_s) if watched else 0.0
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, note, fn, args, queue,
                                                beats, beat_s), daemon=False) for r in range(world_size)]
-    results: dict[int, Any] = {}
-    failures: dict[int, RankFailure] = {}
+    ranks = _Ranks(procs, queue)
     forward = _Forwarder(procs, stop_grace_s or 0.0, on_signal)
     deadline = None if timeout is None else time.monotonic() + timeout
-
-    def take(rank: int, ok: bool, payload) -> None:
-        if ok:
-            results[rank] = payload
-        else:
-            failures[rank] = RankFailure(rank, *payload)
-
-    def dead() -> list[int]:
-        return [r for r, p in enumerate(procs)
-                if p.exitcode is not None and r not in results and r not in failures]
-
-    def drain() -> None:
-        while True:
-            try:
-                take(*queue.get_nowait())
-            except queue_mod.Empty:
-                return
-
     killed = ""
     try:
         with forward if note else contextlib.nullcontext():
             for p in procs:
                 p.start()
-            started = time.monotonic()
-            while len(results) + len(failures) < world_size:
-                if note and forward.must_kill():
-                    _end_groups(procs)
-                    killed = "twice" if forward.now else "grace"
-                    break
-                remaining = 1.0 if deadline is None else deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results) - set(failures))} "
-                                       f"did not finish within {timeout:.0f} s")
-                try:
-                    take(*queue.get(timeout=min(remaining, 1.0)))
-                except queue_mod.Empty:
-                    for r in dead():
-                        failures[r] = RankFailure(r, _death(procs[r]), _death(procs[r]))
-                    if watched and not failures:
-                        running = [r for r in range(world_size) if r not in results and procs[r].exitcode is None]
-                        for r, silent in beats.silent(running, started, hang_timeout_s):
-                            cause = liveness.hung_cause(silent, beats.label(r))
-                            failures[r] = RankFailure(r, cause, cause)
-                if failures:
-                    # Give the other ranks a moment to report (they are often blocked on the failed one).
-                    time.sleep(0.5)
-                    drain()
-                    break
+            killed = _wait(ranks, forward if note else None, deadline, timeout, beats, hang_timeout_s)
     finally:
-        for p in procs:
-            if p.pid is not None:
-                p.join(timeout=5 if not failures and not killed else 0.1)
-        died_alone = {r: _death(procs[r]) for r in dead()}  # before the launcher ends the rest
-        if failures and all(is_peer_error(f.cause) for f in failures.values()):
-            # Every report is a peer's timeout or lost connection: a rank still running is the one they waited for.
-            died_alone.update({r: _HUNG for r, p in enumerate(procs)
-                               if p.pid is not None and p.exitcode is None and r not in results})
-        _end_all(procs)
-    if failures or killed:
-        drain()
-        for r in dead():
+        died_alone = _end_world(ranks, killed)
+    if ranks.failures or killed:
+        ranks.drain()
+        for r in ranks.dead():
             cause = "killed" if killed else died_alone.get(r, _KILLED_AFTER)
-            failures[r] = RankFailure(r, cause, cause)
-        raise RanksFailed(_order(list(failures.values())), world_size, signal=forward.signal, killed=killed)
+            ranks.failures[r] = RankFailure(r, cause, cause)
+        raise RanksFailed(_order(list(ranks.failures.values())), world_size, signal=forward.signal, killed=killed)
+    results = ranks.results
     return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]
