@@ -553,9 +553,8 @@ class TrainCheckpointer:
             return
         try:
             values, error = background.gather(tmp, world, pending.abort)
-            if error is not None:
-                pending.error = error
-                shutil.rmtree(tmp, ignore_errors=True)  # it must not hold the next save's space
+            if error is not None:  # the unfinished write is removed before the next save (other ranks may
+                pending.error = error  # still be writing into it now), or by the launcher once the job has ended
                 return
             for sub, w in writes.items():
                 w.finish([values[r]["results"][sub] for r in range(world)])
@@ -579,12 +578,11 @@ class TrainCheckpointer:
             pending.error = self._failure(name, rank, e)
 
     def _failure(self, name: str, rank: int, e: BaseException) -> str:
-        """The one line for a save that failed on `rank` in the background; a storage fault's unfinished write is
-        removed at once (it must not hold the next save's space)."""
+        """The one line for a save that failed on `rank` in the background. Its unfinished write is left to the
+        next save or the launcher: removing it now would pull the directory from under ranks still writing."""
         problem = storage.diagnose(self.root, e)
         if problem is None:
             return f"{self.root}: {name} not saved: rank {rank}: {type(e).__name__}: {e}"
-        shutil.rmtree(self.root / f"{name}.tmp", ignore_errors=True)
         return self._not_saved(name, problem)
 
     def raise_if_failed(self) -> None:

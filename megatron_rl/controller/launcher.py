@@ -210,8 +210,6 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
         problem = storage.diagnose(Path(run_dir), e)
         if problem is None:
             raise
-        if rank == 0:
-            storage.remove_unfinished(Path(run_dir))  # a checkpoint being written must not hold the space
         latest = read_latest(Path(run_dir))
         kept = f"the last complete checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved"
         raise CheckpointError(f"{run_dir}: a write failed: {problem}; {kept}") from e
@@ -271,7 +269,12 @@ def _latest(run_dir: Path) -> str:
 
 
 def _failed(cfg: JobConfig, run_dir: Path, e) -> JobFailed:
-    """The one line (and failure.log) for ranks of the local launcher that failed, died or were killed."""
+    """The one line (and failure.log) for ranks of the local launcher that failed, died or were killed. Every rank
+    has ended: a checkpoint write they left unfinished is removed first (never read; on a full disk it holds the
+    space the relaunch needs, and failure.log's)."""
+    from megatron_rl.checkpointing import storage
+
+    storage.remove_unfinished(run_dir)
     text = (f"megatron-rl train, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {len(e.failures)} of {e.world_size} "
             f"ranks ended without a result (likely cause first)\n")
     for fail in e.failures:
