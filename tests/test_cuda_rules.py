@@ -393,3 +393,34 @@ def test_a_colocated_job_runs_under_cuda_rules_within_its_graph_budget(reward_mo
     assert not over, f"over budget: {over} (budget {GRAPH_BUDGET})"
     rows = [json.loads(line) for line in open(tmp_path / "default" / "metrics.jsonl")]
     assert len(rows) == 3 and any("eval/reward" in r for r in rows) and any("kl" in k for k in rows[-1])
+
+
+def test_checkpoint_staging_takes_pinned_copies_that_training_cannot_change(rules):
+    """The GPU path of a save's copy out (`checkpointing/background.py: HostStaging`): pinned buffers (here CUDA's
+    `at::_pin_memory` rules), non-blocking copies. The staged tensors hold the values of the save after the
+    source changes, a replica another rank writes is not copied, and the next save reuses the buffers."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_rl.checkpointing.background import HostStaging
+
+    flat = torch.arange(24, dtype=torch.float32)
+
+    def state():  # two views of one flat tensor (as the optimizer's pieces are), and a non-main replica
+        return {"a": ShardedTensor.from_rank_offsets("a", flat[:12].view(3, 4)),
+                "b": ShardedTensor.from_rank_offsets("b", flat[12:20]),
+                "c": ShardedTensor.from_rank_offsets("c", flat[20:], replica_id=1)}
+
+    staging = HostStaging(keep=True)
+    assert staging.pinned
+    sd = state()
+    assert staging.stage(sd) == 20 * 4
+    flat.add_(100.0)  # training goes on
+    torch.testing.assert_close(sd["a"].data, torch.arange(12.0).view(3, 4))
+    torch.testing.assert_close(sd["b"].data, torch.arange(12.0, 20.0))
+    assert sd["c"].data.data_ptr() == flat[20:].data_ptr()  # not copied: another rank writes it
+    used = {sd["a"].data.data_ptr(), sd["b"].data.data_ptr()}
+    staging.release()
+    again = state()
+    staging.stage(again)
+    assert {again["a"].data.data_ptr(), again["b"].data.data_ptr()} == used
+    torch.testing.assert_close(again["b"].data, torch.arange(112.0, 120.0))

@@ -15,9 +15,9 @@ after its gather) and completes the checkpoint. The markers live in the step's `
 before its rename, so a crash at any point leaves `latest` at the previous checkpoint.
 
 Megatron-Core's own asynchronous save (`AsyncCallsQueue`) forks a process per save and finalizes with collectives
-that every rank must call at the same points of its loop; a fork of the training process also shares its pages,
-which the training thread then copies as it writes them (up to its whole state per save). Threads share the
-staged copies instead, and the file writes release the GIL.
+that every rank must call at the same points of its loop, and it forks the training process for each save
+(copy-on-write: the pages training writes during the save are copied; not measured here). Threads share the staged
+copies instead, and the file writes release the GIL.
 """
 
 from __future__ import annotations

@@ -382,6 +382,14 @@ def _raise_mismatch(path: Path, mismatches: list[str]) -> None:
         raise CheckpointError(f"{path / mismatches[0]}: {CHECKSUM_MISMATCH}{more}")
 
 
+def storage_fault_line(root: Path, what: str, problem: str) -> str:
+    """The one line for a storage fault under a run's checkpoint root: what failed, the diagnosis
+    (`storage.diagnose`), and the checkpoint a relaunch resumes from."""
+    latest = read_latest(Path(root))
+    kept = f"the last complete checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved"
+    return f"{root}: {what}: {problem}; {kept}"
+
+
 @dataclasses.dataclass
 class _Pending:
     """A save whose files are being written in the background (`TrainCheckpointer.wait` ends it)."""
@@ -450,9 +458,7 @@ class TrainCheckpointer:
         return final
 
     def _not_saved(self, name: str, problem: str) -> str:
-        latest = read_latest(self.root)
-        kept = f"the last complete checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved"
-        return f"{self.root}: {name} not saved: {problem}; {kept}"
+        return storage_fault_line(self.root, f"{name} not saved", problem)
 
     def _save(self, step: int, name: str, engine, *, reference, layout, model_cfg, rl_state, tokenizer,
               extra) -> Path:

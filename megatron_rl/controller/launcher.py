@@ -173,7 +173,8 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
     from tqdm import tqdm
 
     from megatron_rl.checkpointing import storage
-    from megatron_rl.checkpointing.layout import CheckpointError, read_latest
+    from megatron_rl.checkpointing.layout import CheckpointError
+    from megatron_rl.checkpointing.training import storage_fault_line
     from megatron_rl.controller import loop
     from megatron_rl.controller.job import Job
     from megatron_rl.controller.metrics import open_metrics
@@ -210,9 +211,7 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
         problem = storage.diagnose(Path(run_dir), e)
         if problem is None:
             raise
-        latest = read_latest(Path(run_dir))
-        kept = f"the last complete checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved"
-        raise CheckpointError(f"{run_dir}: a write failed: {problem}; {kept}") from e
+        raise CheckpointError(storage_fault_line(Path(run_dir), "a write failed", problem)) from e
     except BaseException:
         failing = True
         raise
