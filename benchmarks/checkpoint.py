@@ -97,13 +97,14 @@ def rank_main(rank, world_size, preset, root, sync):
     from megatron_rl.controller.launcher import freeze_startup_objects
     from megatron_rl.models import build_gpt_model, get_preset
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
-    from megatron_rl.training.engine import OptimSettings, TrainEngine
+    from megatron_rl.training.engine import TrainEngine
+    from megatron_rl.training.settings import LRSchedule, TrainerSettings
 
     cfg = get_preset(preset)
     layout = ParallelLayout(tp=1, pp=1, dp=world_size)
     g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
     model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", params_dtype=torch.bfloat16)
-    engine = TrainEngine.create(model, g.pgs, OptimSettings(lr=1e-5))
+    engine = TrainEngine.create(model, g.pgs, TrainerSettings(), LRSchedule(lr=1e-5))
     _ensure_optimizer_state(engine.optimizer)  # Adam moments allocated, as after a step
     freeze_startup_objects()  # as the job does once its executors exist: a full GC pass does not re-read them
     ck = TrainCheckpointer(root, keep_last=1, async_save=not sync)

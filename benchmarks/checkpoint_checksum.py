@@ -38,13 +38,14 @@ def _bench(rank: int, world_size: int, preset: str, rounds: int, root: str) -> d
     from megatron_rl.checkpointing.layout import file_checksum
     from megatron_rl.models import build_gpt_model, get_preset
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
-    from megatron_rl.training.engine import OptimSettings, TrainEngine
+    from megatron_rl.training.engine import TrainEngine
+    from megatron_rl.training.settings import LRSchedule, TrainerSettings
 
     cfg = get_preset(preset)
     layout = ParallelLayout()
     g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
     model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", seed=0, params_dtype=torch.float32)
-    engine = TrainEngine.create(model, g.pgs, OptimSettings())
+    engine = TrainEngine.create(model, g.pgs, TrainerSettings(), LRSchedule())
     training._ensure_optimizer_state(engine.optimizer)  # Adam moments, as after a step
 
     real_checksums = training._checksums

@@ -24,7 +24,8 @@ from common import emit, peak_tflops, timed, training_flops_per_token  # noqa: E
 def _bench(rank, world_size, args):
     from megatron_rl.models import build_gpt_model, get_preset
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
-    from megatron_rl.training.engine import OptimSettings, TrainEngine
+    from megatron_rl.training.engine import TrainEngine
+    from megatron_rl.training.settings import LRSchedule, TrainerSettings
     from megatron_rl.training.lm_loss import make_lm_loss
 
     layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=args.dp)
@@ -37,7 +38,7 @@ def _bench(rank, world_size, args):
     if args.loss == "rl":
         step_fn = _rl_step_fn(model, cfg, g, args)
     else:
-        engine = TrainEngine.create(model, g.pgs, OptimSettings(lr=1e-5))
+        engine = TrainEngine.create(model, g.pgs, TrainerSettings(), LRSchedule(lr=1e-5))
         loss_fn = make_lm_loss(g.pgs.tp, cfg.vocab_size)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         gen = torch.Generator().manual_seed(g.dp_rank)
@@ -61,7 +62,7 @@ def _rl_step_fn(model, cfg, g, args):
     """The trainer executor's AIPO step on a synthetic rollout batch (prompt = first quarter of each sequence)."""
     from megatron_rl.algorithms import compute_advantages
     from megatron_rl.rollout import RolloutBatch
-    from megatron_rl.training.engine import OptimSettings
+    from megatron_rl.training.settings import LRSchedule, TrainerSettings
     from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
 
     n = args.micro_batch * args.num_micro * args.dp
@@ -75,8 +76,8 @@ def _rl_step_fn(model, cfg, g, args):
     groups = torch.arange(n) // 4
     batch = RolloutBatch(tokens, prompt, response, logp_mu, rewards, groups, torch.zeros(n, dtype=torch.long))
     batch.advantages = compute_advantages(rewards, groups, "group_mean")
-    trainer = RLTrainer(model, cfg, g, RLTrainerSettings(micro_batch_size=args.micro_batch,
-                                                         optim=OptimSettings(lr=1e-6)))
+    trainer = RLTrainer(model, cfg, g, RLTrainerSettings(TrainerSettings(micro_batch_size=args.micro_batch),
+                                                         schedule=LRSchedule(lr=1e-6)))
     return lambda: trainer.step(batch)
 
 

@@ -11,7 +11,7 @@ from megatron_rl.checkpointing.training import TrainCheckpointer
 from megatron_rl.models import build_gpt_model, get_preset
 from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
-from megatron_rl.training.engine import OptimSettings
+from megatron_rl.training.settings import LRSchedule, TrainerSettings
 from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
 from rl_workers import make_rollouts
 
@@ -25,10 +25,11 @@ def _trainer(layout_kw, state_path, seed=0):
     model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", seed=seed)
     if state_path is not None:
         load_full_state_dict(model, torch.load(state_path), cfg, g.pgs)
-    settings = RLTrainerSettings(micro_batch_size=2, temperature=0.8, aipo=AIPOSettings(rho=2.0),
-                                 optim=OptimSettings(lr=1e-3, adam_eps=1e-4, clip_grad=10.0, warmup_steps=2,
-                                                     total_steps=20, lr_decay_style="cosine",
-                                                     use_distributed_optimizer=distributed))
+    trainer = TrainerSettings(micro_batch_size=2, adam_eps=1e-4, clip_grad=10.0,
+                              use_distributed_optimizer=distributed)
+    settings = RLTrainerSettings(trainer, AIPOSettings(rho=2.0),
+                                 LRSchedule(lr=1e-3, warmup_steps=2, total_steps=20, decay_style="cosine"),
+                                 temperature=0.8)
     return cfg, layout, g, RLTrainer(model, cfg, g, settings)
 
 

@@ -11,7 +11,7 @@ from megatron_rl.checkpointing.training import CheckpointError, TrainCheckpointe
 from megatron_rl.models import build_gpt_model, get_preset
 from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
-from megatron_rl.training.engine import OptimSettings
+from megatron_rl.training.settings import LRSchedule, TrainerSettings
 from megatron_rl.training.reference import make_reference
 from rl_workers import make_rollouts
 
@@ -30,8 +30,8 @@ def _trainer(layout_kw, state_path=None, seed=0):
     model = build()
     if state_path is not None:
         load_full_state_dict(model, torch.load(state_path), cfg, g.pgs)
-    settings = RLTrainerSettings(micro_batch_size=4, temperature=0.8, aipo=AIPOSettings(rho=2.0, kl_coef=0.5),
-                                 optim=OptimSettings(lr=1e-2, adam_eps=1e-4, clip_grad=10.0))
+    settings = RLTrainerSettings(TrainerSettings(micro_batch_size=4, adam_eps=1e-4, clip_grad=10.0),
+                                 AIPOSettings(rho=2.0, kl_coef=0.5), LRSchedule(lr=1e-2), temperature=0.8)
     return cfg, layout, g, build, RLTrainer(model, cfg, g, settings)
 
 

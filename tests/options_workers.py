@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.config import load_config
-from megatron_rl.controller.executors import TrainerExecutor, build_policy, optim_settings
+from megatron_rl.controller.executors import TrainerExecutor, build_policy, lr_schedule
 from megatron_rl.controller.tasks import build_task
 from megatron_rl.models import get_preset
 from megatron_rl.models.sharding import load_full_state_dict
@@ -54,7 +54,7 @@ def rl_optimizer_worker(rank, world_size, overrides, state_path, steps):
     g = build_topology([ExecutorPlacement("trainer", cfg.trainer.layout)])["trainer"]
     model = build_policy(cfg, model_cfg, g)
     load_full_state_dict(model, torch.load(state_path), model_cfg, g.pgs)
-    engine = TrainEngine.create(model, g.pgs, optim_settings(cfg))
+    engine = TrainEngine.create(model, g.pgs, cfg.trainer, lr_schedule(cfg))
     loss_fn = make_lm_loss(g.pgs.tp, model_cfg.vocab_size)
     log: list = []
     _record_optimizer_steps(engine.optimizer, model, log)

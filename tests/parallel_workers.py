@@ -8,7 +8,8 @@ import torch.distributed as dist
 from megatron_rl.models import build_gpt_model, get_preset
 from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
-from megatron_rl.training.engine import OptimSettings, TrainEngine
+from megatron_rl.training.engine import TrainEngine
+from megatron_rl.training.settings import LRSchedule, TrainerSettings
 from megatron_rl.training.lm_loss import make_lm_loss
 
 
@@ -41,7 +42,8 @@ def lm_step_worker(rank, world_size, layout_kw, preset_kw, state_path, attention
             torch.save(full, out_path)
     else:
         load_full_state_dict(model, torch.load(state_path), cfg, g.pgs)
-    engine = TrainEngine.create(model, g.pgs, OptimSettings(clip_grad=1.0, **optim))
+    engine = TrainEngine.create(model, g.pgs, TrainerSettings(clip_grad=1.0, adam_eps=optim["adam_eps"]),
+                                LRSchedule(lr=optim["lr"]))
     batch = make_batch(cfg.vocab_size)
     micro_batches = split_for_rank(batch, layout.dp, g.dp_rank, micro)
     loss_fn = make_lm_loss(g.pgs.tp, cfg.vocab_size)

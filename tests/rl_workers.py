@@ -9,7 +9,7 @@ from megatron_rl.models import build_gpt_model, get_preset
 from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 from megatron_rl.rollout import RolloutBatch
-from megatron_rl.training.engine import OptimSettings
+from megatron_rl.training.settings import LRSchedule, TrainerSettings
 from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
 
 
@@ -64,8 +64,8 @@ def rl_step_worker(rank, world_size, layout_kw, state_path, aipo_kw, micro, nan_
         ref_full = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(9))
                     for k, v in full.items()}
         load_full_state_dict(reference, ref_full, cfg, g.pgs)
-    settings = RLTrainerSettings(micro_batch_size=micro, temperature=0.8, aipo=aipo,
-                                 optim=OptimSettings(lr=1e-3, adam_eps=1e-4, clip_grad=10.0))
+    settings = RLTrainerSettings(TrainerSettings(micro_batch_size=micro, adam_eps=1e-4, clip_grad=10.0), aipo,
+                                 LRSchedule(lr=1e-3), temperature=0.8)
     trainer = RLTrainer(model, cfg, g, settings, reference_model=reference)
     out = {}
     if nan_first:

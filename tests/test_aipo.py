@@ -48,7 +48,7 @@ def test_without_importance_weights_the_behaviour_policy_is_ignored():
     expected = -sum(adv[i] * _grad_logp(theta, y[i]) for i in range(3)) / 3
     torch.testing.assert_close(theta.grad, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(stats["abs_log_ratio"], torch.log(torch.tensor([2.0, 3.0, 8.0], dtype=torch.float64)))
-    with pytest.raises(ValueError, match="ppo_clip needs importance weights"):
+    with pytest.raises(ValueError, match="ppo_clip needs algorithm.importance_weights"):
         AIPOSettings(importance_weights=False, ppo_clip=0.2)
 
 

@@ -156,22 +156,55 @@ def _numbers(section, prefix):
         if dataclasses.is_dataclass(value):
             yield from _numbers(value, f"{prefix}.{f.name}")
         elif f.type in ("int", "float", "Optional[int]", "Optional[float]") or f.type.startswith("Union[int, Literal["):
-            yield f"{prefix}.{f.name}"
+            yield f"{prefix}.{f.name}", f, section
 
 
-def test_every_number_of_every_section_has_a_range():
-    """A field added later must get its range too (the layouts are checked against the model; an entropy bonus
-    and a reward model's weight may take either sign)."""
+def _breaking(rule: str, kind: str):
+    """A value of the field's kind that breaks `rule`."""
+    value = {">= 0": -1, ">= 1": 0, "> 0": 0, "in (0, 1]": 0, "in [0, 1]": 2, "in [0, 1)": 1, "in [0, 2**32)": -1}[rule]
+    return float(value) if "float" in kind else value
+
+
+def test_every_number_of_every_section_has_a_range_that_the_config_and_the_class_both_enforce():
+    """Walks every section: each number field declares its range beside it (a field added later must too; the
+    layouts are checked against the model; an entropy bonus and a reward model's weight may take either sign), and
+    the one rule is what both a configuration (`validate`) and building the settings class directly refuse, in the
+    same words."""
     import dataclasses
 
-    from megatron_rl.config import _RANGES
-
     cfg = JobConfig()
-    numbers = {p for f in dataclasses.fields(cfg) if f.name != "model" for p in _numbers(getattr(cfg, f.name), f.name)}
+    numbers = [n for f in dataclasses.fields(cfg) if f.name != "model" for n in _numbers(getattr(cfg, f.name), f.name)]
     unbounded = {f"{e}.{d}" for e in ("trainer", "generator") for d in ("tp", "pp", "dp")} | {"algorithm.entropy_coef",
                                                                                           "reward.model_coef"}
-    assert numbers - set(_RANGES) == unbounded
-    assert set(_RANGES) <= numbers
+    assert {path for path, f, _ in numbers if "range" not in f.metadata} == unbounded
+    checked = 0
+    for path, f, section in numbers:
+        if "range" not in f.metadata:
+            continue
+        bad = _breaking(f.metadata["range"], f.type)
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(None, [f"{path}={bad}"]), cluster_files=False)
+        line = next(p for p in _problems(e.value) if p.startswith(f"{path}="))
+        assert f"must be {f.metadata['range']}" in line
+        with pytest.raises(ValueError) as direct:
+            type(section)(**{f.name: bad})
+        assert line in str(direct.value).split("; ")
+        checked += 1
+    assert checked == len(numbers) - len(unbounded) >= 35
+
+
+def test_a_sections_own_rule_is_the_same_in_the_config_and_in_its_class():
+    from megatron_rl.algorithms import AIPOSettings
+    from megatron_rl.inference.settings import GeneratorSettings
+
+    with pytest.raises(ConfigError, match=r"^algorithm.ppo_clip needs algorithm.importance_weights=true"):
+        validate(load_config(None, ["algorithm.ppo_clip=0.2", "algorithm.importance_weights=false"]))
+    with pytest.raises(ValueError, match=r"^algorithm.ppo_clip needs algorithm.importance_weights=true"):
+        AIPOSettings(ppo_clip=0.2, importance_weights=False)
+    with pytest.raises(ValueError, match=r"^generator.quantization='int8' needs Megatron-Core's own linear layers"):
+        GeneratorSettings(quantization="int8", attention="te")
+    with pytest.raises(ValueError, match=r"^algorithm.normalization='mean' is not allowed"):
+        AIPOSettings(normalization="mean")
 
 
 def test_text_fields_take_the_override_as_written(tmp_path):

@@ -1,5 +1,5 @@
 """The trainer's optimizer options of `megatron-rl config` (trainer.lr_warmup_steps, sft_lr, weight_decay,
-adam_beta1/2, adam_eps, max_nonfinite_steps) reach OptimSettings and do what they say in a running engine, checked
+adam_beta1/2, adam_eps, max_nonfinite_steps) reach the engine (the trainer section and `lr_schedule`) and do what they say in a running engine, checked
 against closed forms; and data.eval_path is where a JSONL task's held-out problems come from.
 
 How Megatron-Core 0.16 applies them (read from megatron/core/optimizer/__init__.py and optimizer_param_scheduler.py):
@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from megatron_rl.config import load_config
-from megatron_rl.controller.executors import SFT_LR_WARMUP_STEPS, SFT_MIN_DECAY_STEPS, optim_settings
+from megatron_rl.controller.executors import SFT_LR_WARMUP_STEPS, SFT_MIN_DECAY_STEPS, lr_schedule
 from megatron_rl.controller.tasks import build_task
 from megatron_rl.data import DataError
 from megatron_rl.parallel.spawn import run_local
 from megatron_rl.tokenizers import ByteTokenizer
-from megatron_rl.training.engine import OptimSettings
+from megatron_rl.training.settings import LRSchedule
 from options_workers import rl_optimizer_worker, warm_start_worker
 from rl_workers import random_full_state
 
@@ -35,14 +35,14 @@ RL_OPTIONS = ["trainer.sft_warmup_steps=0", "trainer.lr=0.01", "trainer.lr_warmu
               "trainer.max_nonfinite_steps=2"]
 
 
-# ---- config -> OptimSettings -------------------------------------------------------------------------------------
+# ---- config -> the engine's settings ----------------------------------------------------------------------------
 def test_rl_options_map_to_the_optimizer_settings():
     cfg = load_config(None, RL_OPTIONS + ["trainer.sft_lr=0.5", "trainer.clip_grad=3.0", "run.steps=7",
                                           "trainer.use_distributed_optimizer=false"])
-    assert optim_settings(cfg) == OptimSettings(
-        lr=0.01, min_lr=0.0, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.9, adam_eps=1e-4, clip_grad=3.0,
-        warmup_steps=4, total_steps=7, lr_decay_style="constant", use_distributed_optimizer=False,
-        optimizer="adam", max_nonfinite_steps=2)
+    assert lr_schedule(cfg) == LRSchedule(lr=0.01, min_lr=0.0, warmup_steps=4, total_steps=7, decay_style="constant")
+    t = cfg.trainer  # the engine reads the optimizer's fields from the trainer section itself
+    assert (t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps, t.clip_grad, t.use_distributed_optimizer,
+            t.max_nonfinite_steps) == (0.1, 0.8, 0.9, 1e-4, 3.0, False, 2)
 
 
 @pytest.mark.parametrize("sft_steps,total", [(20, 20), (3, SFT_MIN_DECAY_STEPS)])
@@ -52,15 +52,17 @@ def test_warm_start_options_map_to_the_optimizer_settings(sft_steps, total):
     cfg = load_config(None, [f"trainer.sft_warmup_steps={sft_steps}", "trainer.sft_lr=0.02", "trainer.lr=0.5",
                              "trainer.lr_warmup_steps=7", "trainer.weight_decay=0.05", "trainer.adam_beta1=0.7",
                              "trainer.adam_beta2=0.95", "trainer.max_nonfinite_steps=5", "run.steps=99"])
-    assert optim_settings(cfg) == OptimSettings(
-        lr=0.02, min_lr=pytest.approx(0.002, rel=1e-12), weight_decay=0.05, adam_beta1=0.7, adam_beta2=0.95,
-        adam_eps=1e-8, clip_grad=1.0, warmup_steps=SFT_LR_WARMUP_STEPS, total_steps=total,
-        lr_decay_style="cosine", use_distributed_optimizer=True, optimizer="adam", max_nonfinite_steps=5)
+    assert lr_schedule(cfg) == LRSchedule(lr=0.02, min_lr=pytest.approx(0.002, rel=1e-12),
+                                          warmup_steps=SFT_LR_WARMUP_STEPS, total_steps=total, decay_style="cosine")
+    t = cfg.trainer
+    assert (t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps, t.clip_grad, t.use_distributed_optimizer,
+            t.max_nonfinite_steps) == (0.05, 0.7, 0.95, 1e-8, 1.0, True, 5)
 
 
 def test_defaults_map_to_the_optimizer_settings():
-    s = optim_settings(load_config(None, ["trainer.sft_warmup_steps=0"]))
-    assert (s.lr, s.warmup_steps, s.weight_decay, s.adam_beta1, s.adam_beta2, s.adam_eps, s.max_nonfinite_steps) == \
+    cfg = load_config(None, ["trainer.sft_warmup_steps=0"])
+    s, t = lr_schedule(cfg), cfg.trainer
+    assert (s.lr, s.warmup_steps, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps, t.max_nonfinite_steps) == \
         (2e-4, 0, 0.0, 0.9, 0.999, 1e-8, 3)
 
 

@@ -20,30 +20,11 @@ and data-parallel ranks before dividing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-
-@dataclass(frozen=True)
-class AIPOSettings:
-    rho: float = 4.0
-    normalization: str = "token"  # or "sequence"
-    ppo_clip: Optional[float] = None
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    importance_weights: bool = True
-
-    def __post_init__(self):
-        if self.rho < 1:
-            raise ValueError(f"rho={self.rho} must be >= 1")
-        if self.normalization not in ("token", "sequence"):
-            raise ValueError(f"normalization={self.normalization!r} must be 'token' or 'sequence'")
-        if self.ppo_clip is not None and self.ppo_clip <= 0:
-            raise ValueError(f"ppo_clip={self.ppo_clip} must be > 0 or None")
-        if self.ppo_clip is not None and not self.importance_weights:
-            raise ValueError("ppo_clip needs importance weights (its ratio is pi / mu)")
+from megatron_rl.algorithms.settings import AIPOSettings
 
 
 def aipo_token_loss(logp_pi: torch.Tensor, logp_mu: torch.Tensor, advantages: torch.Tensor,

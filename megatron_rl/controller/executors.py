@@ -18,7 +18,6 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_rl.algorithms import AIPOSettings
 from megatron_rl.config import JobConfig
 from megatron_rl.controller.collector import ModelScores, Rollouts, ScoreRequest
 from megatron_rl.controller.tasks import Task
@@ -31,10 +30,10 @@ from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
 from megatron_rl.models import ModelConfig, build_gpt_model
 from megatron_rl.models.precision import resolve_dtype
 from megatron_rl.parallel.topology import ExecutorGroups, new_group
-from megatron_rl.training.engine import OptimSettings
 from megatron_rl.training.lm_loss import make_lm_loss
 from megatron_rl.training.reference import make_reference
 from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
+from megatron_rl.training.settings import LRSchedule
 
 # The warm start: batch size per DP rank and its learning-rate schedule (linear warm-up over the first
 # SFT_LR_WARMUP_STEPS steps, then cosine decay to a tenth of trainer.sft_lr over at least SFT_MIN_DECAY_STEPS).
@@ -58,19 +57,15 @@ def build_policy(cfg: JobConfig, model_cfg: ModelConfig, t: ExecutorGroups) -> t
                            params_dtype=resolve_dtype(cfg.trainer.dtype))
 
 
-def optim_settings(cfg: JobConfig) -> OptimSettings:
-    """The optimizer and learning-rate schedule the trainer starts with: the warm start's (linear warm-up, cosine
-    decay to a tenth of trainer.sft_lr) when there is one, else RL's (trainer.lr after trainer.lr_warmup_steps of
-    linear warm-up). The warm start ends by starting RL's schedule afresh."""
+def lr_schedule(cfg: JobConfig) -> LRSchedule:
+    """The learning-rate schedule the trainer starts with: the warm start's (linear warm-up, cosine decay to a tenth
+    of trainer.sft_lr) when there is one, else RL's (trainer.lr after trainer.lr_warmup_steps of linear warm-up).
+    The warm start ends by starting RL's schedule afresh."""
     tr = cfg.trainer
-    warm = tr.sft_warmup_steps > 0
-    return OptimSettings(lr=tr.sft_lr if warm else tr.lr, min_lr=tr.sft_lr / 10 if warm else 0.0,
-                         warmup_steps=SFT_LR_WARMUP_STEPS if warm else tr.lr_warmup_steps,
-                         total_steps=max(tr.sft_warmup_steps, SFT_MIN_DECAY_STEPS) if warm else cfg.run.steps,
-                         lr_decay_style="cosine" if warm else "constant", clip_grad=tr.clip_grad,
-                         weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
-                         adam_eps=tr.adam_eps, use_distributed_optimizer=tr.use_distributed_optimizer,
-                         max_nonfinite_steps=tr.max_nonfinite_steps)
+    if tr.sft_warmup_steps > 0:
+        return LRSchedule(lr=tr.sft_lr, min_lr=tr.sft_lr / 10, warmup_steps=SFT_LR_WARMUP_STEPS,
+                          total_steps=max(tr.sft_warmup_steps, SFT_MIN_DECAY_STEPS), decay_style="cosine")
+    return LRSchedule(lr=tr.lr, warmup_steps=tr.lr_warmup_steps, total_steps=cfg.run.steps)
 
 
 class TrainerExecutor:
@@ -80,11 +75,7 @@ class TrainerExecutor:
                  task: Task, encode: Callable[[str], list[int]], tokenizer):
         self.cfg, self.model_cfg, self.t = cfg, model_cfg, t
         self.task, self.encode, self.tok = task, encode, tokenizer
-        a = cfg.algorithm
-        aipo = AIPOSettings(rho=a.rho, normalization=a.normalization, ppo_clip=a.ppo_clip, kl_coef=a.kl_coef,
-                            entropy_coef=a.entropy_coef, importance_weights=a.importance_weights)
-        settings = RLTrainerSettings(micro_batch_size=cfg.trainer.micro_batch_size,
-                                     temperature=cfg.rollout.temperature, aipo=aipo, optim=optim_settings(cfg))
+        settings = RLTrainerSettings(cfg.trainer, cfg.algorithm, lr_schedule(cfg), cfg.rollout.temperature)
         self.rl = RLTrainer(model, model_cfg, t, settings)
 
     @property

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from urllib.parse import urlparse
 
 if TYPE_CHECKING:
-    from megatron_rl.config import JobConfig, WandbSection
+    from megatron_rl.config import JobConfig
+    from megatron_rl.run_settings import WandbSettings
 
 
 class MetricsWriter:
@@ -118,7 +119,7 @@ class WandbLogger:
 
     ID_FILE = "wandb_run_id"
 
-    def __init__(self, settings: "WandbSection", run_dir: Path, start_step: int, config: dict, default_name: str):
+    def __init__(self, settings: "WandbSettings", run_dir: Path, start_step: int, config: dict, default_name: str):
         import wandb
 
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,19 @@
-"""Generator executor: batched sampling with a KV cache and behaviour log-probs."""
+"""Generator executor: batched sampling with a KV cache and behaviour log-probs. The settings import nothing
+heavy; the generator (Megatron-Core) loads on first use."""
 
-from megatron_rl.inference.generator import GenerationOutput, GenerationRequest, Generator
-from megatron_rl.inference.sampling import SamplingParams
+from megatron_rl.inference.settings import GeneratorSettings, RolloutSettings
 
-__all__ = ["Generator", "GenerationRequest", "GenerationOutput", "SamplingParams"]
+__all__ = ["Generator", "GenerationRequest", "GenerationOutput", "GeneratorSettings", "RolloutSettings",
+           "SamplingParams"]
+
+
+def __getattr__(name):
+    if name in ("Generator", "GenerationRequest", "GenerationOutput"):
+        from megatron_rl.inference import generator
+
+        return getattr(generator, name)
+    if name == "SamplingParams":
+        from megatron_rl.inference.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

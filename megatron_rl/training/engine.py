@@ -24,25 +24,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_rl.training.settings import LRSchedule, TrainerSettings
+
 # loss_fn(logits_shard [b, s, v/tp], micro_batch) -> (loss_sum, num_tokens, metrics)
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict]]
-
-
-@dataclass
-class OptimSettings:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    lr_decay_style: str = "constant"
-    use_distributed_optimizer: bool = True
-    optimizer: str = "adam"  # or "sgd"
-    max_nonfinite_steps: int = 3
 
 
 class NonFiniteError(RuntimeError):
@@ -158,15 +143,17 @@ class TrainEngine:
     optimizer: Any
     scheduler: OptimizerParamScheduler
     pgs: ProcessGroupCollection
-    settings: OptimSettings
+    settings: TrainerSettings
+    schedule: LRSchedule
     needs_mask: bool = False
     steps_done: int = 0
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
 
     @classmethod
-    def create(cls, model: torch.nn.Module, pgs: ProcessGroupCollection, settings: OptimSettings,
-               bucket_size: Optional[int] = None) -> "TrainEngine":
+    def create(cls, model: torch.nn.Module, pgs: ProcessGroupCollection, settings: TrainerSettings,
+               schedule: LRSchedule, bucket_size: Optional[int] = None) -> "TrainEngine":
+        """The optimizer as `settings` (the trainer section) says, stepping the learning rate along `schedule`."""
         config = model.config
         config.calculate_per_token_loss = True
         config.finalize_model_grads_func = finalize_model_grads
@@ -178,9 +165,9 @@ class TrainEngine:
         )
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgs)
         opt_config = OptimizerConfig(
-            optimizer=settings.optimizer,
-            lr=settings.lr,
-            min_lr=settings.min_lr,
+            optimizer="adam",
+            lr=schedule.lr,
+            min_lr=schedule.min_lr,
             weight_decay=settings.weight_decay,
             adam_beta1=settings.adam_beta1,
             adam_beta2=settings.adam_beta2,
@@ -196,18 +183,18 @@ class TrainEngine:
         _use_fused_adam(optimizer)
         scheduler = OptimizerParamScheduler(
             optimizer,
-            init_lr=0.0 if settings.warmup_steps else settings.lr,
-            max_lr=settings.lr,
-            min_lr=settings.min_lr,
-            lr_warmup_steps=settings.warmup_steps,
-            lr_decay_steps=max(settings.total_steps, settings.warmup_steps + 1),
-            lr_decay_style=settings.lr_decay_style,
+            init_lr=0.0 if schedule.warmup_steps else schedule.lr,
+            max_lr=schedule.lr,
+            min_lr=schedule.min_lr,
+            lr_warmup_steps=schedule.warmup_steps,
+            lr_decay_steps=max(schedule.total_steps, schedule.warmup_steps + 1),
+            lr_decay_style=schedule.decay_style,
             start_wd=settings.weight_decay,
             end_wd=settings.weight_decay,
-            wd_incr_steps=max(settings.total_steps, 1),
+            wd_incr_steps=max(schedule.total_steps, 1),
             wd_incr_style="constant",
         )
-        return cls(ddp, optimizer, scheduler, pgs, settings, needs_mask=_uses_local_attention(model))
+        return cls(ddp, optimizer, scheduler, pgs, settings, schedule, needs_mask=_uses_local_attention(model))
 
     def start_constant_schedule(self, lr: float, warmup_steps: int = 0) -> None:
         """From the next step on: a linear warm-up from 0 over `warmup_steps` steps to `lr`, then `lr` (RL after a

@@ -19,9 +19,10 @@ from megatron_rl.algorithms.aipo import AIPOSettings, aipo_token_loss, normalize
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.topology import ExecutorGroups
 from megatron_rl.rollout import RolloutBatch
-from megatron_rl.training.engine import OptimSettings, TrainEngine, _device, run_schedule
+from megatron_rl.training.engine import TrainEngine, _device, run_schedule
 from megatron_rl.training.logprobs import target_logprobs, target_logprobs_and_entropy
 from megatron_rl.training.reference import freeze
+from megatron_rl.training.settings import LRSchedule, TrainerSettings
 
 def _stat(reduce: str, token: Optional[str] = None):
     return field(default=None, metadata={"reduce": reduce, "token": token})
@@ -101,10 +102,14 @@ class TokenStats:
 
 @dataclass
 class RLTrainerSettings:
-    micro_batch_size: int = 8
-    temperature: float = 1.0
+    """What `RLTrainer` is told: the job's `trainer` and `algorithm` sections as they are, the learning-rate
+    schedule it starts with, and the rollouts' sampling temperature (the behaviour log-probs are those of the
+    tempered distribution, so the trainer's must be too)."""
+
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
     aipo: AIPOSettings = field(default_factory=AIPOSettings)
-    optim: OptimSettings = field(default_factory=OptimSettings)
+    schedule: LRSchedule = field(default_factory=LRSchedule)
+    temperature: float = 1.0
     log_entropy: bool = True
 
 
@@ -186,7 +191,7 @@ class RLTrainer:
         self.groups = groups
         self.pgs = groups.pgs
         self.settings = settings
-        self.engine = TrainEngine.create(model, self.pgs, settings.optim)
+        self.engine = TrainEngine.create(model, self.pgs, settings.trainer, settings.schedule)
         self.reference: Optional[torch.nn.Module] = None
         if reference_model is not None:
             self.set_reference(reference_model)
@@ -216,7 +221,7 @@ class RLTrainer:
         layout = self.groups.layout
         mine = shard_for_dp(batch, layout.dp, self.groups.dp_rank)
         seq_len = -(-batch.tokens.shape[1] // 8) * 8
-        micro = make_micro_batches(mine, self.settings.micro_batch_size, seq_len)
+        micro = make_micro_batches(mine, self.settings.trainer.micro_batch_size, seq_len)
         if self.settings.aipo.kl_coef:
             if self.reference is None:
                 raise ValueError("algorithm.kl_coef > 0 needs a reference model (RLTrainer.set_reference)")

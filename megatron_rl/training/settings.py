@@ -1,0 +1,53 @@
+"""What the trainer executor is told: the `trainer` section (its layout, batch, optimizer, warm start, precision),
+and the learning-rate schedule the engine runs, which the job derives from it (`executors.lr_schedule`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.settings import Section, ranged
+
+
+@dataclass
+class TrainerSettings(Section):
+    """The `trainer` section. The optimizer's fields (Adam's, weight decay, clipping, the distributed optimizer,
+    the non-finite step limit) are read by `training.engine.TrainEngine` from this object as it is."""
+
+    SECTION: ClassVar[str] = "trainer"
+    tp: int = 2
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = ranged(64, ">= 1")
+    lr: float = ranged(2e-4, "> 0")  # the RL learning rate (constant after `lr_warmup_steps` of linear warm-up)
+    lr_warmup_steps: int = ranged(0, ">= 0")
+    # Supervised warm start inside the job, before RL (0 to skip): steps and peak learning rate.
+    sft_warmup_steps: int = ranged(1500, ">= 0", "(0 skips the warm start)")
+    sft_lr: float = ranged(3e-3, "> 0")
+    weight_decay: float = ranged(0.0, ">= 0")
+    clip_grad: float = ranged(1.0, ">= 0", "(0 disables clipping)")
+    adam_beta1: float = ranged(0.9, "in [0, 1)")
+    adam_beta2: float = ranged(0.999, "in [0, 1)")
+    adam_eps: float = ranged(1e-8, "> 0")
+    use_distributed_optimizer: bool = True
+    attention: Literal["auto", "sdpa", "local", "te"] = "auto"
+    # "auto": bf16 where the hardware multiplies bf16 natively, else fp32 (megatron_rl.models.precision).
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    max_nonfinite_steps: int = ranged(3, ">= 1")
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tp, self.pp, self.dp)
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Megatron-Core's learning-rate schedule: a linear warm-up from 0 over `warmup_steps` to `lr`, then
+    `decay_style` ("constant" or "cosine") down to `min_lr` at `total_steps`."""
+
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    decay_style: Literal["constant", "cosine"] = "constant"
