@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from megatron_rl.checkpointing.storage import dir_bytes
-    from megatron_rl.parallel.spawn import run_local
+    from megatron_rl.launch.spawn import run_local
 
     root = Path(args.dir) / f"dp{args.dp}"
     shutil.rmtree(root, ignore_errors=True)

@@ -98,7 +98,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
     args = p.parse_args()
-    from megatron_rl.parallel.spawn import run_local
+    from megatron_rl.launch.spawn import run_local
 
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         result = run_local(_bench, 1, args.preset, args.rounds, d)[0]

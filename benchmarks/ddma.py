@@ -95,7 +95,7 @@ def _cpu_worker(rank, world_size, preset, src, dst, steps, bucket_mb):
 
 def cpu_case(preset: str, src: str, dst: str, steps: int, bucket_mb: float) -> dict:
     from megatron_rl.parallel import ParallelLayout
-    from megatron_rl.parallel.spawn import run_local
+    from megatron_rl.launch.spawn import run_local
 
     world = ParallelLayout.parse(src).size + ParallelLayout.parse(dst).size
     out = run_local(_cpu_worker, world, preset, src, dst, steps, bucket_mb, timeout=1800)[0]

@@ -257,7 +257,7 @@ def main(argv=None) -> int:
 
     from megatron_rl.compat import activate
     from megatron_rl.models import get_preset
-    from megatron_rl.parallel.spawn import free_port
+    from megatron_rl.launch.spawn import free_port
 
     activate()
     device = torch.device("cuda" if gpu else "cpu")

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     from megatron_rl.compat import activate
     from megatron_rl.models import get_preset
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
-    from megatron_rl.parallel.spawn import free_port
+    from megatron_rl.launch.spawn import free_port
 
     activate()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

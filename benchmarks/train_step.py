@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         if gpu:
             if world != 1:
                 raise SystemExit("on a GPU this script runs one rank; use torchrun for more")
-            from megatron_rl.parallel.spawn import free_port
+            from megatron_rl.launch.spawn import free_port
 
             import torch.distributed as dist
 
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
             out = _bench(0, 1, args)
             dist.destroy_process_group()
         else:
-            from megatron_rl.parallel.spawn import run_local
+            from megatron_rl.launch.spawn import run_local
 
             out = run_local(_bench, world, args)[0]
     except torch.OutOfMemoryError as e:

@@ -42,7 +42,7 @@ def cmd_train(args) -> int:
           f"{', %s generator weights' % cfg.generator.quantization if cfg.generator.quantization != 'none' else ''}, "
           f"{cfg.world_size_needed} processes", flush=True)
     from megatron_rl.controller.launcher import JobFailed, exit_code, stopped_line, train
-    from megatron_rl.controller.runlock import RunDirLocked
+    from megatron_rl.launch.runlock import RunDirLocked
 
     # A SIGTERM before or after the ranks run ends this process through its `finally` clauses (the run lock);
     # while they run, the launcher forwards it to them instead.
@@ -114,7 +114,7 @@ def _train_env(args) -> int:
     """One rank of a world started by torchrun or srun; rank 0 prints the banner, the summary and any config error."""
     from megatron_rl.controller.launcher import (JobFailed, check_world, env_world, exit_code, report_config_error,
                                                  stopped_line, train_env)
-    from megatron_rl.controller.runlock import RunDirLocked
+    from megatron_rl.launch.runlock import RunDirLocked
 
     world = env_world()
     try:
@@ -344,7 +344,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"megatron-rl: config error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C outside a running job (a job's ranks stop on their own: controller/signals)
+    except KeyboardInterrupt:  # Ctrl-C outside a running job (a job's ranks stop on their own: launch/signals)
         print("megatron-rl: interrupted", file=sys.stderr)
         return 130
 

@@ -2,7 +2,7 @@
 
 `MEGATRON_RL_FAILPOINT=<name>` or `<name>:<tag>` (e.g. `train_step:3`, `checkpoint_before_rename:step_00000004`)
 makes the process that reaches that point SIGKILL its whole process group: no cleanup, no exception handlers, no
-flushed buffers. A rank of the local launcher leads a group of its own (`parallel/spawn.py`): the rank dies with
+flushed buffers. A rank of the local launcher leads a group of its own (`launch/spawn.py`): the rank dies with
 all it started, and the launcher names it and ends the other ranks. Unset (always, outside tests), a failpoint is
 one dictionary lookup.
 

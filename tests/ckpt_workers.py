@@ -1,4 +1,4 @@
-"""Worker functions for the training-checkpoint tests (run under megatron_rl.parallel.spawn.run_local)."""
+"""Worker functions for the training-checkpoint tests (run under megatron_rl.launch.spawn.run_local)."""
 
 from __future__ import annotations
 
@@ -133,6 +133,6 @@ def overflowing_update(rank, world_size, state_path, root):
 if __name__ == "__main__":  # the crash test runs this in its own process group
     import sys
 
-    from megatron_rl.parallel.spawn import run_local
+    from megatron_rl.launch.spawn import run_local
 
     run_local(train_with_two_saves, 1, sys.argv[1], sys.argv[2])

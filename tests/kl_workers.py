@@ -1,4 +1,4 @@
-"""Worker functions for the KL-reference tests (run under megatron_rl.parallel.spawn.run_local)."""
+"""Worker functions for the KL-reference tests (run under megatron_rl.launch.spawn.run_local)."""
 
 from __future__ import annotations
 

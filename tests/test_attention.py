@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 
 
 def _model_worker(rank, world_size):

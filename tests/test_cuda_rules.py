@@ -20,7 +20,7 @@ import torch
 from megatron_rl.compat import cuda_rules
 from megatron_rl.compat.compiled import CompiledKernel, compiled_graph_counts
 from megatron_rl.models import fused
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -307,7 +307,7 @@ def test_ddma_reshard_keeps_nccls_rules():
 
 
 def test_each_local_rank_gets_its_own_gpu(monkeypatch):
-    from megatron_rl.parallel.spawn import LaunchError, bind_device
+    from megatron_rl.launch.spawn import LaunchError, bind_device
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -323,7 +323,7 @@ def test_each_local_rank_gets_its_own_gpu(monkeypatch):
 def test_gloo_on_a_gpu_machine_is_refused_in_one_line(monkeypatch):
     from megatron_rl.config import ConfigError, load_config
     from megatron_rl.controller.launcher import EnvWorld, env_backend
-    from megatron_rl.parallel.spawn import LaunchError, job_backend, resolve_backend
+    from megatron_rl.launch.spawn import LaunchError, job_backend, resolve_backend
 
     with pytest.raises(LaunchError, match="run.backend=gloo cannot carry the GPU tensors") as e:
         job_backend("gloo", 3, 8)

@@ -13,7 +13,7 @@ from megatron_rl.ddma.descriptors import (
 from megatron_rl.ddma.verify import count_mismatches, logical_indices, reference_shard
 from megatron_rl.models import get_preset
 from megatron_rl.parallel import ParallelLayout
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from ddma_workers import describe_worker
 
 CASES = [

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_rl.cli import main
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from ddma_workers import reshard_worker, wrong_model_worker
 
 CASES = {

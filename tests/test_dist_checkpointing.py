@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from parallel_workers import dist_checkpoint_worker
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from megatron_rl.models.fused import FUSIONS, apply_rope, resolve_fusions, rms_norm
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 
 
 def _angles(seq, dim, base=10000.0):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_rl.inference import GenerationRequest, SamplingParams
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from gen_workers import generate_worker, lookahead_worker, parity_worker
 
 transformers = pytest.importorskip("transformers")

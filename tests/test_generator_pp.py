@@ -5,7 +5,7 @@ TP2 x PP2; every rank of the replica returns the same outputs."""
 import pytest
 
 from megatron_rl.inference import GenerationRequest, SamplingParams
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from conftest import make_tiny_llama
 from gen_workers import pipeline_worker
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 
 transformers = pytest.importorskip("transformers")
 

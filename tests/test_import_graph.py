@@ -70,3 +70,14 @@ def test_a_cycle_hidden_in_a_function_fails_the_check(tmp_path, monkeypatch, cap
     monkeypatch.setattr(import_graph, "build_graph", lambda: graph)
     assert import_graph.main([]) == 1
     assert capsys.readouterr().out == "cycle of 2 modules: pkg.a -> pkg.b -> pkg.a\n"
+
+
+def test_no_arrow_points_up_and_one_is_found_where_it_does():
+    graph = import_graph.build_graph()
+    assert import_graph.arrows_up(graph) == []
+    # the arrow issue 28 found (a launcher helper importing the controller's signal handling) is one
+    graph["megatron_rl.parallel.topology"] = set(graph["megatron_rl.parallel.topology"]) | {"megatron_rl.controller.job"}
+    assert import_graph.arrows_up(graph) == [("megatron_rl.parallel.topology", "megatron_rl.controller.job")]
+    assert import_graph.unplaced(graph) == []
+    graph["megatron_rl.newpkg.mod"] = set()  # a package nobody placed in a layer is reported too
+    assert import_graph.unplaced(graph) == ["megatron_rl.newpkg.mod"]

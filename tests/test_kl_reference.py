@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_rl.algorithms import AIPOSettings, aipo_token_loss
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from kl_workers import load_reference, train_and_save
 from rl_workers import random_full_state
 

@@ -203,7 +203,7 @@ def test_backend_and_gpus_per_rank():
     """Where CUDA is present ranks use NCCL with a GPU each; a machine or node with fewer GPUs than ranks fails in
     one line before anything starts (two ranks on one GPU cannot share an NCCL communicator)."""
     from megatron_rl.controller.launcher import EnvWorld, env_backend
-    from megatron_rl.parallel.spawn import LaunchError, resolve_backend
+    from megatron_rl.launch.spawn import LaunchError, resolve_backend
 
     assert resolve_backend("auto", 3, 0) == "gloo"
     assert resolve_backend("auto", 3, 8) == "nccl"
@@ -247,7 +247,7 @@ def test_local_train_with_an_impossible_backend_fails_before_writing(tmp_path, c
 
 def test_run_local_without_a_time_limit():
     """`megatron-rl train` runs as long as its steps need (the local launcher once killed jobs after an hour)."""
-    from megatron_rl.parallel.spawn import run_local
+    from megatron_rl.launch.spawn import run_local
 
     from parallel_workers import rank_and_world_worker
 

@@ -131,7 +131,7 @@ def test_store_watchers_report_a_silent_rank_once_and_every_rank_ends():
     and every rank's `end` runs."""
     import torch.distributed as dist
 
-    from megatron_rl.parallel.spawn import free_port
+    from megatron_rl.launch.spawn import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
     reports, ended = [], set()

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from megatron_rl.training.logprobs import vocab_parallel_logprobs
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_rl.parallel import ParallelLayout
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from parallel_workers import lm_step_worker
 
 # Adam's first step is lr * g / (|g| + eps): a tiny eps turns float noise in near-zero gradients into full-size

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl.config import load_config, validate
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from megatron_rl.planning.calibration import load_calibration
 from megatron_rl.planning.plan import make_plan
 

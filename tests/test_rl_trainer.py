@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from rl_workers import random_full_state, rl_step_worker
 
 

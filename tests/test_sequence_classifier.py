@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from megatron_rl.parallel import ParallelLayout
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 
 pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl.models.smollm2 import gguf_path
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 
 transformers = pytest.importorskip("transformers")
 

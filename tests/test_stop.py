@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_rl.controller.runlock import LOCK_FILE, RunDirLocked, RunLock
+from megatron_rl.launch.runlock import LOCK_FILE, RunDirLocked, RunLock
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["trainer.sft_warmup_steps=20", "checkpoint.save_interval=1000", "rollout.prompts_per_step=4",
@@ -111,7 +111,7 @@ def test_run_lock_takes_over_a_stale_lock_and_refuses_a_live_one(tmp_path):
     assert not (tmp_path / LOCK_FILE).exists()
 
     # a live holder in another process
-    code = (f"from megatron_rl.controller.runlock import RunLock; import sys, time; "
+    code = (f"from megatron_rl.launch.runlock import RunLock; import sys, time; "
             f"l = RunLock({str(tmp_path)!r}); l.acquire(); print('held', flush=True); sys.stdin.read()")
     other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -126,7 +126,7 @@ def test_run_lock_takes_over_a_stale_lock_and_refuses_a_live_one(tmp_path):
 
 
 def test_a_failed_rank_is_named_with_its_cause_not_its_peers_errors():
-    from megatron_rl.parallel.spawn import RanksFailed, run_local
+    from megatron_rl.launch.spawn import RanksFailed, run_local
 
     from stop_workers import rank_1_raises
 
@@ -137,7 +137,7 @@ def test_a_failed_rank_is_named_with_its_cause_not_its_peers_errors():
 
 
 def test_a_killed_rank_is_named():
-    from megatron_rl.parallel.spawn import RanksFailed, run_local
+    from megatron_rl.launch.spawn import RanksFailed, run_local
 
     from stop_workers import rank_1_is_killed
 
@@ -147,7 +147,7 @@ def test_a_killed_rank_is_named():
 
 
 def test_a_hung_rank_is_named_not_the_ranks_that_timed_out_waiting():
-    from megatron_rl.parallel.spawn import RanksFailed, run_local
+    from megatron_rl.launch.spawn import RanksFailed, run_local
 
     from stop_workers import rank_1_hangs
 
@@ -161,7 +161,7 @@ def test_a_hung_rank_is_named_not_the_ranks_that_timed_out_waiting():
 def test_the_failure_line_and_log(tmp_path):
     from megatron_rl.config import load_config
     from megatron_rl.controller.launcher import FAILURE_LOG, _failed
-    from megatron_rl.parallel.spawn import RankFailure, RanksFailed
+    from megatron_rl.launch.spawn import RankFailure, RanksFailed
 
     cfg = load_config(None, [])
     failures = [RankFailure(2, "FileNotFoundError: data/x.jsonl", "Traceback ...\nFileNotFoundError: data/x.jsonl"),

@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, check_placements
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from parallel_workers import model_in_two_executors_worker, two_executors_worker
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ckpt_workers import load_and_continue, train_save_continue
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from rl_workers import random_full_state
 
 
@@ -176,7 +176,7 @@ def test_flipped_bits_are_named_in_one_line_and_fallback_resumes_from_the_previo
 
     from megatron_rl.checkpointing.layout import CHECKSUMS, META
     from megatron_rl.checkpointing.training import CheckpointError, TrainCheckpointer, verify
-    from megatron_rl.parallel.spawn import run_local
+    from megatron_rl.launch.spawn import run_local
     from ckpt_workers import train_with_two_saves
 
     state = tmp_path / "full.pt"
@@ -217,7 +217,7 @@ def test_an_update_that_makes_the_weights_non_finite_stops_and_is_never_saved(tm
     """The issue's `trainer.lr=inf`: loss and gradients finite, the update NaN. The step raises on every rank, a
     save refuses, and the checkpoint on disk holds only finite values."""
     from megatron_rl.checkpointing.training import read_latest
-    from megatron_rl.parallel.spawn import run_local
+    from megatron_rl.launch.spawn import run_local
     from ckpt_workers import overflowing_update
 
     state = tmp_path / "full.pt"

@@ -24,7 +24,7 @@ from megatron_rl.config import load_config
 from megatron_rl.controller.executors import SFT_LR_WARMUP_STEPS, SFT_MIN_DECAY_STEPS, lr_schedule
 from megatron_rl.controller.tasks import build_task
 from megatron_rl.data import DataError
-from megatron_rl.parallel.spawn import run_local
+from megatron_rl.launch.spawn import run_local
 from megatron_rl.tokenizers import ByteTokenizer
 from megatron_rl.training.settings import LRSchedule
 from options_workers import rl_optimizer_worker, warm_start_worker

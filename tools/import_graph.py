@@ -1,6 +1,6 @@
-"""The import graph of the `megatron_rl` package, and its cycles.
+"""The import graph of the `megatron_rl` package, its cycles, and its arrows pointing up.
 
-    python tools/import_graph.py            print every cycle; exit 1 if there is one, else 0
+    python tools/import_graph.py            print every cycle and every arrow pointing up; exit 1 if there is one
     python tools/import_graph.py --edges    also print the graph, one `importer -> imported` line per edge
 
 The source is parsed, never imported. Every `import` statement counts, wherever it stands: at module level, inside
@@ -17,6 +17,9 @@ Rule for an edge from module M (`a.b.__init__` is the module `a.b`):
   to have run past that name.
 - Relative imports are resolved against M's package; imports of anything outside `megatron_rl` are left out.
 
+An arrow pointing up is an edge from a module to one in a higher layer of `LAYERS` (a component importing the
+controller, say): each layer may import itself and the layers below.
+
 A cycle is a strongly connected component of more than one module. A package `__init__` that re-exports its own
 submodules is not a cycle by the rule above, as long as the submodules take nothing from the `__init__`.
 """
@@ -31,6 +34,17 @@ from typing import Iterable, Mapping, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "megatron_rl"
+# The package's layers, lowest first, by the name under `megatron_rl` (a subpackage or a top-level module).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("settings", "run_settings", "quiet", "failpoints", "compat", "rollout"),  # foundations
+    ("parallel", "launch"),  # process groups and layouts; starting and stopping processes
+    ("models", "checkpointing", "tokenizers", "data", "rewards", "algorithms", "training", "inference", "ddma",
+     "evaluation"),  # the components
+    ("config",),  # the job's configuration: the components' sections composed
+    ("planning",),  # what a configuration needs
+    ("controller",),  # the executors, the RL loop, the launcher
+    ("cli",),
+)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -181,6 +195,29 @@ def cycle_path(graph: Mapping[str, Iterable[str]], component: list[str]) -> list
     return component
 
 
+def layer_of(module: str, layers=LAYERS, package: str = PACKAGE) -> Optional[int]:
+    """The index in `layers` of a module's first name under `package` (None: the package itself, or unlisted)."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[0] != package:
+        return None
+    return next((i for i, names in enumerate(layers) if parts[1] in names), None)
+
+
+def arrows_up(graph: Mapping[str, Iterable[str]], layers=LAYERS, package: str = PACKAGE) -> list[tuple[str, str]]:
+    """Edges from a module of `package` into a higher layer than its own, sorted."""
+    out = []
+    for name in sorted(graph):
+        here = layer_of(name, layers, package)
+        out += [(name, target) for target in sorted(graph[name])
+                if here is not None and (layer_of(target, layers, package) or 0) > here]
+    return out
+
+
+def unplaced(graph: Mapping[str, Iterable[str]], layers=LAYERS, package: str = PACKAGE) -> list[str]:
+    """Modules of `package` below its top level whose name is in no layer: a new package must be given one."""
+    return sorted(m for m in graph if m.startswith(package + ".") and layer_of(m, layers, package) is None)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="import_graph", description=__doc__.splitlines()[0])
     p.add_argument("--edges", action="store_true", help="print the graph, one 'importer -> imported' per line")
@@ -197,7 +234,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("  all of: " + ", ".join(component))
     if not cycles:
         print(f"no import cycles among {len(graph)} modules of {PACKAGE}", file=sys.stderr)
-    return 1 if cycles else 0
+    up, lost = arrows_up(graph), unplaced(graph)
+    for name, target in up:
+        print(f"arrow pointing up: {name} -> {target}")
+    for name in lost:
+        print(f"in no layer: {name} (add its package to LAYERS)")
+    if not up and not lost:
+        print(f"no arrow pointing up across the {len(LAYERS)} layers", file=sys.stderr)
+    return 1 if cycles or up or lost else 0
 
 
 if __name__ == "__main__":

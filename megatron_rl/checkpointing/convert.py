@@ -417,7 +417,7 @@ def _mb(n: Optional[int]) -> Optional[float]:
 
 def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False,
                               tp: int = 1, pp: int = 1) -> dict:
-    from megatron_rl.parallel.spawn import run_local
+    from megatron_rl.launch.spawn import run_local
 
     start = time.perf_counter()
     meter = MemoryMeter()

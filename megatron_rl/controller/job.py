@@ -21,7 +21,7 @@ from megatron_rl.checkpointing.training import (CheckpointError, TrainCheckpoint
                                                 step_dir_name, verify)
 from megatron_rl.config import JobConfig
 from megatron_rl.controller.channels import Outbox, recv_object
-from megatron_rl.controller import signals
+from megatron_rl.launch import signals
 from megatron_rl.controller.collector import Collector, Rollouts
 from megatron_rl.controller.executors import (GeneratorExecutor, Generated, Evaluated, RewardModelExecutor,
                                                TrainerExecutor, WeightPush, build_policy, score_request)
@@ -150,7 +150,7 @@ class Job:
         return msg[0], msg[1]
 
     def stop_requested(self) -> bool:
-        """Collective over the world: has any rank received SIGTERM or SIGINT (`controller/signals.py`)? Sets
+        """Collective over the world: has any rank received SIGTERM or SIGINT (`launch/signals.py`)? Sets
         `stop_signal` (SIGTERM wins over SIGINT)."""
         flag = torch.tensor([signals.requested()], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_group)

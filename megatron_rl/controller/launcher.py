@@ -16,9 +16,9 @@ SLURM_JOB_NODELIST (`scontrol show hostnames`), and the port MASTER_PORT if set,
 Every rank checks the configuration against the launched world before any collective, so a world of the wrong
 size ends at once, with one line (printed by rank 0), on every rank.
 
-How a run ends, in both launchers: the run directory is locked while the job runs (`controller/runlock.py`; the
+How a run ends, in both launchers: the run directory is locked while the job runs (`launch/runlock.py`; the
 local launcher takes the lock, or rank 0 of a launched world); a SIGTERM or SIGINT stops it at the next weight push
-with a checkpoint (`controller/signals.py`), exit code 128 + the signal; a rank that fails is named in one line
+with a checkpoint (`launch/signals.py`), exit code 128 + the signal; a rank that fails is named in one line
 (`JobFailed`), its traceback, and every other rank's, in `failure.log` in the run directory, exit code 1.
 
 `python -m megatron_rl.controller.launcher world-size [-c FILE] [overrides]` prints the number of ranks a config
@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_rl.config import ConfigError, JobConfig, validate
-from megatron_rl.controller import signals
+from megatron_rl.launch import signals
 from megatron_rl.controller.rundir import check_run_dir
-from megatron_rl.controller.runlock import RunLock
+from megatron_rl.launch.runlock import RunLock
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel import liveness
 
@@ -296,7 +296,7 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
     """The local launcher: run the job on this machine with as many processes as its executors need; returns the
     summary. `model_cfg`: what `validate` resolved, when the caller has already validated `cfg`."""
     from megatron_rl.checkpointing import initial
-    from megatron_rl.parallel.spawn import LaunchError, job_backend, local_gpus, run_local, start_method
+    from megatron_rl.launch.spawn import LaunchError, job_backend, local_gpus, run_local, start_method
 
     world = cfg.world_size_needed
     if model_cfg is None:
@@ -307,7 +307,7 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
     except LaunchError as e:
         raise ConfigError(str(e)) from None
     hang_s, collective_s = timeouts()
-    from megatron_rl.parallel.spawn import RanksFailed
+    from megatron_rl.launch.spawn import RanksFailed
 
     with RunLock(run_dir_of(cfg), warn=_say):  # before anything is written into the run directory
         run_dir = prepare_run_dir(cfg)
@@ -408,7 +408,7 @@ def report_config_error(world: EnvWorld, line: str, wait_s: float = 60.0) -> int
 def env_backend(cfg: JobConfig, world: EnvWorld, cuda_devices: int) -> str:
     """run.backend for one rank of a launched world: "auto" is NCCL where CUDA is present; NCCL gives each rank of a
     node its own GPU (LOCAL_RANK), so a node must show at least as many GPUs as it runs ranks."""
-    from megatron_rl.parallel.spawn import LaunchError, job_backend
+    from megatron_rl.launch.spawn import LaunchError, job_backend
 
     try:
         backend = job_backend(cfg.run.backend, 1, cuda_devices)
@@ -451,7 +451,7 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
 
     from megatron_rl.compat import activate
 
-    from megatron_rl.parallel.spawn import bind_device, init_process_group, local_gpus
+    from megatron_rl.launch.spawn import bind_device, init_process_group, local_gpus
 
     cuda_devices = local_gpus()
     backend = env_backend(cfg, world, cuda_devices)
@@ -530,7 +530,7 @@ def _rank_failed(cfg: JobConfig, run_dir: Path, rank: int, e: Exception) -> JobF
     (empty for an error that only reports a failed peer: that peer prints the cause)."""
     import traceback
 
-    from megatron_rl.parallel.spawn import cause_of, is_peer_error
+    from megatron_rl.launch.spawn import cause_of, is_peer_error
 
     cause = cause_of(e)
     line = "" if is_peer_error(cause) else f"megatron-rl: rank {rank} ({rank_role(cfg, rank)}) failed: {cause}"

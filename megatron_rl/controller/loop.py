@@ -13,7 +13,7 @@ ahead of the trainer, held back only by the weight pushes it needs, and AIPO cor
 
 A SIGTERM or SIGINT ends the run at the next weight push, where every rank is: all save the state there (the
 trainer has taken `version` steps; the generator has produced exactly the batches the checkpoint keeps as pending)
-and leave the loop (`controller/signals.py`).
+and leave the loop (`launch/signals.py`).
 """
 
 from __future__ import annotations

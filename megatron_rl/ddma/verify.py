@@ -158,7 +158,7 @@ def reshard_check(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, seed: int = 0, dtype: str = "float32",
                   wire_dtype: Optional[str] = None, quantize: Optional[str] = None) -> dict:
     """Run the verifier on local gloo processes; return the summary (the CLI prints it as one JSON line)."""
-    from megatron_rl.parallel.spawn import run_local
+    from megatron_rl.launch.spawn import run_local
 
     t0 = time.perf_counter()
     plan = plan_reshard(cfg, src, dst, dst_first_rank=0 if colocated else src.size)  # fails fast, one line

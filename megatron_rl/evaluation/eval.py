@@ -210,7 +210,7 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
     prompts = [encode_prompt(tok, t) for t in texts]
     max_len = min(cfg.max_position_embeddings, max(len(p) for p in prompts) + s.max_new_tokens)
 
-    from megatron_rl.parallel.spawn import LaunchError, run_local  # imports torch: after the argument checks
+    from megatron_rl.launch.spawn import LaunchError, run_local  # imports torch: after the argument checks
 
     try:
         results = run_local(_generate_worker, s.tp * s.pp, cfg, str(ckpt / MODEL_DIR), compute, prompts,

@@ -9,7 +9,7 @@ within that time plus a few beats, in one line naming the rank and its last acti
 being slow: a warm start or checkpoint load of any length beats all along, and so do the ranks waiting for it.
 
 Who watches:
-    local launcher  the launcher process (`parallel/spawn.py:run_local`) reads the beats from shared memory
+    local launcher  the launcher process (`launch/spawn.py:run_local`) reads the beats from shared memory
                     (`LocalBeats`) and ends every rank's process group.
     torchrun/srun   each rank's thread also watches the two ranks after it in the ring through the rendezvous store
                     (`StoreBeats`); the first to find a hung rank reports it once (the store counts reporters), and

@@ -9,7 +9,7 @@ GPU r, and the default backend is NCCL.
 Each rank leads a process group of its own, which every process it starts joins (checkpoint writers, reward
 workers): a terminal's Ctrl-C reaches only this process, which decides what the ranks do, and ending a rank's group
 ends all it started. With `stop_grace_s`, SIGTERM and SIGINT are forwarded to the ranks, which note them
-(`controller/signals.py`) and stop at their next consistent point; past the grace time, or at a second SIGINT, the
+(`launch/signals.py`) and stop at their next consistent point; past the grace time, or at a second SIGINT, the
 ranks' groups are killed.
 """
 
@@ -36,7 +36,7 @@ from megatron_rl.parallel import liveness
 # Every process that imports this module (the fork server, spawned ranks: the worker function lives here) filters
 # the dependency warnings that say nothing on this machine, before Megatron-Core is imported.
 quiet.install()
-_PRELOAD = ["torch", "megatron_rl.parallel.spawn", "megatron.core", "megatron_rl.compat"]
+_PRELOAD = ["torch", "megatron_rl.launch.spawn", "megatron.core", "megatron_rl.compat"]
 
 
 def free_port() -> int:
@@ -131,7 +131,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s:
     if beats is not None:
         liveness.install(beats.heartbeat(rank, beat_s))
     if note_signals:
-        from megatron_rl.controller import signals
+        from megatron_rl.launch import signals
 
         signals.install()
     import torch
