@@ -11,7 +11,7 @@ set -euo pipefail
 PYTHON=${PYTHON:-python}
 MASTER_PORT=${MASTER_PORT:-0}                             # 0: torchrun --standalone picks a free port
 TORCHRUN_EXTRA_ARGS=${TORCHRUN_EXTRA_ARGS:-}
-NPROC=${NPROC:-$("$PYTHON" -m megatron_rl.controller.launcher world-size "$@")}
+NPROC=${NPROC:-$("$PYTHON" -m megatron_rl.cli world-size "$@")}
 
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}

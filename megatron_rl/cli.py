@@ -27,39 +27,35 @@ def _load(args, cluster_files: bool = True) -> tuple:
 
 
 def cmd_train(args) -> int:
-    from megatron_rl.controller.launcher import resolve_launcher
-
-    if resolve_launcher(args.launcher) == "env":
-        return _train_env(args)
-    cfg, model = _load(args)
-    from megatron_rl.models.precision import resolve_dtype_name
-
-    print(f"megatron-rl train: model {cfg.model.name} ({model.num_parameters() / 1e6:.1f}M parameters), "
-          f"trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator tp={cfg.generator.tp} "
-          f"pp={cfg.generator.pp} dp={cfg.generator.dp}{' (colocated)' if cfg.generator.colocated else ''}, "
-          f"{'async rollouts (staleness %d)' % cfg.rollout.staleness if cfg.rollout.mode == 'async' else 'sync rollouts'}"
-          f", trainer {resolve_dtype_name(cfg.trainer.dtype)}, generator {resolve_dtype_name(cfg.generator.dtype)}"
-          f"{', %s generator weights' % cfg.generator.quantization if cfg.generator.quantization != 'none' else ''}, "
-          f"{cfg.world_size_needed} processes", flush=True)
-    from megatron_rl.controller.launcher import JobFailed, exit_code, stopped_line, train
+    """The job, on ranks started here or as one rank of a torchrun/srun world (`controller/launcher.py:train`, the
+    one path for both). This process prints the summary where it speaks for the job; every rank exits with the
+    job's code: 0, 128 + a stop signal, 1 for a failure, 2 for a configuration that cannot run."""
+    from megatron_rl.controller.launcher import (JobFailed, LocalWorld, below_bar, env_world, exit_code,
+                                                 report_config_error, resolve_launcher, stopped_line, train)
     from megatron_rl.launch.runlock import RunDirLocked
 
+    # A launched world's rank and size first: then only its rank 0 reports a bad configuration.
+    world = env_world() if resolve_launcher(args.launcher) == "env" else LocalWorld(0)
     # A SIGTERM before or after the ranks run ends this process through its `finally` clauses (the run lock);
-    # while they run, the launcher forwards it to them instead.
+    # while they run, the local launcher forwards it to them, and a launched rank notes it (launch/signals).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        summary = train(cfg, model)
+        cfg = load_config(args.config, args.overrides)
+        if isinstance(world, LocalWorld):
+            world = LocalWorld(cfg.world_size_needed)
+        summary = train(cfg, world)
+    except ConfigError as e:
+        return report_config_error(world, f"megatron-rl: config error: {e}")
     except RunDirLocked as e:
-        print(f"megatron-rl: {e}", file=sys.stderr)
-        return 2
+        return report_config_error(world, f"megatron-rl: {e}")
     except JobFailed as e:
-        from megatron_rl.controller.launcher import below_bar
-
-        print(below_bar(str(e)), file=sys.stderr)
+        if str(e):  # the local launcher's progress bar may stand unfinished on the console
+            print(below_bar(str(e)) if isinstance(world, LocalWorld) else e, file=sys.stderr, flush=True)
         return e.exit_code
-    print(json.dumps(summary))
-    if exit_code(summary):
-        print(stopped_line(summary), file=sys.stderr)
+    if world.rank == 0:
+        print(json.dumps(summary))
+        if exit_code(summary):
+            print(stopped_line(summary), file=sys.stderr)
     return exit_code(summary)
 
 
@@ -110,35 +106,51 @@ def _with_filesystem_rates(cal, text: str):
     return dataclasses.replace(cal, filesystem_write_gbps=write, filesystem_read_gbps=read, sources=sources)
 
 
-def _train_env(args) -> int:
-    """One rank of a world started by torchrun or srun; rank 0 prints the banner, the summary and any config error."""
-    from megatron_rl.controller.launcher import (JobFailed, check_world, env_world, exit_code, report_config_error,
-                                                 stopped_line, train_env)
-    from megatron_rl.launch.runlock import RunDirLocked
+def cmd_world_size(args) -> int:
+    """launch/local.sh: the number of ranks the executors of a config need."""
+    cfg, _ = _load(args)
+    print(cfg.world_size_needed)
+    return 0
 
-    world = env_world()
-    try:
-        cfg = load_config(args.config, args.overrides)
-        check_world(cfg, world.world_size)
-        if world.rank == 0:
-            print(f"megatron-rl train: model {cfg.model.name}, {world.world_size} ranks started by {world.source} "
-                  f"(trainer tp={cfg.trainer.tp} pp={cfg.trainer.pp} dp={cfg.trainer.dp}, generator "
-                  f"tp={cfg.generator.tp} pp={cfg.generator.pp} dp={cfg.generator.dp}), "
-                  f"{cfg.rollout.mode} rollouts", flush=True)
-        summary = train_env(cfg, world)
-    except ConfigError as e:
-        return report_config_error(world, f"megatron-rl: config error: {e}")
-    except RunDirLocked as e:
-        return report_config_error(world, f"megatron-rl: {e}")
-    except JobFailed as e:
-        if str(e):
-            print(e, file=sys.stderr, flush=True)
-        return e.exit_code
-    if world.rank == 0:
-        print(json.dumps(summary))
-        if exit_code(summary):
-            print(stopped_line(summary), file=sys.stderr)
-    return exit_code(summary)
+
+def cmd_check_world(args) -> int:
+    """The SLURM recipes, before srun: the config against the world it will get, once; prints the run directory."""
+    from megatron_rl.controller.launcher import check_world, run_dir_of, timeouts
+    from megatron_rl.controller.rundir import check_run_dir
+
+    cfg = load_config(args.config, args.overrides)
+    check_world(cfg, args.world_size)
+    timeouts()
+    check_run_dir(cfg, run_dir_of(cfg))
+    print(run_dir_of(cfg))
+    return 0
+
+
+def cmd_failure_line(args) -> int:
+    """The SLURM recipes, after a failed srun: the one line (on stderr)."""
+    from pathlib import Path
+
+    from megatron_rl.controller.launcher import srun_failure_line
+
+    print(srun_failure_line(Path(args.run_dir), Path(args.torchrun_log), args.rc), file=sys.stderr)
+    return 0
+
+
+def _add_launch_script_parsers(sub) -> None:
+    """The subcommands the launch scripts call (launch/local.sh, launch/slurm/*.sbatch)."""
+    p = sub.add_parser("world-size", help="launch scripts: print the number of ranks the executors of a config need")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_world_size)
+    p = sub.add_parser("check-world", help="launch scripts: check a config against a world of --world-size ranks; "
+                                           "print the run directory")
+    _add_config_args(p)
+    p.add_argument("--world-size", type=int, required=True)
+    p.set_defaults(func=cmd_check_world)
+    p = sub.add_parser("failure-line", help="launch scripts: the one line for a failed srun")
+    p.add_argument("run_dir")
+    p.add_argument("torchrun_log")
+    p.add_argument("rc", type=int)
+    p.set_defaults(func=cmd_failure_line)
 
 
 def cmd_config(args) -> int:
@@ -320,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help=f"start the processes even when there are more than {PROCESSES_PER_CORE} per CPU core")
     p.set_defaults(func=cmd_reshard_check)
+    _add_launch_script_parsers(sub)
     return parser
 
 

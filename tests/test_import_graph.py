@@ -76,8 +76,20 @@ def test_no_arrow_points_up_and_one_is_found_where_it_does():
     graph = import_graph.build_graph()
     assert import_graph.arrows_up(graph) == []
     # the arrow issue 28 found (a launcher helper importing the controller's signal handling) is one
-    graph["megatron_rl.parallel.topology"] = set(graph["megatron_rl.parallel.topology"]) | {"megatron_rl.controller.job"}
+    graph["megatron_rl.parallel.topology"] = {*graph["megatron_rl.parallel.topology"], "megatron_rl.controller.job"}
     assert import_graph.arrows_up(graph) == [("megatron_rl.parallel.topology", "megatron_rl.controller.job")]
     assert import_graph.unplaced(graph) == []
     graph["megatron_rl.newpkg.mod"] = set()  # a package nobody placed in a layer is reported too
     assert import_graph.unplaced(graph) == ["megatron_rl.newpkg.mod"]
+
+
+def test_no_function_of_the_package_is_longer_than_80_lines():
+    """Issue 28's readability rule: a function a newcomer reads top to bottom fits on a screen or two."""
+    import ast
+
+    long = []
+    for path in sorted((REPO / "megatron_rl").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert long == []

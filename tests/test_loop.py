@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rl.controller import loop
-from megatron_rl.controller.collector import Collector, ModelScores, Rollouts, metrics_row, pack
+from megatron_rl.controller.collector import Collector, ModelScores, ScoredRollouts, metrics_row, pack
 from megatron_rl.controller.schedule import (Checkpoint, Generate, PushWeights, Train, generation_version, job_plan,
                                              pull_before_batch, push_after_step, save_after, syncs_needed)
 
@@ -64,7 +64,7 @@ def test_resumed_plan_regenerates_nothing_restored():
 
 def _rollouts(batch, version, rewards, groups):
     n = len(rewards)
-    return Rollouts(batch, version, [[1, 2]] * n, [[3] * (i + 1) for i in range(n)],
+    return ScoredRollouts(batch, version, [[1, 2]] * n, [[3] * (i + 1) for i in range(n)],
                     [[-0.5] * (i + 1) for i in range(n)], rewards, groups, ["x"] * n, 0.1, 0.01, 0.0)
 
 

@@ -1,6 +1,6 @@
 """The trainer's optimizer options of `megatron-rl config` (trainer.lr_warmup_steps, sft_lr, weight_decay,
-adam_beta1/2, adam_eps, max_nonfinite_steps) reach the engine (the trainer section and `lr_schedule`) and do what they say in a running engine, checked
-against closed forms; and data.eval_path is where a JSONL task's held-out problems come from.
+adam_beta1/2, adam_eps, max_nonfinite_steps) reach the engine (the trainer section and `lr_schedule`) and do what
+they say in a running engine, checked against closed forms; and data.eval_path is where a JSONL task's held-out problems come from.
 
 How Megatron-Core 0.16 applies them (read from megatron/core/optimizer/__init__.py and optimizer_param_scheduler.py):
 - Without transformer-engine or apex the Adam optimizer is torch.optim.AdamW (OptimizerConfig's default

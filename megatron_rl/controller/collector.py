@@ -1,7 +1,7 @@
 """The controller's bookkeeping on rank 0: rollouts in, training batches and metric rows out.
 
-Generator replicas send one `Rollouts` per batch, in batch order. The collector waits for every replica's part of
-batch k, packs the parts into one `RolloutBatch` with advantages, and after the trainer's step turns the step's
+Generator replicas send one `ScoredRollouts` per batch, in batch order. The collector waits for every replica's part
+of batch k, packs the parts into one `RolloutBatch` with advantages, and after the trainer's step turns the step's
 statistics into the row written to metrics.jsonl. Batches generated before a checkpoint but trained after it are
 stored with the checkpoint (`pending`) and handed back on resume (`restore`): they cannot be regenerated, since
 the weights that produced them are gone.
@@ -19,15 +19,13 @@ import torch
 
 from megatron_rl.algorithms import compute_advantages
 from megatron_rl.rollout import RolloutBatch
-
-# Per-step trainer statistics copied into each metrics row, in this order.
-TRAINER_STATS = ("loss", "grad_norm", "lr", "is_weight_mean", "is_weight_max", "is_truncated_frac", "kl_mu_pi",
-                 "logp_diff_mean", "logp_diff_max", "entropy", "response_length", "tokens_per_s", "skipped")
-
+from megatron_rl.training.rl_trainer import step_metrics
 
 @dataclass
-class Rollouts:
-    """What a generator replica sends the controller for one batch."""
+class ScoredRollouts:
+    """What a generator replica sends the controller for one batch: its `UnscoredRollouts` (each an
+    `inference.SampledResponse`) with their rewards, as lists. The collector packs every replica's into the step's
+    `RolloutBatch` (tensors, with advantages)."""
 
     batch: int
     version: int
@@ -67,7 +65,7 @@ class ModelScores:
     seconds: float
 
 
-def with_model_scores(part: Rollouts, scores: ModelScores, coef: float) -> Rollouts:
+def with_model_scores(part: ScoredRollouts, scores: ModelScores, coef: float) -> ScoredRollouts:
     """A replica's rollouts with the reward model's scores added to the verifier's rewards (times `coef`)."""
     if len(scores.scores) != len(part.rewards):
         raise RuntimeError(f"batch {part.batch}: {len(scores.scores)} reward-model scores for {len(part.rewards)} "
@@ -79,7 +77,7 @@ def with_model_scores(part: Rollouts, scores: ModelScores, coef: float) -> Rollo
                                eval_reward=eval_reward, reward_model_s=scores.seconds)
 
 
-def pack(rollouts: list[Rollouts], pad_id: int) -> RolloutBatch:
+def pack(rollouts: list[ScoredRollouts], pad_id: int) -> RolloutBatch:
     """One right-padded batch of every replica's responses; behaviour log-probs at the response positions. Each
     tensor is built from padded lists in one call (a copy per row would cost a tensor operation per sequence)."""
     prompts = [p for r in rollouts for p in r.prompt_ids]
@@ -110,14 +108,14 @@ class Collector:
         self.scorers, self.model_coef = scorers, model_coef
         self.advantage = advantage
         self.pad_id = pad_id
-        self._inbox: dict[int, dict[int, Rollouts]] = {}
-        self._restored: dict[int, list[Rollouts]] = {}
+        self._inbox: dict[int, dict[int, ScoredRollouts]] = {}
+        self._restored: dict[int, list[ScoredRollouts]] = {}
 
-    def put(self, rollouts: Rollouts) -> None:
+    def put(self, rollouts: ScoredRollouts) -> None:
         """Rank 0's own replica's part."""
         self._inbox.setdefault(rollouts.batch, {})[0] = rollouts
 
-    def collect(self, k: int) -> list[Rollouts]:
+    def collect(self, k: int) -> list[ScoredRollouts]:
         """Every replica's part of batch k (received now unless already here). Each replica sends its batches in
         order, so the next message from a leader is its oldest unread batch."""
         if k in self._restored:
@@ -140,7 +138,7 @@ class Collector:
             have[leader] = part
         return [have[leader] for leader in self.leaders]
 
-    def training_batch(self, k: int) -> tuple[RolloutBatch, list[Rollouts]]:
+    def training_batch(self, k: int) -> tuple[RolloutBatch, list[ScoredRollouts]]:
         """Batch k packed, with advantages; its parts are forgotten (the trainer consumes each batch once)."""
         parts = self.collect(k)
         self._inbox.pop(k, None)
@@ -158,10 +156,10 @@ class Collector:
     def restore(self, pending: dict) -> None:
         """The batches a checkpoint's `pending` holds. Stored whole: they stay valid when the generator's layout
         (its number of replicas) changed."""
-        self._restored = {int(b): [Rollouts(**p) for p in parts] for b, parts in pending.items()}
+        self._restored = {int(b): [ScoredRollouts(**p) for p in parts] for b, parts in pending.items()}
 
 
-def metrics_row(k: int, parts: list[Rollouts], batch: RolloutBatch, stats: dict, *, train_s: float,
+def metrics_row(k: int, parts: list[ScoredRollouts], batch: RolloutBatch, stats: dict, *, train_s: float,
                 recv_s: float, kl_ref: bool = False) -> dict:
     """The metrics.jsonl row of trainer step k (the caller adds the step's total time). `kl_ref`: the run has a
     KL reference, so the row reports the policy's KL to it."""
@@ -179,7 +177,7 @@ def metrics_row(k: int, parts: list[Rollouts], batch: RolloutBatch, stats: dict,
     if evals:
         row["eval/reward"] = sum(evals) / len(evals)
         row["eval/version"] = version
-    for key in TRAINER_STATS + (("kl_ref",) if kl_ref else ()):
+    for key in step_metrics(with_reference=kl_ref):
         v = stats.get(key)
         row[key] = float(v) if isinstance(v, (int, float, bool)) else v
     return row

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_rl.config import JobConfig
-from megatron_rl.controller.collector import ModelScores, Rollouts, ScoreRequest
+from megatron_rl.controller.collector import ModelScores, ScoredRollouts, ScoreRequest
 from megatron_rl.controller.tasks import Task
 from megatron_rl import failpoints
 from megatron_rl.ddma.fingerprint import PushCheck
@@ -133,14 +133,15 @@ class TrainerExecutor:
 
 
 @dataclass
-class Generated:
-    """A replica's samples of one batch, on its leader, before they are scored."""
+class UnscoredRollouts:
+    """A replica's samples of one batch, on its leader, before they are scored (`score` makes them the
+    `ScoredRollouts` the controller receives)."""
 
     batch: int
     version: int
     problems: list  # the task's records, one per sample
     groups: list[int]  # the index of each sample's prompt in the batch
-    outputs: list  # GenerationOutput per sample
+    outputs: list  # SampledResponse per sample
     texts: list[str]  # the decoded responses
     gen_s: float
 
@@ -196,7 +197,7 @@ class GeneratorExecutor:
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids, n=n, seed=seed)
 
-    def generate(self, batch: int, version: int) -> Optional[Generated]:
+    def generate(self, batch: int, version: int) -> Optional[UnscoredRollouts]:
         """This replica's samples of training batch `batch`; None on ranks other than the leader."""
         r = self.cfg.rollout
         per, n = r.prompts_per_step, r.samples_per_prompt
@@ -210,7 +211,7 @@ class GeneratorExecutor:
         if not self.is_leader:
             return None
         groups = [mine[j // n] for j in range(len(outs))]
-        return Generated(batch, version, [problems[i] for i in groups], groups, outs,
+        return UnscoredRollouts(batch, version, [problems[i] for i in groups], groups, outs,
                          [self.tok.decode(o.token_ids) for o in outs], gen_s)
 
     def evaluate(self) -> Optional[Evaluated]:
@@ -226,7 +227,7 @@ class GeneratorExecutor:
         return Evaluated([problems[j // n] for j in range(len(outs))], [self.tok.decode(o.token_ids) for o in outs])
 
 
-def score(task: Task, gen: Generated, evaluated: Optional[Evaluated], *, wait_s: float) -> Rollouts:
+def score(task: Task, gen: UnscoredRollouts, evaluated: Optional[Evaluated], *, wait_s: float) -> ScoredRollouts:
     """The reward of each sample (the task's verifier or reward function) and the mean held-out reward, in the
     message for the controller."""
     t0 = time.perf_counter()
@@ -237,12 +238,13 @@ def score(task: Task, gen: Generated, evaluated: Optional[Evaluated], *, wait_s:
         eval_scores = task.score(evaluated.problems, evaluated.texts)
         eval_reward = sum(eval_scores) / len(eval_scores)
     reward_s = time.perf_counter() - t0
-    return Rollouts(gen.batch, gen.version, [o.prompt_ids for o in gen.outputs], [o.token_ids for o in gen.outputs],
-                    [o.logprobs for o in gen.outputs], rewards, gen.groups, gen.texts[:4], gen.gen_s, reward_s,
+    return ScoredRollouts(gen.batch, gen.version, [o.prompt_ids for o in gen.outputs],
+                          [o.token_ids for o in gen.outputs], [o.logprobs for o in gen.outputs], rewards, gen.groups,
+                          gen.texts[:4], gen.gen_s, reward_s,
                     wait_s, eval_reward, reward_failures=failures)
 
 
-def score_request(task: Task, replica: int, gen: Generated, evaluated: Optional[Evaluated]) -> ScoreRequest:
+def score_request(task: Task, replica: int, gen: UnscoredRollouts, evaluated: Optional[Evaluated]) -> ScoreRequest:
     """What replica `replica`'s leader sends the reward-model executor: each sample's prompt and response text."""
     def items(problems, texts):
         return [(task.prompt_text(p), t) for p, t in zip(problems, texts)]

@@ -22,9 +22,9 @@ from megatron_rl.checkpointing.training import (CheckpointError, TrainCheckpoint
 from megatron_rl.config import JobConfig
 from megatron_rl.controller.channels import Outbox, recv_object
 from megatron_rl.launch import signals
-from megatron_rl.controller.collector import Collector, Rollouts
-from megatron_rl.controller.executors import (GeneratorExecutor, Generated, Evaluated, RewardModelExecutor,
-                                               TrainerExecutor, WeightPush, build_policy, score_request)
+from megatron_rl.controller.collector import Collector, ScoredRollouts
+from megatron_rl.controller.executors import (Evaluated, GeneratorExecutor, RewardModelExecutor, TrainerExecutor,
+                                               UnscoredRollouts, WeightPush, build_policy, score_request)
 from megatron_rl.controller.tasks import build_task
 from megatron_rl.failpoints import failpoint
 from megatron_rl.models import ModelConfig
@@ -130,19 +130,19 @@ class Job:
             return 0.0
         return self.push(version, self.trainer, self.generator)
 
-    def send_rollouts(self, rollouts: Rollouts) -> None:
+    def send_rollouts(self, rollouts: ScoredRollouts) -> None:
         """A replica leader's batch to the controller (non-blocking: the generator runs ahead)."""
         if self.collector is not None:
             self.collector.put(rollouts)
         else:
             self.outbox.send(rollouts)
 
-    def request_scores(self, generated: Generated, evaluated: Optional[Evaluated]) -> None:
+    def request_scores(self, generated: UnscoredRollouts, evaluated: Optional[Evaluated]) -> None:
         """A replica leader's responses to its reward-model leader (non-blocking), if the job has that executor."""
         if self.scorer_outbox is not None:
             self.scorer_outbox.send(score_request(self.task, self.leaders.index(self.rank), generated, evaluated))
 
-    def training_batch(self, k: int) -> tuple[RolloutBatch, list[Rollouts]]:
+    def training_batch(self, k: int) -> tuple[RolloutBatch, list[ScoredRollouts]]:
         """Trainer ranks: batch k, packed with advantages by the controller and broadcast to every trainer rank."""
         msg = list(self.collector.training_batch(k)) if self.collector is not None else [None, None]
         dist.broadcast_object_list(msg, src=0, group=self.trainer_group)

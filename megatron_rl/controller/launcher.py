@@ -1,9 +1,13 @@
-"""How `megatron-rl train` gets its ranks, and what each rank runs: the launchers in one place.
+"""How `megatron-rl train` gets its ranks, and what each rank runs: one path for both kinds of world.
 
-Both launchers resolve and check the config once, prepare the run directory, run `rank_main` on every rank (which
-builds the rank's `Job` and runs `loop.run`) and write the summary and the plot from rank 0's result.
+    cli.cmd_train -> train -> _run_local    (this process starts the ranks: launch/spawn.py) -> rank_main -> loop.run
+                          \-> _run_launched (this process is one rank of a torchrun/srun world) -> rank_main -> loop.run
 
-    local  `run.train`: this process starts `world_size_needed` ranks on this machine (gloo on CPUs; NCCL and one
+`train` validates the config once against the world and prints the one banner; both runners take the run directory
+(its lock, its config.yaml), run `rank_main` on every rank (which builds the rank's `Job` and runs `loop.run`), and
+end with the one summary writer (`write_summary`, from rank 0's result) or the one failure report (`_failed`).
+
+    local  this process starts `world_size_needed` ranks on this machine (gloo on CPUs; NCCL and one
            GPU per rank where CUDA is present).
     env    this process *is* one rank of a world that torchrun or srun started: read the rank and world from the
            environment, check the world against the config, initialise the default process group, run the job.
@@ -21,8 +25,7 @@ local launcher takes the lock, or rank 0 of a launched world); a SIGTERM or SIGI
 with a checkpoint (`launch/signals.py`), exit code 128 + the signal; a rank that fails is named in one line
 (`JobFailed`), its traceback, and every other rank's, in `failure.log` in the run directory, exit code 1.
 
-`python -m megatron_rl.controller.launcher world-size [-c FILE] [overrides]` prints the number of ranks a config
-needs (launch/local.sh uses it).
+The launch scripts' helpers are subcommands of `megatron-rl` (cli.py): `world-size`, `check-world`, `failure-line`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from megatron_rl.config import ConfigError, JobConfig, validate
 from megatron_rl.launch import signals
@@ -267,48 +270,95 @@ def _latest(run_dir: Path) -> str:
     return f"latest checkpoint {latest.name}" if latest is not None else "no checkpoint saved"
 
 
-def _failed(cfg: JobConfig, run_dir: Path, e) -> JobFailed:
-    """The one line (and failure.log) for ranks of the local launcher that failed, died or were killed. Every rank
-    has ended: a checkpoint write they left unfinished is removed first (never read; on a full disk it holds the
-    space the relaunch needs, and failure.log's)."""
-    from megatron_rl.checkpointing import storage
+def _failed(cfg: JobConfig, run_dir: Path, e, one_rank: bool = False) -> JobFailed:
+    """The one failure report of both launchers: failure.log holds every failed rank's cause and traceback, and the
+    command prints one line naming the rank that most likely caused the failure, and where the tracebacks are.
 
+    The local launcher reports once every rank has ended (`e`, a `RanksFailed`, holds them all, likely cause
+    first); a checkpoint write they left unfinished is removed first (never read; on a full disk it holds the space
+    the relaunch needs, and failure.log's). A rank of a launched world (`one_rank`) reports only itself and appends
+    to the failure.log its failing peers share, its line first (the SLURM recipe prints the first such line); the
+    line is empty when its error only reports a failed peer, which prints the cause itself."""
+    from megatron_rl.checkpointing import storage
+    from megatron_rl.launch.spawn import is_peer_error
+
+    stamp = time.strftime('%Y-%m-%dT%H:%M:%S%z')
+    blocks = "".join(f"\n--- rank {f.rank} ({rank_role(cfg, f.rank)}): {f.cause} ---\n{f.report}\n" for f in e.failures)
+    line = ""
+    if e.failures:
+        first = e.first
+        what = first.cause if first.cause.startswith(("died", "exited", "hung")) else f"failed: {first.cause}"
+        line = f"megatron-rl: rank {first.rank} ({rank_role(cfg, first.rank)}) {what}"
+    if one_rank:
+        line = "" if is_peer_error(e.first.cause) else line
+        where = write_failure_log(run_dir, (f"{line}\n" if line else "") + f"megatron-rl train, {stamp}: rank "
+                                  f"{e.first.rank} of {e.world_size} ended without a result\n{blocks}", append=True)
+        return JobFailed(f"{line}; {where}" if line else "", 1)
     storage.remove_unfinished(run_dir)
-    text = (f"megatron-rl train, {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {len(e.failures)} of {e.world_size} "
-            f"ranks ended without a result (likely cause first)\n")
-    for fail in e.failures:
-        text += f"\n--- rank {fail.rank} ({rank_role(cfg, fail.rank)}): {fail.cause} ---\n{fail.report}\n"
-    where = write_failure_log(run_dir, text)
+    where = write_failure_log(run_dir, f"megatron-rl train, {stamp}: {len(e.failures)} of {e.world_size} ranks "
+                                       f"ended without a result (likely cause first)\n{blocks}")
     if e.killed:
         how = ("at a second SIGINT" if e.killed == "twice"
                else f"run.stop_grace_s={cfg.run.stop_grace_s:g} s after it")
         return JobFailed(f"megatron-rl: stopped by {signals.name(e.signal)}: ranks killed {how}; "
                          f"{_latest(run_dir)}; relaunch to resume", signals.exit_code(e.signal))
-    first = e.first
-    what = first.cause if first.cause.startswith(("died", "exited", "hung")) else f"failed: {first.cause}"
-    line = f"megatron-rl: rank {first.rank} ({rank_role(cfg, first.rank)}) {what}; {where}"
+    line = f"{line}; {where}"
     if e.signal:
         line = f"megatron-rl: stopped by {signals.name(e.signal)}: {line.removeprefix('megatron-rl: ')}"
     return JobFailed(line, signals.exit_code(e.signal) if e.signal else 1)
 
 
-def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
-    """The local launcher: run the job on this machine with as many processes as its executors need; returns the
-    summary. `model_cfg`: what `validate` resolved, when the caller has already validated `cfg`."""
-    from megatron_rl.checkpointing import initial
-    from megatron_rl.launch.spawn import LaunchError, job_backend, local_gpus, run_local, start_method
+@dataclass(frozen=True)
+class LocalWorld:
+    """The local launcher's world: this process starts `world_size` ranks on this machine and speaks for the job."""
 
-    world = cfg.world_size_needed
-    if model_cfg is None:
-        model_cfg = validate(cfg, world)
+    world_size: int
+    rank: int = 0
+    source: str = "local"
+
+
+def train(cfg: JobConfig, world: Union[LocalWorld, EnvWorld]) -> Optional[dict]:
+    """The one path from a resolved config to `loop.run`, for both worlds.
+
+    Validates once, against the world (each rank of a launched world validates for itself, before any collective,
+    so a world of the wrong size ends on every rank at once), and prints the banner where this process speaks for
+    the job. Then `_run_local` starts the ranks here, or `_run_launched` runs this rank of the launched world; both
+    take the run directory (its lock, its config.yaml), run `rank_main` on every rank and end with the summary
+    (`write_summary`) or the failure report (`_failed`). Returns the summary where this process speaks for the job;
+    on the other ranks of a launched world, None or the stop (`stopped_by`, `stopped_after_step`, `checkpoint`).
+    Raises ConfigError, RunDirLocked, or JobFailed (its one line)."""
+    model_cfg = check_world(cfg, world.world_size)
+    if world.rank == 0:
+        print(banner(cfg, model_cfg, world), flush=True)
+    if isinstance(world, EnvWorld):
+        return _run_launched(cfg, model_cfg, world)
+    return _run_local(cfg, model_cfg, world.world_size)
+
+
+def banner(cfg: JobConfig, model: ModelConfig, world: Union[LocalWorld, EnvWorld]) -> str:
+    """The job in one line, as it starts."""
+    from megatron_rl.models.precision import resolve_dtype_name
+
+    t, g = cfg.trainer, cfg.generator
+    return (f"megatron-rl train: model {cfg.model.name} ({model.num_parameters() / 1e6:.1f}M parameters), trainer "
+            f"tp={t.tp} pp={t.pp} dp={t.dp}, generator tp={g.tp} pp={g.pp} dp={g.dp}"
+            f"{' (colocated)' if g.colocated else ''}, {cfg.rollout.mode} rollouts (staleness {cfg.rollout.lag}), "
+            f"trainer {resolve_dtype_name(t.dtype)}, generator {resolve_dtype_name(g.dtype)}"
+            f"{f', {g.quantization} generator weights' if g.quantization != 'none' else ''}, {world.world_size} "
+            f"processes{'' if world.source == 'local' else f' started by {world.source}'}")
+
+
+def _run_local(cfg: JobConfig, model_cfg: ModelConfig, world_size: int) -> dict:
+    """The local launcher: run the job on this machine with `world_size` processes; returns the summary."""
+    from megatron_rl.checkpointing import initial
+    from megatron_rl.launch.spawn import LaunchError, RanksFailed, job_backend, local_gpus, run_local, start_method
+
     try:  # before anything is written: a machine with too few GPUs (or a bad start method) fails in one line
         start_method(local_gpus())
-        backend = job_backend(cfg.run.backend, world, local_gpus())
+        backend = job_backend(cfg.run.backend, world_size, local_gpus())
     except LaunchError as e:
         raise ConfigError(str(e)) from None
     hang_s, collective_s = timeouts()
-    from megatron_rl.launch.spawn import RanksFailed
-
     with RunLock(run_dir_of(cfg), warn=_say):  # before anything is written into the run directory
         run_dir = prepare_run_dir(cfg)
         model_name = cfg.model.name  # the source's name: a converted source becomes run_dir/initial_model
@@ -317,7 +367,7 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
         # No time limit on the whole job (a run takes as long as its steps); a dead rank ends it at once, a hung one
         # when its heartbeat has been silent for the hang timeout.
         try:
-            results = run_local(rank_main, world, cfg, model_cfg, str(run_dir), backend=backend, timeout=None,
+            results = run_local(rank_main, world_size, cfg, model_cfg, str(run_dir), backend=backend, timeout=None,
                                 dist_timeout_s=collective_s, hang_timeout_s=hang_s,
                                 stop_grace_s=cfg.run.stop_grace_s,
                                 on_signal=lambda signum: _say_below_bar(
@@ -331,7 +381,8 @@ def train(cfg: JobConfig, model_cfg: Optional[ModelConfig] = None) -> dict:
 
 
 def check_world(cfg: JobConfig, world_size: int) -> ModelConfig:
-    """The launched world must have exactly the ranks the executors use: fewer cannot run, more would idle."""
+    """The world must have exactly the ranks the executors use (fewer cannot run, more would idle); then the whole
+    configuration is validated against it. Returns the resolved model."""
     need = cfg.world_size_needed
     if world_size != need:
         raise ConfigError(f"executors need {need} ranks ({_executors_text(cfg)}) but {world_size} "
@@ -393,9 +444,9 @@ def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extr
     return summary
 
 
-def report_config_error(world: EnvWorld, line: str, wait_s: float = 60.0) -> int:
-    """Rank 0 prints the error and exits with 2. The other ranks found the same error but stay quiet: they wait for
-    the launcher (torchrun, or srun --kill-on-bad-exit) to end them once rank 0 has exited, so the line is printed
+def report_config_error(world: Union[LocalWorld, EnvWorld], line: str, wait_s: float = 60.0) -> int:
+    """Rank 0 (the local launcher is rank 0) prints the error and exits with 2. The other ranks found the same error
+    but stay quiet: they wait for the launcher (torchrun, or srun --kill-on-bad-exit) to end them once rank 0 has exited, so the line is printed
     once and is not lost when a faster rank's exit makes the launcher kill rank 0 first; after `wait_s` they exit
     with 2 on their own."""
     if world.rank == 0:
@@ -428,18 +479,13 @@ def timeouts() -> tuple[float, float]:
         raise ConfigError(str(e)) from None
 
 
-def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optional[float] = None) -> Optional[dict]:
-    """Run the job as one rank of an externally started world. Returns the summary on rank 0; elsewhere None, or
-    the stop (`stopped_by`, `stopped_after_step`, `checkpoint`) when a signal stopped the job.
-
-    Raises ConfigError (on every rank, before any collective) when the world does not fit the config,
-    RunDirLocked (rank 0) when another job holds the run directory, JobFailed when this rank fails.
-    """
+def _run_launched(cfg: JobConfig, model_cfg: ModelConfig, world: EnvWorld) -> Optional[dict]:
+    """This process as one rank of a world torchrun or srun started. Returns the summary on rank 0; elsewhere None,
+    or the stop when a signal stopped the job. RunDirLocked (rank 0) when another job holds the run directory,
+    JobFailed when this rank fails."""
     signals.install()  # from here on a SIGTERM or SIGINT stops the job at its next consistent point
-    world = world or env_world()
     if not 0 <= world.rank < world.world_size:
         raise ConfigError(f"rank {world.rank} is outside the world of {world.world_size}")
-    model_cfg = check_world(cfg, world.world_size)
     from megatron_rl.checkpointing.initial import megatron_checkpoint
 
     try:  # every rank would convert at once: a HF or GGUF source must be converted before the launch
@@ -450,8 +496,7 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
     import torch.distributed as dist
 
     from megatron_rl.compat import activate
-
-    from megatron_rl.launch.spawn import bind_device, init_process_group, local_gpus
+    from megatron_rl.launch.spawn import RankFailure, RanksFailed, bind_device, cause_of, init_process_group, local_gpus
 
     cuda_devices = local_gpus()
     backend = env_backend(cfg, world, cuda_devices)
@@ -466,12 +511,15 @@ def train_env(cfg: JobConfig, world: Optional[EnvWorld] = None, timeout_s: Optio
             prepare_run_dir(cfg)
         hang_s, collective_s = timeouts()
         t0 = time.perf_counter()
-        init_process_group(backend, world.rank, world.world_size, timeout_s or collective_s)
+        init_process_group(backend, world.rank, world.world_size, collective_s)
         _watch_ranks(cfg, world, run_dir, hang_s)
         try:
             result = rank_main(world.rank, world.world_size, cfg, model_cfg, str(run_dir))
         except Exception as e:
-            raise _rank_failed(cfg, run_dir, world.rank, e) from None
+            import traceback
+
+            failure = RankFailure(world.rank, cause_of(e), traceback.format_exc())
+            raise _failed(cfg, run_dir, RanksFailed([failure], world.world_size), one_rank=True) from None
         finally:
             liveness.uninstall()
             dist.destroy_process_group()
@@ -525,22 +573,6 @@ def write_failure_log(run_dir: Path, text: str, append: bool = False) -> str:
         return f"every rank's traceback: {spare} ({log} could not be written: {os.strerror(e.errno or 0)})"
 
 
-def _rank_failed(cfg: JobConfig, run_dir: Path, rank: int, e: Exception) -> JobFailed:
-    """A rank of a launched world failed: its traceback goes to failure.log; the line names the rank and the cause
-    (empty for an error that only reports a failed peer: that peer prints the cause)."""
-    import traceback
-
-    from megatron_rl.launch.spawn import cause_of, is_peer_error
-
-    cause = cause_of(e)
-    line = "" if is_peer_error(cause) else f"megatron-rl: rank {rank} ({rank_role(cfg, rank)}) failed: {cause}"
-    # The failing rank's line heads its report in failure.log: under srun the recipe prints the first such line.
-    where = write_failure_log(run_dir, (f"{line}\n" if line else "") + f"--- rank {rank} ({rank_role(cfg, rank)}), "
-                              f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {cause} ---\n{traceback.format_exc()}\n",
-                              append=True)
-    return JobFailed(f"{line}; {where}" if line else "", 1)
-
-
 def srun_failure_line(run_dir: Path, torchrun_log: Path, rc: int) -> str:
     """The one line a SLURM recipe prints when srun ended with `rc` != 0 (`launch/slurm/*.sbatch`): the failing
     rank's own line (the first `megatron-rl:` line in failure.log: a rank that raised, or the watcher of a hung
@@ -574,46 +606,3 @@ def srun_failure_line(run_dir: Path, torchrun_log: Path, rc: int) -> str:
                 else f"exited with code {code}")
         return f"megatron-rl: rank {rank}{role} {what}; {log_words}"
     return f"megatron-rl: srun exited with code {rc} before any rank reported; {log_words}"
-
-
-def _main(argv: Optional[list[str]] = None) -> int:
-    """The launch scripts' helpers: `world-size` (launch/local.sh), `check` (the SLURM recipes, before srun: the
-    config against the world it will get, once; prints the run directory) and `failure-line` (after a failed
-    srun)."""
-    import argparse
-
-    from megatron_rl.config import load_config
-
-    p = argparse.ArgumentParser(prog="python -m megatron_rl.controller.launcher")
-    sub = p.add_subparsers(dest="command", required=True)
-    w = sub.add_parser("world-size", help="print the number of ranks the executors of a config need")
-    c = sub.add_parser("check", help="check a config against a world of --world-size ranks; print the run directory")
-    c.add_argument("--world-size", type=int, required=True)
-    for a in (w, c):
-        a.add_argument("--config", "-c")
-        a.add_argument("overrides", nargs="*")
-    f = sub.add_parser("failure-line", help="the one line for a failed srun")
-    f.add_argument("run_dir", type=Path)
-    f.add_argument("torchrun_log", type=Path)
-    f.add_argument("rc", type=int)
-    args = p.parse_args(argv)
-    if args.command == "failure-line":
-        print(srun_failure_line(args.run_dir, args.torchrun_log, args.rc), file=sys.stderr)
-        return 0
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.command == "check":
-            check_world(cfg, args.world_size)
-            timeouts()
-            check_run_dir(cfg, run_dir_of(cfg))
-        else:
-            validate(cfg)
-    except ConfigError as e:
-        print(f"megatron-rl: config error: {e}", file=sys.stderr)
-        return 2
-    print(run_dir_of(cfg) if args.command == "check" else cfg.world_size_needed)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

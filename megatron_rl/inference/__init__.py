@@ -3,12 +3,12 @@ heavy; the generator (Megatron-Core) loads on first use."""
 
 from megatron_rl.inference.settings import GeneratorSettings, RolloutSettings
 
-__all__ = ["Generator", "GenerationRequest", "GenerationOutput", "GeneratorSettings", "RolloutSettings",
+__all__ = ["Generator", "GenerationRequest", "SampledResponse", "GeneratorSettings", "RolloutSettings",
            "SamplingParams"]
 
 
 def __getattr__(name):
-    if name in ("Generator", "GenerationRequest", "GenerationOutput"):
+    if name in ("Generator", "GenerationRequest", "SampledResponse"):
         from megatron_rl.inference import generator
 
         return getattr(generator, name)

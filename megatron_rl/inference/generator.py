@@ -33,7 +33,7 @@ class GenerationRequest:
 
 
 @dataclass
-class GenerationOutput:
+class SampledResponse:
     request_id: Optional[str]
     sample_index: int
     prompt_ids: list[int]
@@ -232,19 +232,19 @@ class Generator:
         return None
 
     @torch.no_grad()
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+    def generate(self, requests: list[GenerationRequest]) -> list[SampledResponse]:
         """Outputs in request order, n per request; a bad request gets finish_reason "error", the rest run."""
         t0 = time.perf_counter()
         self.model.eval()
         device = next(self.model.parameters()).device
-        outputs: list[Optional[GenerationOutput]] = []
+        outputs: list[Optional[SampledResponse]] = []
         pending: list[_Seq] = []
         for r in requests:
             err = self._validate(r)
             base = r.params.seed if r.params.seed is not None else int(torch.randint(0, 2**31, (1,)))
             for k in range(max(r.params.n, 1)):
                 if err is not None:
-                    outputs.append(GenerationOutput(r.request_id, k, list(r.prompt_ids), [], [], "error",
+                    outputs.append(SampledResponse(r.request_id, k, list(r.prompt_ids), [], [], "error",
                                                     error=err))
                     continue
                 outputs.append(None)
@@ -262,7 +262,7 @@ class Generator:
                 self._run(pending, cache, device)
         for s in pending:
             text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
-            outputs[s.req] = GenerationOutput(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish,
+            outputs[s.req] = SampledResponse(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish,
                                               text=text)
         n_tokens = sum(len(s.tokens) for s in pending)
         elapsed = time.perf_counter() - t0

@@ -24,8 +24,8 @@ from megatron_rl.training.logprobs import target_logprobs, target_logprobs_and_e
 from megatron_rl.training.reference import freeze
 from megatron_rl.training.settings import LRSchedule, TrainerSettings
 
-def _stat(reduce: str, token: Optional[str] = None):
-    return field(default=None, metadata={"reduce": reduce, "token": token})
+def _stat(reduce: str, token: Optional[str] = None, report: str = "always"):
+    return field(default=None, metadata={"reduce": reduce, "token": token, "report": report})
 
 
 @dataclass
@@ -36,20 +36,28 @@ class TokenStats:
     field's `token` names the per-token statistic of `aipo_token_loss` it summarises, and its rule says how:
     "sum": summed over the step (the response-token count); "mean": summed over response tokens, reported divided
     by the step's response tokens; "max": the maximum over response tokens. A "mean" whose per-token statistic the
-    loss did not compute (kl_ref without a reference, entropy when not logged) is 0. Adding a statistic is one line
-    here. `logp_diff_*` is |logp_pi - logp_mu|: the trainer-generator numeric gap when the batch was generated with
-    the trainer's current weights (staleness 0), plus the policy's drift when it is older.
+    loss did not compute (entropy when not logged) is 0. `report` says when a metrics row shows it ("always",
+    "never", or "with_reference": only in a run with a KL reference); the row shows them in this order
+    (`step_metrics`). Adding a statistic is one line here. `logp_diff_*` is |logp_pi - logp_mu|: the
+    trainer-generator numeric gap when the batch was generated with the trainer's current weights (staleness 0),
+    plus the policy's drift when it is older.
     """
 
-    response_tokens: torch.Tensor = _stat("sum")
     is_weight_mean: torch.Tensor = _stat("mean", "ratio")
+    is_weight_max: torch.Tensor = _stat("max", "ratio")
     is_truncated_frac: torch.Tensor = _stat("mean", "truncated")
     kl_mu_pi: torch.Tensor = _stat("mean", "kl_mu_pi")
-    entropy: torch.Tensor = _stat("mean", "entropy")
-    kl_ref: torch.Tensor = _stat("mean", "kl_ref")
     logp_diff_mean: torch.Tensor = _stat("mean", "abs_log_ratio")
-    is_weight_max: torch.Tensor = _stat("max", "ratio")
     logp_diff_max: torch.Tensor = _stat("max", "abs_log_ratio")
+    entropy: torch.Tensor = _stat("mean", "entropy")
+    kl_ref: torch.Tensor = _stat("mean", "kl_ref", report="with_reference")
+    response_tokens: torch.Tensor = _stat("sum", report="never")
+
+    @classmethod
+    def reported(cls, with_reference: bool) -> tuple[str, ...]:
+        """The fields a metrics row shows, in order."""
+        shown = ("always", "with_reference") if with_reference else ("always",)
+        return tuple(f.name for f in fields(cls) if f.metadata["report"] in shown)
 
     @classmethod
     def of_micro_batch(cls, token_stats: dict, mask: torch.Tensor) -> "TokenStats":
@@ -98,6 +106,14 @@ class TokenStats:
         values.update(zip([names[i] for i in at_max], maxima.cpu().tolist()))
         tokens = max(values["response_tokens"], 1.0)
         return {name: values[name] / tokens if rule == "mean" else values[name] for name, rule in zip(names, rules)}
+
+
+def step_metrics(with_reference: bool) -> tuple[str, ...]:
+    """What `RLTrainer.step` reports, in the order of a metrics row: the engine's step, the statistics of the
+    response tokens (`TokenStats`), the batch's response length and the step's speed, whether the step was
+    skipped."""
+    return ("loss", "grad_norm", "lr", *TokenStats.reported(with_reference), "response_length", "tokens_per_s",
+            "skipped")
 
 
 @dataclass
