@@ -1,10 +1,20 @@
 """The staleness study: synchronous on-policy training against asynchronous training at staleness 1, 2, 4 and 8,
-each with AIPO's importance weights and without them (the behaviour policy ignored).
+each with AIPO's importance weights, without them (the behaviour policy ignored), and with the peers' corrections
+(`algorithm.correction`: mask, decoupled, sequence), over seeds.
 
     python benchmarks/staleness.py                          # the default task (tiny model), 400 RL steps each
     python benchmarks/staleness.py --settings sync,async1,async4-uncorrected run.steps=200
     python benchmarks/staleness.py -c configs/smollm2-arithmetic.yaml   # the real-model recipe (30+ min a run)
     python benchmarks/staleness.py --from checkpoints/staleness-A checkpoints/staleness-B   # a study run in parts
+    python benchmarks/staleness.py -c configs/smollm2-arithmetic.yaml --seeds 3 \
+        --settings sync,async1,async1-uncorrected,async4,async4-uncorrected,async4-mask,async4-decoupled,async4-sequence
+
+Seeds: `--seeds N` runs each setting N times, with run.seed = 1234, 1235, ... (the seed changes the sampling and the
+order of the training problems, never the held-out set) into <setting>-seed<i>/. Each setting's held-out accuracy
+at the last evaluation is reported as the mean over seeds with its standard error, and pairs of settings (the
+claims the study tests) as the mean of their paired differences, seed by seed, with its standard error
+(`seed_stats`, `paired`). The seed spread already holds each evaluation's binomial noise, p(1 - p)/n for n
+held-out responses; with three seeds the spread's estimate is itself rough, so the binomial variance is its floor.
 
 Each setting is one `megatron-rl train` from scratch (same seed, same data; only the schedule and the correction
 differ) into checkpoints/staleness-<time>/<setting>/. Held-out reward is plotted against RL step and against wall
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,24 +45,41 @@ SETTINGS = {
     **{f"async{s}": ["rollout.mode=async", f"rollout.staleness={s}"] for s in (1, 2, 4, 8)},
     **{f"async{s}-uncorrected": ["rollout.mode=async", f"rollout.staleness={s}", "algorithm.importance_weights=false"]
        for s in (1, 2, 4, 8)},
+    **{f"async{s}-{c}": ["rollout.mode=async", f"rollout.staleness={s}", f"algorithm.correction={c}"]
+       for s in (1, 2, 4, 8) for c in ("mask", "decoupled", "sequence")},
 }
+FIRST_SEED = 1234  # run.seed's default: seed 0 of a study is the run a study without --seeds makes
+# The claims the study tests, as (setting, against it): the paper's (async AIPO as good as sync), AReaL's (a
+# correction beats none at staleness 4), and the goal (a correction at staleness 4 as good as sync).
+PAIRS = [("async1", "sync"), ("async1", "async1-uncorrected"), ("async4", "async4-uncorrected"),
+         *((f"async4-{c}", "async4-uncorrected") for c in ("mask", "decoupled", "sequence")),
+         *((f"async4{c}", "sync") for c in ("", "-mask", "-decoupled", "-sequence"))]
 
 
 COLORS = {"sync": "black", "async1": "tab:blue", "async2": "tab:orange", "async4": "tab:green", "async8": "tab:red"}
 
 
-def run_setting(name: str, config: str | None, overrides: list[str], root: Path) -> dict:
+def run_name(setting: str, seed: int | None) -> str:
+    return setting if seed is None else f"{setting}-seed{seed}"
+
+
+def run_setting(name: str, config: str | None, overrides: list[str], root: Path, seed: int | None = None) -> dict:
+    seeded = [] if seed is None else [f"run.seed={FIRST_SEED + seed}"]
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", *(["-c", config] if config else []),
-           f"checkpoint.dir={root}", f"run.name={name}", *SETTINGS[name], *overrides]
+           f"checkpoint.dir={root}", f"run.name={run_name(name, seed)}", *SETTINGS[name], *overrides, *seeded]
     print("$", " ".join(cmd[2:]), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                    stdout=subprocess.DEVNULL)
-    return {**summarize(name, root / name), "wall_s": round(time.perf_counter() - t0, 1)}
+    return {**summarize(name, root / run_name(name, seed), seed), "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def summarize(name: str, run_dir: Path) -> dict:
-    """One setting's row and curve, from the metrics.jsonl of its run directory."""
+def summarize(name: str, run_dir: Path, seed: int | None = None) -> dict:
+    """One run's row and curve, from the metrics.jsonl of its run directory; `heldout` is the number of held-out
+    responses each evaluation scores (data.eval_size x data.eval_samples, from its config.yaml)."""
+    import yaml
+
+    data = yaml.safe_load((run_dir / "config.yaml").read_text())["data"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval/reward" in r]
     t_rl = 0.0
@@ -61,7 +89,8 @@ def summarize(name: str, run_dir: Path) -> dict:
         if "eval/reward" in r:
             curve.append((r["step"], round(t_rl, 2), r["eval/reward"]))
     tail = evals[-max(len(evals) // 4, 1):]
-    return {"setting": name, "wall_s": None, "start": evals[0]["eval/reward"],
+    return {"setting": name, "seed": seed, "heldout": data["eval_size"] * data["eval_samples"], "wall_s": None,
+            "start": evals[0]["eval/reward"],
             "best": max(e["eval/reward"] for e in evals), "last": evals[-1]["eval/reward"],
             "last_quarter_mean": round(sum(e["eval/reward"] for e in tail) / len(tail), 4),
             "mean_step_s": round(sum(r["time/total_s"] for r in rows) / len(rows), 4),
@@ -69,58 +98,168 @@ def summarize(name: str, run_dir: Path) -> dict:
             "curve": curve}
 
 
+def _setting_and_seed(dirname: str) -> tuple[str, int | None]:
+    name, sep, seed = dirname.rpartition("-seed")
+    return (name, int(seed)) if sep and seed.isdigit() else (dirname, None)
+
+
 def collect(sources: list[Path]) -> list[dict]:
-    """The settings of a study run in parts, in the order of SETTINGS. Each source is a study directory (one
-    subdirectory per setting run, with its metrics.jsonl) or a study.json (the results a study wrote, kept when its
-    run directories are gone). A setting found twice is an error: which one to plot would be a guess."""
-    found: dict[str, tuple[Path, dict]] = {}
+    """The runs of a study run in parts, in the order of SETTINGS, then seed. Each source is a study directory (one
+    subdirectory per run, <setting> or <setting>-seed<i>, with its metrics.jsonl) or a study.json (the results a
+    study wrote, kept when its run directories are gone). A run found twice is an error: which one to use would be
+    a guess."""
+    found: dict[tuple, tuple[Path, dict]] = {}
     for src in sources:
         if src.is_file():
-            rows = json.loads(src.read_text())["results"]
+            study = json.loads(src.read_text())
+            rows = study["results"]
+            for r in rows:  # files written before seeds: the held-out count from the study's own config
+                r.setdefault("heldout", _heldout(study.get("config"), study.get("overrides") or []))
         elif src.is_dir():
-            rows = [summarize(n, src / n) for n in SETTINGS if (src / n / "metrics.jsonl").is_file()]
+            rows = []
+            for d in sorted(src.iterdir()):
+                if (d / "metrics.jsonl").is_file():
+                    name, seed = _setting_and_seed(d.name)
+                    rows.append(summarize(name, d, seed))
         else:
             raise SystemExit(f"staleness.py: --from {src}: no such file or directory")
         for r in rows:
             if r["setting"] not in SETTINGS:
                 raise SystemExit(f"staleness.py: {src}: unknown setting {r['setting']!r}")
-            if r["setting"] in found:
-                raise SystemExit(f"staleness.py: setting {r['setting']} is in both {found[r['setting']][0]} and {src}")
-            found[r["setting"]] = (src, r)
+            key = (r["setting"], r.get("seed"))
+            if key in found:
+                raise SystemExit(f"staleness.py: run {run_name(*key)} is in both {found[key][0]} and {src}")
+            found[key] = (src, r)
     if not found:
         raise SystemExit(f"staleness.py: no runs of any setting in {', '.join(map(str, sources))}")
-    return [found[n][1] for n in SETTINGS if n in found]
+    order = {n: i for i, n in enumerate(SETTINGS)}
+    return [found[k][1] for k in sorted(found, key=lambda k: (order[k[0]], -1 if k[1] is None else k[1]))]
+
+
+def _heldout(config: str | None, overrides: list[str]) -> int | None:
+    """Held-out responses per evaluation of a study's job (data.eval_size x data.eval_samples)."""
+    from megatron_rl.config import load_config
+
+    if config is None or (config != "default" and not (ROOT / config).is_file()):
+        return None  # (a study.json that `--from --save` wrote names no config)
+    cfg = load_config(None if config == "default" else ROOT / config, overrides)
+    return cfg.data.eval_size * cfg.data.eval_samples
+
+
+def _variance(xs: list[float]) -> float:
+    m = sum(xs) / len(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
+
+
+def seed_stats(results: list[dict]) -> list[dict]:
+    """Each setting's held-out accuracy at its last evaluation: the mean over its seeds and that mean's standard
+    error, sqrt(max(s^2, p(1 - p)/n) / k) for k seeds with sample variance s^2, mean p and n held-out responses."""
+    out = []
+    for name in dict.fromkeys(r["setting"] for r in results):
+        runs = [r for r in results if r["setting"] == name]
+        acc = [r["last"] for r in runs]
+        k, p = len(acc), sum(acc) / len(acc)
+        binomial = p * (1 - p) / runs[0]["heldout"] if runs[0].get("heldout") else 0.0  # unknown in older files
+        se = math.sqrt(max(_variance(acc), binomial) / k) if binomial or k > 1 else None
+        out.append({"setting": name, "seeds": k, "mean": p, "se": se,
+                    "seed_sd": math.sqrt(_variance(acc)), "binomial_se_one_eval": math.sqrt(binomial)})
+    return out
+
+
+def paired(results: list[dict], a: str, b: str) -> dict | None:
+    """Setting a minus setting b, seed by seed over the seeds both ran: the mean difference, its standard error
+    (the same floor: the two evaluations' binomial variances), and the difference in SEs. None without a shared
+    seed."""
+    by = {(r["setting"], r.get("seed")): r for r in results}
+    shared = {s for (n, s) in by if n == a} & {s for (n, s) in by if n == b}
+    seeds = sorted(shared, key=lambda s: -1 if s is None else s)
+    if not seeds:
+        return None
+    d = [by[(a, s)]["last"] - by[(b, s)]["last"] for s in seeds]
+    means = {n: sum(by[(n, s)]["last"] for s in seeds) / len(seeds) for n in (a, b)}
+    binomial = sum(m * (1 - m) / by[(n, seeds[0])]["heldout"] for n, m in means.items()
+                   if by[(n, seeds[0])].get("heldout"))
+    diff = sum(d) / len(d)
+    se = math.sqrt(max(_variance(d), binomial) / len(d)) if binomial or len(d) > 1 else None
+    return {"a": a, "b": b, "seeds": len(d), "diff": diff, "se": se, "in_se": diff / se if se else None}
+
+
+def _pm(value: float, se: float | None) -> str:
+    return f"{value:+.3f} +- " + ("  n/a" if se is None else f"{se:5.3f}")
+
+
+STYLES = {"": "-", "uncorrected": "--", "mask": ":", "decoupled": "-.", "sequence": (0, (1, 1))}
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Held-out reward against RL step and against RL wall time: the mean over a setting's seeds, with a band of
+    one standard error of that mean where there are several."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for r in results:
-        style = "--" if r["setting"].endswith("uncorrected") else "-"
-        color = COLORS[r["setting"].split("-")[0]]  # one colour per staleness, AIPO and uncorrected alike
-        steps, secs, reward = zip(*r["curve"])
-        axes[0].plot(steps, reward, style, color=color, label=r["setting"])
-        if None not in secs:  # a study.json may keep only the step curve of a run
-            axes[1].plot(secs, reward, style, color=color, label=r["setting"])
+    for name in dict.fromkeys(r["setting"] for r in results):
+        curves = [r["curve"] for r in results if r["setting"] == name]
+        n = min(len(c) for c in curves)
+        steps = [c[0] for c in curves[0][:n]]
+        reward = [[c[i][2] for c in curves] for i in range(n)]
+        mean = [sum(v) / len(v) for v in reward]
+        se = [math.sqrt(_variance(v) / len(v)) for v in reward]
+        secs = [None if None in [c[i][1] for c in curves] else sum(c[i][1] for c in curves) / len(curves)
+                for i in range(n)]
+        style = STYLES[name.partition("-")[2]]
+        color = COLORS[name.split("-")[0]]  # one colour per staleness, one line style per correction
+        label = name + (f" ({len(curves)} seeds)" if len(curves) > 1 else "")
+        for ax, xs in ((axes[0], steps), (axes[1], secs)):
+            if None in xs:  # a study.json may keep only the step curve of a run
+                continue
+            ax.plot(xs, mean, linestyle=style, color=color, label=label)
+            if len(curves) > 1:
+                ax.fill_between(xs, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)],
+                                color=color, alpha=0.12)
     axes[0].set_xlabel("RL step")
     axes[1].set_xlabel("RL wall time (s)")
     for ax in axes:
         ax.set_ylabel("held-out reward")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("staleness study: AIPO (solid) and uncorrected (dashed)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("staleness study: AIPO (solid), uncorrected (dashed), mask (dotted), decoupled (dash-dot), "
+                 "sequence (dense dots)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+DEFAULT_SETTINGS = ["sync", *(f"async{s}{c}" for c in ("", "-uncorrected") for s in (1, 2, 4, 8))]
+
+
+def report(results: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Print the runs, the settings over seeds and the pairs the study tests; returns (settings, pairs)."""
+    print(f"{'run':<28} {'start':>6} {'best':>6} {'last':>6} {'last 1/4':>8} {'step s':>7} {'|dlogp|':>8}")
+    for r in results:
+        print(f"{run_name(r['setting'], r.get('seed')):<28} {r['start']:6.3f} {r['best']:6.3f} {r['last']:6.3f} "
+              f"{r['last_quarter_mean']:8.3f} {r['mean_step_s']:7.3f} {r['logp_diff_mean']:8.4f}")
+    stats = seed_stats(results)
+    print(f"\n{'setting':<22} {'seeds':>5} {'last eval, mean +- SE':>22} {'seed sd':>8} {'binomial SE':>12}")
+    for st in stats:
+        print(f"{st['setting']:<22} {st['seeds']:5d} {_pm(st['mean'], st['se']):>22} {st['seed_sd']:8.3f} "
+              f"{st['binomial_se_one_eval']:12.3f}")
+    pairs = [q for q in (paired(results, a, b) for a, b in PAIRS) if q is not None]
+    if pairs:
+        print(f"\n{'paired difference':<40} {'seeds':>5} {'mean +- SE':>16} {'in SE':>6}")
+    for q in pairs:
+        in_se = "" if q["in_se"] is None else f"{q['in_se']:+6.1f}"
+        print(f"{q['a'] + ' - ' + q['b']:<40} {q['seeds']:5d} {_pm(q['diff'], q['se']):>16} {in_se:>6}")
+    return stats, pairs
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", "-c", default=None, help="job config (default: the built-in default job)")
-    p.add_argument("--settings", default=",".join(SETTINGS), help="comma list of " + ", ".join(SETTINGS))
+    p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help="comma list of " + ", ".join(SETTINGS))
+    p.add_argument("--seeds", type=int, default=None, metavar="N",
+                   help="run each setting with N run seeds (1234, 1235, ...) into <setting>-seed<i>")
     p.add_argument("overrides", nargs="*", default=[], help="overrides for every run (default: run.steps=400)")
     p.add_argument("--from", dest="from_dirs", nargs="+", type=Path, metavar="SRC",
                    help="run nothing: tabulate and plot the settings of a study run in parts, from its study "
@@ -140,9 +279,13 @@ def main(argv=None) -> int:
             p.error(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
         overrides = args.overrides or (["run.steps=400"] if args.config is None else [])
         root = ROOT / "checkpoints" / f"staleness-{time.strftime('%Y%m%d-%H%M%S')}"
+        if args.seeds is not None and args.seeds < 1:
+            p.error("--seeds must be >= 1")
         results = []
-        for n in names:  # study.json is rewritten after each run, so a study cut short keeps what it finished
-            results.append(run_setting(n, args.config, overrides, root))
+        seeds = [None] if args.seeds is None else list(range(args.seeds))
+        for seed in seeds:  # every setting once, then again with the next seed: a study cut short stays balanced
+            for n in names:  # study.json is rewritten after each run, so a study cut short keeps what it finished
+                results.append(run_setting(n, args.config, overrides, root, seed))
             (root / "study.json").write_text(json.dumps(
                 {"config": args.config or "default", "overrides": overrides, "results": results}, indent=1) + "\n")
         png = args.plot or root / "staleness.png"
@@ -151,14 +294,12 @@ def main(argv=None) -> int:
         args.save.write_text(json.dumps({"from": [str(d) for d in args.from_dirs or []] or None,
                                          "config": args.config, "results": results}, indent=1) + "\n")
     print(f"wrote {png}")
-    print(f"{'setting':<22} {'start':>6} {'best':>6} {'last':>6} {'last 1/4':>8} {'step s':>7} {'|dlogp|':>8}")
-    for r in results:
-        print(f"{r['setting']:<22} {r['start']:6.3f} {r['best']:6.3f} {r['last']:6.3f} {r['last_quarter_mean']:8.3f} "
-              f"{r['mean_step_s']:7.3f} {r['logp_diff_mean']:8.4f}")
+    stats, pairs = report(results)
     source = {"from": [str(d) for d in args.from_dirs]} if args.from_dirs else {
         "config": args.config or "default", "overrides": overrides}
     emit({"benchmark": "staleness", **source, "plot": str(png),
-          "results": [{k: v for k, v in r.items() if k != "curve"} for r in results]})
+          "results": [{k: v for k, v in r.items() if k != "curve"} for r in results], "settings": stats,
+          "pairs": pairs})
     return 0
 
 

@@ -124,3 +124,69 @@ def test_prompt_and_padding_positions_get_no_gradient():
     # logits at position t score token t + 1: only positions whose next token is a response token get gradient.
     has_grad = logits.grad.abs().sum(-1) > 0
     assert has_grad.tolist() == [[False, True, True, True, False, False], [False, False, True, False, False, False]]
+
+
+# ---- the peers' corrections (algorithm.correction), each against its closed form -----------------------------------
+def _tokens(weights):
+    """A policy over 5 tokens, four sampled tokens, and behaviour log-probs that make pi/mu = `weights`."""
+    theta = torch.tensor([0.3, -1.0, 0.5, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 3, 2, 3])
+    adv = torch.tensor([1.5, -0.5, 2.0, 1.0], dtype=torch.float64)
+    logp_pi = _policy(theta, y)
+    logp_mu = logp_pi.detach() - torch.log(torch.tensor(weights, dtype=torch.float64))
+    return theta, y, adv, logp_pi, logp_mu
+
+
+def _expected(theta, y, adv, w):
+    return -sum(w[i] * adv[i] * _grad_logp(theta, y[i]) for i in range(len(y))) / len(y)
+
+
+def test_masked_importance_sampling_drops_tokens_out_of_range_in_either_direction():
+    """w = pi/mu inside [1/rho, rho], else 0 (not the bound): 0.1 < 1/4 and 8 > 4 carry no gradient."""
+    theta, y, adv, logp_pi, logp_mu = _tokens([0.1, 1.0, 8.0, 2.0])
+    loss, stats = aipo_token_loss(logp_pi, logp_mu, adv, AIPOSettings(rho=4.0, correction="mask"))
+    loss.mean().backward()
+    torch.testing.assert_close(theta.grad, _expected(theta, y, adv, [0.0, 1.0, 0.0, 2.0]), rtol=1e-12, atol=1e-12)
+    assert stats["truncated"].tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_decoupled_weights_by_the_behaviour_policy_drops_above_the_cap_and_clips_around_the_proximal_one():
+    """AReaL: w = pi_prox/mu (pi_prox = the step's own weights), 0 above rho; the clip of pi/pi_prox = 1 does not
+    bind in one step. Naive PPO (`ppo_clip` on pi/mu) instead gives the far-off tokens no gradient at all."""
+    theta, y, adv, logp_pi, logp_mu = _tokens([0.5, 1.0, 8.0, 2.0])
+    loss, stats = aipo_token_loss(logp_pi, logp_mu, adv, AIPOSettings(rho=4.0, correction="decoupled", ppo_clip=0.2))
+    loss.mean().backward()
+    torch.testing.assert_close(theta.grad, _expected(theta, y, adv, [0.5, 1.0, 0.0, 2.0]), rtol=1e-12, atol=1e-12)
+    assert stats["truncated"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    theta, y, adv, logp_pi, logp_mu = _tokens([0.5, 1.0, 8.0, 2.0])
+    aipo_token_loss(logp_pi, logp_mu, adv, AIPOSettings(rho=4.0, ppo_clip=0.2))[0].mean().backward()
+    # PPO's surrogate: ratio r in [0.8, 1.2] -> r A grad; out of range, the clipped (constant) branch wins when it is
+    # the smaller: A > 0 and r > 1.2 (token 2: 8.0, token 3: 2.0), or A < 0 and r < 0.8 (none); token 0 (r = 0.5,
+    # A > 0) keeps r A grad.
+    torch.testing.assert_close(theta.grad, _expected(theta, y, adv, [0.5, 1.0, 0.0, 0.0]), rtol=1e-12, atol=1e-12)
+
+
+def test_the_sequence_weight_is_the_truncated_geometric_mean_of_a_responses_ratios():
+    """Two responses of two tokens each, padded to three: w_i = min(exp(mean_t log(pi/mu)), rho) for each of its
+    tokens; the padding position neither counts in the mean nor gets a gradient (its advantage is zero here)."""
+    theta = torch.tensor([0.3, -1.0, 0.5, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([[0, 3, 1], [2, 3, 4]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    adv = torch.tensor([[1.5, 1.5, 0.0], [-0.5, -0.5, 0.0]], dtype=torch.float64)
+    logp_pi = torch.log_softmax(theta, -1)[y]
+    token_w = torch.tensor([[2.0, 8.0, 1.0], [0.25, 1.0, 1.0]], dtype=torch.float64)
+    logp_mu = logp_pi.detach() - torch.log(token_w)
+    loss, stats = aipo_token_loss(logp_pi, logp_mu, adv, AIPOSettings(rho=3.0, correction="sequence"), mask=mask)
+    (loss * mask).sum().backward()
+    w = [min((2.0 * 8.0) ** 0.5, 3.0), (0.25 * 1.0) ** 0.5]  # 4 -> truncated at 3; 0.5
+    expected = -sum(w[i] * adv[i, t] * _grad_logp(theta, y[i, t]) for i in range(2) for t in range(2))
+    torch.testing.assert_close(theta.grad, expected, rtol=1e-12, atol=1e-12)
+    assert stats["truncated"][mask].tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_a_correction_needs_importance_weights_and_ppo_clip_only_where_it_clips():
+    with pytest.raises(ValueError, match="correction='mask' needs algorithm.importance_weights=true"):
+        AIPOSettings(correction="mask", importance_weights=False)
+    with pytest.raises(ValueError, match="ppo_clip applies to algorithm.correction 'truncate'"):
+        AIPOSettings(correction="sequence", ppo_clip=0.2)
+    AIPOSettings(correction="decoupled", ppo_clip=0.1)  # its clip

@@ -47,6 +47,38 @@ def test_short_job_end_to_end(tmp_path, mode):
     assert (tmp_path / "t" / "config.yaml").exists()
 
 
+@pytest.mark.parametrize("correction", ["mask", "decoupled", "sequence"])
+def test_each_correction_trains_a_stale_pipelined_job_and_resumes(tmp_path, correction):
+    """algorithm.correction end to end: a two-stage trainer (PP2) two versions behind its generator; for one of
+    them, stopped after a checkpoint and resumed by a longer relaunch (resuming does not depend on the correction,
+    and each relaunch costs seconds of the suite). The closed forms are in test_aipo, the parallel step in
+    test_rl_trainer."""
+    base = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.sft_warmup_steps=0", "trainer.tp=1",
+            "trainer.pp=2", "rollout.staleness=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+            "rollout.max_new_tokens=4", "data.eval_size=4", "run.eval_interval=100", "checkpoint.save_interval=2",
+            f"algorithm.correction={correction}", f"checkpoint.dir={tmp_path}", "run.name=c"]
+    resume = correction == "mask"
+    out = subprocess.run(base + [f"run.steps={2 if resume else 4}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if resume:
+        again = subprocess.run(base + ["run.steps=4"], capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from_step"] == 2
+    rows = [json.loads(line) for line in open(tmp_path / "c" / "metrics.jsonl")]
+    # two versions behind; an extension generates afresh from the checkpoint's weights (version 2): the first run
+    # ended with no batch beyond its last step
+    versions = [(0, 0), (1, 0), (2, 2), (3, 2)] if resume else [(0, 0), (1, 0), (2, 0), (3, 1)]
+    assert [(r["step"], r["generated_with_version"]) for r in rows] == versions
+    assert all(r["skipped"] == 0 and 0 <= r["is_truncated_frac"] <= 1 for r in rows)
+    assert yaml_value(tmp_path / "c" / "config.yaml", "algorithm", "correction") == correction
+
+
+def yaml_value(path, section, key):
+    import yaml
+
+    return yaml.safe_load(path.read_text())[section][key]
+
+
 def _dcp_tensors(path):
     """Every tensor of a torch_dist checkpoint directory, by its flattened key."""
     import tempfile

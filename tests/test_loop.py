@@ -237,3 +237,19 @@ def test_save_interval_0_keeps_only_the_final_checkpoint():
     assert [a for a in job_plan(5, 1, save_interval=0) if isinstance(a, Checkpoint)] == [Checkpoint(5)]
     assert [a for a in job_plan(5, 1, start=2, save_interval=0, fresh=False) if isinstance(a, Checkpoint)] == [
         Checkpoint(5)]
+
+
+def test_the_log_prob_gap_warning_comes_once_when_the_windowed_mean_passes_the_threshold():
+    from megatron_rl.controller.metrics import GAP_WINDOW, LOGP_GAP_WARN, GapWatch
+
+    said = []
+    watch = GapWatch(4, said.append)
+    below, above = LOGP_GAP_WARN * 0.5, LOGP_GAP_WARN * 1.5
+    for step, gap in enumerate([above] * 2 + [below] * GAP_WINDOW):  # no window of 5 averages above it
+        watch.see({"step": step, "logp_diff_mean": gap})
+    assert said == []
+    for step in range(10, 10 + 2 * GAP_WINDOW):
+        watch.see({"step": step, "logp_diff_mean": above} if step % 2 else {"step": step})  # rows without it too
+    # the window's mean passes the threshold with its third row of 1.5x (3 x 1.5 + 2 x 0.5 > 5): step 15
+    assert len(said) == 1 and "rollout staleness 4" in said[0] and f"past {LOGP_GAP_WARN}" in said[0]
+    assert said[0].startswith("megatron-rl: warning: at step 15 ")

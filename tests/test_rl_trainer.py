@@ -20,6 +20,8 @@ CASES = [
     ("aipo-token", dict(tp=2, pp=2, dp=2), dict(rho=2.0)),
     ("sequence-kl-entropy", dict(tp=2, pp=2, dp=2), dict(rho=2.0, normalization="sequence", kl_coef=0.1,
                                                           entropy_coef=0.01)),
+    # one weight per response from the mean of its tokens' log-ratios: a row-level reduction on the last stage
+    ("sequence-weight", dict(tp=2, pp=2, dp=2), dict(rho=1.5, correction="sequence")),
 ]
 
 

@@ -7,6 +7,24 @@ Per response token t, with pi the trainer policy and mu the generator that sampl
 
 so grad L = - mean( min(w_t, rho) * A * grad logp_pi ). `importance_weights=False` sets w_t = 1: the plain
 on-policy gradient applied to off-policy samples, the uncorrected baseline that AIPO is measured against.
+
+The peers' corrections (`correction`; r_t = exp(logp_pi - logp_mu), detached):
+- "mask" (masked importance sampling, as slime's IcePop and verl's token mask): w_t = r_t where
+  1/rho <= r_t <= rho, else 0. Where "truncate" keeps a token whose ratio is out of range at the bound, "mask"
+  drops it: a token the two policies disagree on that much carries no gradient at all, in either direction.
+- "decoupled" (AReaL's decoupled PPO): the behaviour policy gives the weight w_t = pi_prox / mu, with tokens above
+  rho dropped (AReaL's `behav_imp_weight_cap`), and the proximal policy pi_prox, the trainer's weights before this
+  step, gives PPO's clip: L = - w_t * min(q_t A, clip(q_t, 1 - eps, 1 + eps) A), q_t = pi / pi_prox. Our trainer
+  makes one optimizer step per batch, so pi_prox is the policy whose log-probs the step computes (detached) and
+  q_t = 1: the clip does not bind, and the update is the weight's, w_t A grad logp_pi. It bounds what the stale
+  behaviour policy can do (drop, not shrink, tokens it sampled far off) and keeps the clip a trust region around
+  the trainer's own last weights, not around the stale generator's (which is what collapses naive PPO at high
+  staleness: `ppo_clip` with "truncate").
+- "sequence" (a sequence-level geometric-mean ratio, as GSPO's and verl's `seq_mean` weights): one weight per
+  response, w = min(exp(mean over its tokens of (logp_pi - logp_mu)), rho), for every token of it. The mean of
+  log-ratios has far less variance than their sum (the product of token ratios), and no single token's weight can
+  dominate a response.
+
 Options, off by default:
 - `ppo_clip=eps`: replace the weighted term by PPO's clipped surrogate of the ratio pi/mu,
   -min(r A, clip(r, 1 - eps, 1 + eps) A);
@@ -20,6 +38,7 @@ and data-parallel ranks before dividing.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -27,22 +46,47 @@ import torch
 from megatron_rl.algorithms.settings import AIPOSettings
 
 
+def behaviour_weight(log_ratio: torch.Tensor, settings: AIPOSettings,
+                     mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weight of each token, whether the correction changed it: truncated or dropped) for the detached
+    log-ratio logp_pi - logp_mu [..., s]. `mask` marks the response tokens [..., s] (all, when None); only
+    "sequence" needs it, to average each response's log-ratios over its own tokens."""
+    ratio = torch.exp(log_ratio)
+    rho = settings.rho
+    if not settings.importance_weights or settings.correction == "truncate":
+        weight = torch.clamp(ratio, max=rho) if settings.importance_weights else torch.ones_like(ratio)
+        return weight, ratio > rho
+    if settings.correction in ("mask", "decoupled"):
+        keep = log_ratio.abs() <= math.log(rho) if settings.correction == "mask" else ratio <= rho
+        return torch.where(keep, ratio, torch.zeros_like(ratio)), ~keep
+    m = torch.ones_like(log_ratio) if mask is None else mask.to(log_ratio.dtype)
+    mean = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    seq = torch.exp(mean).expand_as(log_ratio)
+    return torch.clamp(seq, max=rho), seq > rho
+
+
 def aipo_token_loss(logp_pi: torch.Tensor, logp_mu: torch.Tensor, advantages: torch.Tensor,
                     settings: AIPOSettings, logp_ref: Optional[torch.Tensor] = None,
-                    entropy: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """Per-token loss (same shape as logp_pi) and per-token statistics (detached)."""
+                    entropy: Optional[torch.Tensor] = None,
+                    mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """Per-token loss (same shape as logp_pi) and per-token statistics (detached). `mask`: the response tokens
+    (`behaviour_weight`)."""
     log_ratio = logp_pi.detach() - logp_mu
     ratio = torch.exp(log_ratio)
-    truncated = torch.clamp(ratio, max=settings.rho)
-    if not settings.importance_weights:
+    weight, changed = behaviour_weight(log_ratio, settings, mask)
+    if settings.importance_weights and settings.correction == "decoupled":
+        q = torch.exp(logp_pi - logp_pi.detach())  # pi / pi_prox: 1, with the gradient of logp_pi
+        eps = 0.2 if settings.ppo_clip is None else settings.ppo_clip
+        loss = -weight * torch.minimum(q * advantages, torch.clamp(q, 1 - eps, 1 + eps) * advantages)
+    elif not settings.importance_weights:
         loss = -advantages * logp_pi
     elif settings.ppo_clip is None:
-        loss = -truncated * advantages * logp_pi
+        loss = -weight * advantages * logp_pi
     else:
         r = torch.exp(logp_pi - logp_mu)
         clipped = torch.clamp(r, 1 - settings.ppo_clip, 1 + settings.ppo_clip)
         loss = -torch.minimum(r * advantages, clipped * advantages)
-    stats = {"ratio": ratio, "truncated": (ratio > settings.rho).to(ratio.dtype),
+    stats = {"ratio": ratio, "truncated": changed.to(ratio.dtype),
              "kl_mu_pi": -log_ratio, "abs_log_ratio": log_ratio.abs()}
     if settings.kl_coef:
         if logp_ref is None:

@@ -11,8 +11,13 @@ from megatron_rl.settings import Section, ranged
 
 @dataclass
 class AIPOSettings(Section):
-    """rho truncates the importance weight; `ppo_clip` switches to PPO's clipped surrogate of the same ratio;
-    `kl_coef` and `entropy_coef` add a KL penalty to a frozen reference and an entropy bonus (`aipo.py`)."""
+    """How the trainer learns from rollouts a stale generator sampled (`aipo.py` has the formulas). `correction`:
+    how the behaviour policy mu enters the loss when `importance_weights` is true: "truncate" (AIPO: the weight
+    pi/mu, truncated at rho), "mask" (the weight pi/mu, tokens with it outside [1/rho, rho] dropped), "decoupled"
+    (AReaL: the weight pi_prox/mu, tokens with it above rho dropped, and PPO's clip of pi/pi_prox), "sequence" (one
+    weight per response, the geometric mean of pi/mu over its tokens, truncated at rho). `ppo_clip` switches
+    "truncate" to PPO's clipped surrogate of pi/mu, and is the clip of "decoupled" (0.2 when unset). `kl_coef` and
+    `entropy_coef` add a KL penalty to a frozen reference and an entropy bonus."""
 
     SECTION: ClassVar[str] = "algorithm"
     name: Literal["aipo"] = "aipo"
@@ -25,8 +30,16 @@ class AIPOSettings(Section):
     # false: ignore the behaviour policy (weights of 1, as if every sample were on-policy): the uncorrected
     # baseline of the staleness study, not a setting to train with.
     importance_weights: bool = True
+    correction: Literal["truncate", "mask", "decoupled", "sequence"] = "truncate"
 
     def rules(self, path: str) -> list[str]:
+        out = []
         if self.ppo_clip is not None and not self.importance_weights:
-            return [f"{path}.ppo_clip needs {path}.importance_weights=true (its ratio is pi / mu)"]
-        return []
+            out.append(f"{path}.ppo_clip needs {path}.importance_weights=true (its ratio is pi / mu)")
+        if self.correction != "truncate" and not self.importance_weights:
+            out.append(f"{path}.correction={self.correction!r} needs {path}.importance_weights=true (false ignores "
+                       f"the behaviour policy)")
+        elif self.ppo_clip is not None and self.correction in ("mask", "sequence"):
+            out.append(f"{path}.ppo_clip applies to {path}.correction 'truncate' (PPO's clip of pi/mu) or "
+                       f"'decoupled' (its clip of pi/pi_prox), not {self.correction!r}")
+        return out

@@ -180,7 +180,7 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
     from megatron_rl.checkpointing.training import storage_fault_line
     from megatron_rl.controller import loop
     from megatron_rl.controller.job import Job
-    from megatron_rl.controller.metrics import open_metrics
+    from megatron_rl.controller.metrics import GapWatch, open_metrics
 
     t0 = time.perf_counter()
     sft = cfg.trainer.sft_warmup_steps
@@ -198,11 +198,14 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
         if bar is not None:
             bar.write(text, file=sys.stderr)
 
+    gap = GapWatch(cfg.rollout.lag, echo)
+
     def on_row(row: dict) -> None:
         nonlocal writer
         if writer is None:  # the first row's step is where this run starts: a resumed run drops later rows
             writer = open_metrics(cfg, Path(run_dir), row["step"], echo)
         writer.write(row)
+        gap.see(row)
 
     failing = False
     try:
@@ -446,9 +449,9 @@ def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extr
 
 def report_config_error(world: Union[LocalWorld, EnvWorld], line: str, wait_s: float = 60.0) -> int:
     """Rank 0 (the local launcher is rank 0) prints the error and exits with 2. The other ranks found the same error
-    but stay quiet: they wait for the launcher (torchrun, or srun --kill-on-bad-exit) to end them once rank 0 has exited, so the line is printed
-    once and is not lost when a faster rank's exit makes the launcher kill rank 0 first; after `wait_s` they exit
-    with 2 on their own."""
+    but stay quiet: they wait for the launcher (torchrun, or srun --kill-on-bad-exit) to end them once rank 0 has
+    exited, so the line is printed once and is not lost when a faster rank's exit makes the launcher kill rank 0
+    first; after `wait_s` they exit with 2 on their own."""
     if world.rank == 0:
         print(line, file=sys.stderr, flush=True)
     else:

@@ -76,6 +76,38 @@ def open_metrics(cfg: "JobConfig", run_dir: Path, start_step: int, echo: Optiona
     return MetricsWriter(run_dir, start_step=start_step, wandb=wandb)
 
 
+# The trainer-generator log-prob gap (`logp_diff_mean`, the mean |logp_pi - logp_mu| over a step's response tokens)
+# above which the staleness study on the real-model recipe saw held-out accuracy fall (docs/benchmarks.md): 0.047
+# at staleness 1 held up against sync, 0.080 at staleness 2 did not. One seed each: the seeded study revises it.
+LOGP_GAP_WARN = 0.08
+GAP_WINDOW = 5  # steps the gap is averaged over before it is compared
+
+
+class GapWatch:
+    """Tells the user, once per process, when the trainer-generator log-prob gap averaged over the last
+    `GAP_WINDOW` steps passes `LOGP_GAP_WARN`: the generator runs far enough behind (or computes differently enough)
+    that learning suffered there in the study."""
+
+    def __init__(self, staleness: int, say: Callable[[str], None]):
+        self.staleness, self.say = staleness, say
+        self.recent: list[float] = []
+        self.warned = False
+
+    def see(self, row: dict) -> None:
+        gap = row.get("logp_diff_mean")
+        if self.warned or not isinstance(gap, (int, float)) or not math.isfinite(gap):
+            return
+        self.recent = (self.recent + [float(gap)])[-GAP_WINDOW:]
+        mean = sum(self.recent) / len(self.recent)
+        if len(self.recent) == GAP_WINDOW and mean > LOGP_GAP_WARN:
+            self.warned = True
+            self.say(f"megatron-rl: warning: at step {row.get('step')} the trainer and the generator differ by "
+                     f"{mean:.3f} nats a token (logp_diff_mean over {GAP_WINDOW} steps, rollout staleness "
+                     f"{self.staleness}); past {LOGP_GAP_WARN}, held-out accuracy fell in the staleness study "
+                     f"(docs/benchmarks.md): lower rollout.staleness, or check generator.dtype and "
+                     f"generator.quantization")
+
+
 def scalars(row: dict) -> dict[str, float]:
     """The plottable values of a row (what TensorBoard and W&B get): finite numbers, not booleans or lists."""
     return {k: v for k, v in row.items()

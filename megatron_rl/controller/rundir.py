@@ -31,8 +31,9 @@ from megatron_rl.models.presets import PRESETS
 
 # Fields a resume may change: a name, or a section prefix ending in ".".
 RESUMABLE = ("run.name", "run.steps", "run.eval_interval", "run.world_size", "run.backend", "run.wandb.",
-             "run.stop_grace_s", "checkpoint.", "trainer.lr", "trainer.tp", "trainer.pp", "trainer.dp", "trainer.micro_batch_size", "trainer.attention",
-             "trainer.max_nonfinite_steps", "generator.", "reward.timeout_s", "reward.num_workers")
+             "run.stop_grace_s", "checkpoint.", "trainer.lr", "trainer.tp", "trainer.pp", "trainer.dp",
+             "trainer.micro_batch_size", "trainer.attention", "trainer.max_nonfinite_steps", "generator.",
+             "reward.timeout_s", "reward.num_workers")
 
 
 def may_change_on_resume(key: str) -> bool:

@@ -188,7 +188,7 @@ def aipo_microbatch_loss(logits: torch.Tensor, mb: dict, tp_group, vocab_size: i
     adv = mb["adv"].unsqueeze(1).expand_as(logp_pi)
     # Outside the mask, keep the arithmetic finite (those positions are zeroed below anyway).
     logp_mu = torch.where(mask, mb["logp_mu"], logp_pi.detach())
-    loss_tok, stats = aipo_token_loss(logp_pi, logp_mu, adv, s.aipo, mb.get("logp_ref"), entropy)
+    loss_tok, stats = aipo_token_loss(logp_pi, logp_mu, adv, s.aipo, mb.get("logp_ref"), entropy, mask=mask)
     loss_tok = torch.where(mask, loss_tok, torch.zeros_like(loss_tok))
     loss_sum, count = normalize(loss_tok, mask, s.aipo.normalization)
     return loss_sum, count.to(torch.int64), TokenStats.of_micro_batch(stats, mask)

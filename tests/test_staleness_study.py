@@ -1,0 +1,40 @@
+"""The staleness study's statistics (benchmarks/staleness.py) against hand computations."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+_spec = importlib.util.spec_from_file_location("staleness_study", BENCH / "staleness.py")
+study = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(study)
+
+
+def _run(setting, seed, last):
+    return {"setting": setting, "seed": seed, "last": last, "heldout": 100}
+
+
+def test_a_settings_mean_over_seeds_and_its_standard_error_with_the_binomial_floor():
+    results = [_run("a", 0, 0.5), _run("a", 1, 0.7), _run("b", 0, 0.4), _run("b", 1, 0.4)]
+    a, b = study.seed_stats(results)
+    # a: seeds spread s^2 = (0.1^2 + 0.1^2) / 1 = 0.02 above the binomial 0.6 * 0.4 / 100: SE = sqrt(0.02 / 2)
+    assert (a["seeds"], a["mean"], a["se"]) == (2, pytest.approx(0.6), pytest.approx(0.1))
+    # b: no spread between its two seeds; the binomial variance 0.4 * 0.6 / 100 is the floor: sqrt(0.0024 / 2)
+    assert (b["mean"], b["se"]) == (pytest.approx(0.4), pytest.approx(0.0024 ** 0.5 / 2 ** 0.5))
+    q = study.paired(results, "a", "b")
+    # differences 0.1 and 0.3: mean 0.2, s^2 = 0.02 > 2 x 0.0024: SE = sqrt(0.02 / 2) = 0.1, two SE
+    assert (q["seeds"], q["diff"], q["se"], q["in_se"]) == (2, pytest.approx(0.2), pytest.approx(0.1),
+                                                            pytest.approx(2.0))
+    assert study.paired(results, "a", "c") is None
+
+
+def test_run_directories_name_setting_and_seed_and_every_new_correction_is_a_setting():
+    assert study._setting_and_seed("async4-mask-seed2") == ("async4-mask", 2)
+    assert study._setting_and_seed("async4-uncorrected") == ("async4-uncorrected", None)
+    assert study.run_name("sync", 1) == "sync-seed1" and study.run_name("sync", None) == "sync"
+    for correction in ("mask", "decoupled", "sequence"):
+        assert f"algorithm.correction={correction}" in study.SETTINGS[f"async4-{correction}"]
+    assert all(a in study.SETTINGS and b in study.SETTINGS for a, b in study.PAIRS)
