@@ -188,7 +188,7 @@ def _pm(value: float, se: float | None) -> str:
     return f"{value:+.3f} +- " + ("  n/a" if se is None else f"{se:5.3f}")
 
 
-STYLES = {"": "-", "uncorrected": "--", "mask": ":", "decoupled": "-.", "sequence": (0, (1, 1))}
+STYLES = {"": "-", "uncorrected": "--", "mask": ":", "decoupled": "-.", "sequence": (0, (6, 2, 1, 2, 1, 2))}
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -226,7 +226,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("staleness study: AIPO (solid), uncorrected (dashed), mask (dotted), decoupled (dash-dot), "
-                 "sequence (dense dots)")
+                 "sequence (dash-dot-dot)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
