@@ -18,8 +18,8 @@ The peers' corrections (`correction`; r_t = exp(logp_pi - logp_mu), detached):
   makes one optimizer step per batch, so pi_prox is the policy whose log-probs the step computes (detached) and
   q_t = 1: the clip does not bind, and the update is the weight's, w_t A grad logp_pi. It bounds what the stale
   behaviour policy can do (drop, not shrink, tokens it sampled far off) and keeps the clip a trust region around
-  the trainer's own last weights, not around the stale generator's (which is what collapses naive PPO at high
-  staleness: `ppo_clip` with "truncate").
+  the trainer's own last weights, not around the stale generator's (AReaL reports that the latter, naive PPO, i.e.
+  `ppo_clip` with "truncate", collapses at high staleness; not measured here).
 - "sequence" (a sequence-level geometric-mean ratio, as GSPO's and verl's `seq_mean` weights): one weight per
   response, w = min(exp(mean over its tokens of (logp_pi - logp_mu)), rho), for every token of it. The mean of
   log-ratios has far less variance than their sum (the product of token ratios), and no single token's weight can
