@@ -8,6 +8,7 @@ each with AIPO's importance weights, without them (the behaviour policy ignored)
     python benchmarks/staleness.py --from checkpoints/staleness-A checkpoints/staleness-B   # a study run in parts
     python benchmarks/staleness.py -c configs/smollm2-arithmetic.yaml --seeds 3 \
         --settings sync,async1,async1-uncorrected,async4,async4-uncorrected,async4-mask,async4-decoupled,async4-sequence
+    python benchmarks/staleness.py ... --seeds 3 --first-seed 1     # seeds 1 and 2 only, to join seed 0's with --from
 
 Seeds: `--seeds N` runs each setting N times, with run.seed = 1234, 1235, ... (the seed changes the sampling and the
 order of the training problems, never the held-out set) into <setting>-seed<i>/. Each setting's held-out accuracy
@@ -126,7 +127,9 @@ def collect(sources: list[Path]) -> list[dict]:
         for r in rows:
             if r["setting"] not in SETTINGS:
                 raise SystemExit(f"staleness.py: {src}: unknown setting {r['setting']!r}")
-            key = (r["setting"], r.get("seed"))
+            if r.get("seed") is None:  # a run without --seeds ran at run.seed 1234: seed 0 of a seeded study
+                r["seed"] = 0
+            key = (r["setting"], r["seed"])
             if key in found:
                 raise SystemExit(f"staleness.py: run {run_name(*key)} is in both {found[key][0]} and {src}")
             found[key] = (src, r)
@@ -260,6 +263,8 @@ def main(argv=None) -> int:
     p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help="comma list of " + ", ".join(SETTINGS))
     p.add_argument("--seeds", type=int, default=None, metavar="N",
                    help="run each setting with N run seeds (1234, 1235, ...) into <setting>-seed<i>")
+    p.add_argument("--first-seed", type=int, default=0, metavar="I",
+                   help="with --seeds N: run seeds I..N-1 only (a study continued in parts; --from joins them)")
     p.add_argument("overrides", nargs="*", default=[], help="overrides for every run (default: run.steps=400)")
     p.add_argument("--from", dest="from_dirs", nargs="+", type=Path, metavar="SRC",
                    help="run nothing: tabulate and plot the settings of a study run in parts, from its study "
@@ -279,10 +284,10 @@ def main(argv=None) -> int:
             p.error(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
         overrides = args.overrides or (["run.steps=400"] if args.config is None else [])
         root = ROOT / "checkpoints" / f"staleness-{time.strftime('%Y%m%d-%H%M%S')}"
-        if args.seeds is not None and args.seeds < 1:
-            p.error("--seeds must be >= 1")
+        if args.seeds is not None and not 0 <= args.first_seed < args.seeds:
+            p.error("--seeds N must be >= 1 and --first-seed below it")
         results = []
-        seeds = [None] if args.seeds is None else list(range(args.seeds))
+        seeds = [None] if args.seeds is None else list(range(args.first_seed, args.seeds))
         for seed in seeds:  # every setting once, then again with the next seed: a study cut short stays balanced
             for n in names:  # study.json is rewritten after each run, so a study cut short keeps what it finished
                 results.append(run_setting(n, args.config, overrides, root, seed))

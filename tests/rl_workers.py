@@ -75,4 +75,57 @@ def rl_step_worker(rank, world_size, layout_kw, state_path, aipo_kw, micro, nan_
         out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
     out["metrics"] = trainer.step(make_rollouts(cfg.vocab_size))
     out["params"] = gather_full_state_dict(model, cfg, g.pgs)
+    out["one_rank_syncs_skipped"] = "start_param_sync" in vars(trainer.engine.model)
+    return out
+
+
+def one_rank_syncs_worker(rank, world_size, state_path):
+    """Two steps of the same single-rank trainer with Megatron-Core's one-rank gradient and parameter collectives
+    skipped (the engine's default there) and run: the weights after each."""
+    cfg = get_preset("tiny")
+    layout = ParallelLayout(tp=1)
+    g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
+    out = {}
+    for how in ("skipped", "run"):
+        model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa")
+        load_full_state_dict(model, torch.load(state_path), cfg, g.pgs)
+        settings = RLTrainerSettings(TrainerSettings(micro_batch_size=4), AIPOSettings(rho=2.0), LRSchedule(lr=1e-3))
+        trainer = RLTrainer(model, cfg, g, settings)
+        ddp = trainer.engine.model
+        out[how, "was_skipped"] = "start_param_sync" in vars(ddp)
+        if how == "run":
+            for name in ("start_grad_sync", "finish_grad_sync", "start_param_sync"):
+                delattr(ddp, name)  # back to DistributedDataParallel's own methods
+        for step in range(2):
+            trainer.step(make_rollouts(cfg.vocab_size, seed=step))
+        out[how] = gather_full_state_dict(model, cfg, g.pgs)
+    return out
+
+
+def logits_at_positions_worker(rank, world_size, state_path):
+    """Log-probs, entropies and parameter gradients of one micro-batch's loss, from the whole [b, s, vocab] logits
+    and from the logits at the loss's positions only (`engine.logits_only_at`); and the same with no position."""
+    from megatron_rl.training.engine import model_forward
+    from megatron_rl.training.logprobs import target_logprobs_and_entropy
+    from megatron_rl.training.rl_trainer import make_micro_batches
+
+    cfg = get_preset("tiny")
+    layout = ParallelLayout(tp=1)
+    g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
+    model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa")
+    load_full_state_dict(model, torch.load(state_path), cfg, g.pgs)
+    mb = make_micro_batches(make_rollouts(cfg.vocab_size), 8, 24)[0]
+    out = {}
+    for name, mask in (("some", mb["loss_mask"]), ("none", torch.zeros_like(mb["loss_mask"]))):
+        positions = torch.nn.functional.pad(mask[:, 1:], (0, 1))
+        for how in ("whole", "selected"):
+            model.zero_grad()
+            logits = model_forward(model, mb["tokens"], False, positions if how == "selected" else None)
+            lp, ent = target_logprobs_and_entropy(logits, mb["tokens"], g.pgs.tp, cfg.vocab_size, 0.8, mask=mask,
+                                                  logits_at_mask=how == "selected")
+            weights = torch.linspace(-1, 1, lp.numel()).view_as(lp)
+            ((lp * weights).sum() + 0.3 * ent.sum()).backward()
+            grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+                     for n, p in model.named_parameters()}
+            out[name, how] = dict(shape=tuple(logits.shape), lp=lp.detach(), ent=ent.detach(), grads=grads)
     return out

@@ -114,3 +114,28 @@ def test_a_mask_computes_only_its_positions_with_the_same_values_and_gradients(m
     assert torch.all(lp_m[~mask] == 0) and torch.all(ent_m[~mask] == 0)
     torch.testing.assert_close(g_m, g_all, atol=1e-9, rtol=0)
     assert torch.all(g_m[~mask] == 0)
+
+
+def test_logits_spread_past_exps_range_give_exact_logprobs_entropies_and_gradients():
+    """A trained model's logits at temperature < 1 spread over more than 87, where exp(x - max) is subnormal or 0
+    (slow on CPUs; `_FLOOR` keeps the sums away from it): the log-probs, the entropies and their gradients still
+    equal the float64 closed forms, targets far below the max included."""
+    from megatron_rl.training.logprobs import vocab_parallel_logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=g) * 4
+    logits[:, :200] -= torch.linspace(40, 200, 200)  # two thirds of the vocabulary 70 to 330 below the rest at T=0.6
+    logits.requires_grad_(True)
+    target = torch.tensor([0, 10, 150, 250, 299, 199])  # three far below the max
+    lp, ent = vocab_parallel_logprobs_and_entropy(logits, target, None, 300, 0.6)
+    w_lp, w_ent = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    (lp * w_lp + ent * w_ent).sum().backward()
+    ref = logits.detach().double().requires_grad_(True)
+    ref_lp_all = torch.log_softmax(ref / 0.6, -1)
+    ref_lp = ref_lp_all.gather(1, target[:, None]).squeeze(1)
+    ref_ent = -(ref_lp_all.exp() * ref_lp_all).sum(-1)
+    (ref_lp * w_lp.double() + ref_ent * w_ent.double()).sum().backward()
+    assert ref_lp.min() < -100  # the far targets' log-probs are themselves far below exp's range
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=2e-5, rtol=1e-6)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(logits.grad.double(), ref.grad, atol=1e-6, rtol=1e-5)

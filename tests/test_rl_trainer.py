@@ -29,6 +29,8 @@ CASES = [
 def test_parallel_rl_step_matches_single_process(state_path, name, layout, aipo):
     ref = run_local(rl_step_worker, 1, dict(tp=1), state_path, aipo, 4)[0]
     out = run_local(rl_step_worker, 8, layout, state_path, aipo, 2)
+    # One DP rank: the DDP collectives over it are skipped (engine.skip_syncs_of_one_rank); two: they run.
+    assert ref["one_rank_syncs_skipped"] and not any(r["one_rank_syncs_skipped"] for r in out)
     full0 = torch.load(state_path)
     assert max((ref["params"][k] - full0[k]).abs().max().item() for k in full0) > 1e-4
     m = ref["metrics"]
@@ -61,3 +63,36 @@ def test_micro_batches_are_as_few_as_allowed_and_evenly_filled():
             count = -(-n // rows)
             assert rows <= limit and count == -(-n // limit)  # never more micro-batches than needed
             assert count * rows - n < count  # at most one padding row per micro-batch
+
+
+def test_logits_at_the_loss_positions_give_the_whole_logits_answer(state_path):
+    """The trainer computes logits only where the loss reads them (prompt positions cost the output layer and a
+    vocabulary pass for nothing): log-probs, entropies and every gradient equal those from the whole logits."""
+    from rl_workers import logits_at_positions_worker
+
+    out = run_local(logits_at_positions_worker, 1, state_path)[0]
+    whole, sel = out["some", "whole"], out["some", "selected"]
+    n = int((sel["lp"] != 0).sum())
+    assert whole["shape"][:2] == (8, 24) and sel["shape"][:2] == (1, n) and 20 < n < 8 * 24 // 2
+    torch.testing.assert_close(sel["lp"], whole["lp"], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(sel["ent"], whole["ent"], atol=1e-6, rtol=1e-6)
+    assert whole["grads"]["output_layer.weight"].abs().max() > 1e-3
+    for k, v in whole["grads"].items():
+        torch.testing.assert_close(sel["grads"][k], v, atol=1e-6, rtol=1e-5, msg=lambda s: f"{k}: {s}")
+    # A micro-batch with no response position (all padding) gives zeros and no gradient, not an error.
+    empty = out["none", "selected"]
+    assert empty["shape"][:2] == (1, 0) and not empty["lp"].any() and not empty["ent"].any()
+    assert all(not v.any() for v in empty["grads"].values())
+
+
+def test_skipping_the_collectives_of_one_data_parallel_rank_changes_no_bit(state_path):
+    """With one DP rank, Megatron-Core's gradient reduce-scatter and parameter all-gather return their input; gloo
+    runs them as whole-buffer copies. The engine skips them there: two steps give the same bits as with them."""
+    from rl_workers import one_rank_syncs_worker
+
+    out = run_local(one_rank_syncs_worker, 1, state_path)[0]
+    assert out["skipped", "was_skipped"] and out["run", "was_skipped"]
+    full0 = torch.load(state_path)
+    assert max((out["run"][k] - full0[k]).abs().max().item() for k in full0) > 1e-4  # the steps moved the weights
+    for k, v in out["run"].items():
+        assert torch.equal(out["skipped"][k], v), k

@@ -1,6 +1,7 @@
 """The staleness study's statistics (benchmarks/staleness.py) against hand computations."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -38,3 +39,19 @@ def test_run_directories_name_setting_and_seed_and_every_new_correction_is_a_set
     for correction in ("mask", "decoupled", "sequence"):
         assert f"algorithm.correction={correction}" in study.SETTINGS[f"async4-{correction}"]
     assert all(a in study.SETTINGS and b in study.SETTINGS for a, b in study.PAIRS)
+
+
+def test_a_run_made_without_seeds_joins_a_seeded_study_as_its_seed_0(tmp_path):
+    def study_file(name, seed, lasts):
+        rows = [{**_run(s, seed, last), "start": 0.1} for s, last in lasts.items()]
+        (tmp_path / name).write_text(json.dumps({"config": None, "results": rows}))
+        return tmp_path / name
+
+    first = study_file("first.json", None, {"sync": 0.7, "async1": 0.6})  # run.seed 1234, before --seeds
+    later = study_file("later.json", 1, {"sync": 0.8, "async1": 0.6})     # --seeds 2 --first-seed 1
+    results = study.collect([first, later])
+    assert [(r["setting"], r["seed"]) for r in results] == [("sync", 0), ("sync", 1), ("async1", 0), ("async1", 1)]
+    assert study.paired(results, "async1", "sync")["seeds"] == 2
+    again = study_file("again.json", 0, {"sync": 0.7})
+    with pytest.raises(SystemExit, match="sync-seed0 is in both"):
+        study.collect([first, again])

@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_rl.training.reference import unwrap
 from megatron_rl.training.settings import LRSchedule, TrainerSettings
 
 # loss_fn(logits_shard [b, s, v/tp], micro_batch) -> (loss_sum, num_tokens, metrics)
@@ -44,12 +45,68 @@ def _causal_mask(seq_len: int) -> torch.Tensor:
     return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), diagonal=1)
 
 
-def model_forward(model: torch.nn.Module, tokens: torch.Tensor, needs_mask: bool) -> torch.Tensor:
-    """GPTModel forward on [b, s] tokens with positions 0..s-1 (causal)."""
+def model_forward(model: torch.nn.Module, tokens: torch.Tensor, needs_mask: bool,
+                  logit_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """GPTModel forward on [b, s] tokens with positions 0..s-1 (causal). On the last stage: the logits [b, s, v/tp],
+    or, with `logit_positions` ([b, s] bool), only those positions' logits, [1, n, v/tp] in the mask's row-major
+    order (`logits_only_at`)."""
     b, s = tokens.shape
     position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     mask = _causal_mask(s).to(tokens.device) if needs_mask else None
-    return model(tokens, position_ids, mask)
+    with logits_only_at(model, logit_positions):
+        return model(tokens, position_ids, mask)
+
+
+@contextlib.contextmanager
+def logits_only_at(model: torch.nn.Module, positions: Optional[torch.Tensor]):
+    """Within the block, the model's output layer runs only on the hidden states at `positions` ([b, s] bool), and
+    the model returns their logits as [1, n, v/tp] (row-major order of `positions`) instead of [b, s, v/tp].
+
+    A loss over response tokens reads no prompt position's logits; computing them anyway costs the output layer's
+    matmul forward and backward, the [s, b] -> [b, s] transpose of the whole [b, s, vocab] block and its gradient,
+    for every prompt position. The selection is a forward pre-hook on Megatron-Core's output layer (present on the
+    last pipeline stage only; elsewhere, or with `positions` None, nothing changes); gradients reach the selected
+    hidden states through the indexing. Sequence parallelism shards the output layer's input along the sequence,
+    so there the selection is refused."""
+    gpt = unwrap(model)
+    layer = gpt.output_layer if positions is not None and getattr(gpt, "post_process", False) else None
+    if layer is None:
+        yield
+        return
+    if getattr(layer, "sequence_parallel", False):
+        raise ValueError("logits at chosen positions need the output layer's whole sequence; sequence parallelism "
+                         "shards it")
+
+    def pick(module, args, kwargs):
+        hidden = args[0]  # [s, b, h]
+        return (hidden.transpose(0, 1)[positions].unsqueeze(1),) + tuple(args[1:]), kwargs
+
+    handle = layer.register_forward_pre_hook(pick, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def skip_syncs_of_one_rank(ddp: DistributedDataParallel) -> bool:
+    """With one data-parallel rank, Megatron-Core's DDP still reduce-scatters the gradient buffer and all-gathers the
+    parameter buffer (or all-reduces the gradients) over that one rank: collectives whose result is their input.
+    Gloo runs them as copies of the whole buffer, 1-2 s of a 13 s CPU step of SmolLM2-135M (its fp32 gradients and
+    bf16 weights, 538 and 269 MB); NCCL launches them too. Turn them into nothing on `ddp` where that changes
+    nothing: every bucket group communicates within a single rank, and no bucket scales or checks its gradients on
+    the way (`calculate_per_token_loss` sets the scaling factor to 1). Returns whether they were turned off."""
+    cfg = ddp.ddp_config
+    groups = list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups)
+
+    def alone(bg) -> bool:
+        group = bg.intra_distributed_optimizer_instance_group if cfg.use_distributed_optimizer else bg.data_parallel_group
+        return group.size() == 1 and all(b.gradient_scaling_factor == 1.0 for b in bg.buckets)
+
+    if (not groups or cfg.num_distributed_optimizer_instances != 1 or cfg.check_for_nan_in_grad
+            or cfg.check_for_large_grads or not all(alone(bg) for bg in groups)):
+        return False
+    ddp.start_grad_sync = ddp.finish_grad_sync = ddp.start_param_sync = lambda *args, **kwargs: None
+    return True
 
 
 def _uses_local_attention(model: torch.nn.Module) -> bool:
@@ -105,11 +162,13 @@ def run_schedule(model: torch.nn.Module, pgs: ProcessGroupCollection, micro_batc
     """Megatron-Core's forward/backward schedule (1F1B when PP > 1) over micro-batches of equal shape.
 
     Each micro-batch is a dict with `tokens` [b, s]; `loss_fn(logits_shard, micro_batch)` runs on the last stage.
+    A micro-batch with `logit_positions` ([b, s] bool) gets only those positions' logits, [1, n, v/tp]
+    (`logits_only_at`).
     """
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
-        output = model_forward(chunk, batch["tokens"], needs_mask)
+        output = model_forward(chunk, batch["tokens"], needs_mask, batch.get("logit_positions"))
         return output, lambda logits: loss_fn(logits, batch)
 
     b, s = micro_batches[0]["tokens"].shape
@@ -164,6 +223,7 @@ class TrainEngine:
             bucket_size=bucket_size,
         )
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, pg_collection=pgs)
+        skip_syncs_of_one_rank(ddp)
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=schedule.lr,

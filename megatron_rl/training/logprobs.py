@@ -21,6 +21,12 @@ from megatron_rl.compat.compiled import CompiledKernel
 
 # Scratch per chunk: chunk_tokens x local_vocab fp32 values.
 _CHUNK_BYTES = 512 * 2**20
+# x - max is floored here before exp: a token that far below the max has probability below e^-60 (1e-26), which no
+# fp32 sum holding the max's exp(0) = 1 can see, nor any gradient. Without the floor, logits that spread over more
+# than 87 (common for a trained model at temperature < 1 over a 49K+ vocabulary) make exp, and the products with
+# its results, subnormal; CPUs compute those several times slower (an eager exp on a [521, 49152] chunk: 277 ms
+# instead of about 50), and a subnormal probability times a per-token gradient underflows anyway.
+_FLOOR = -60.0
 
 
 def _chunks(n_tokens: int, local_vocab: int):
@@ -58,7 +64,8 @@ def _maybe_compile(name: str):
 @_maybe_compile("logprobs.forward_chunk")
 def _forward_chunk(chunk, idx, temperature: float, first_pad: int):
     """Per token, local to this vocabulary shard: max m, sum exp(x - m), sum exp(x - m)(x - m), x[target], with
-    x = logits / T over the shard's real columns (the padded ones, from `first_pad` on, are left out).
+    x = logits / T over the shard's real columns (the padded ones, from `first_pad` on, are left out), x - m floored
+    at `_FLOOR` in the sums.
 
     Written as few passes over the chunk as eager mode allows (in-place where the value is not needed again):
     on CPUs nothing fuses them, and each pass reads and writes a whole [tokens, vocab] fp32 block."""
@@ -74,7 +81,7 @@ def _forward_chunk(chunk, idx, temperature: float, first_pad: int):
         x.div_(temperature)
     picked = x.gather(1, idx.clamp(max=first_pad - 1)[:, None]).squeeze(1)
     m = x.amax(-1)
-    xs = x.sub_(m[:, None])
+    xs = x.sub_(m[:, None]).clamp_min_(_FLOOR)
     e = torch.exp(xs)
     z = e.sum(-1)
     s = torch.linalg.vecdot(e, xs)
@@ -89,7 +96,7 @@ def _backward_chunk(chunk, idx, local, m, z, mean_xs, g_lp, g_ent, temperature: 
     x = chunk[:, :first_pad].to(torch.float32, copy=True)  # a copy even of fp32 logits: they stay untouched
     if temperature != 1.0:
         x.div_(temperature)
-    xs = x.sub_(m[:, None])
+    xs = x.sub_(m[:, None]).clamp_min_(_FLOOR)
     p = torch.exp(xs).div_(z[:, None])
     weight = xs.sub_(mean_xs[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None])
     d = p.mul_(weight).neg_()
@@ -211,26 +218,43 @@ def vocab_parallel_entropy(logits: torch.Tensor, tp_group, vocab_size: int, temp
     return vocab_parallel_logprobs_and_entropy(logits, target, tp_group, vocab_size, temperature)[1]
 
 
+def logit_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The positions whose logits give the log-probs `mask` asks for: position t's logits score tokens[t + 1], so
+    [b, s] `mask` (aligned with the tokens) shifted one to the left, the last column False."""
+    return torch.nn.functional.pad(mask[:, 1:].bool(), (0, 1))
+
+
 def target_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, tp_group, vocab_size: int,
-                                temperature: float = 1.0,
-                                mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                temperature: float = 1.0, mask: Optional[torch.Tensor] = None,
+                                logits_at_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[b, s] log-probs and entropies aligned with `tokens`: position t holds log p(tokens[t] | tokens[<t]) and
     the entropy of that distribution (computed from the logits at t - 1); position 0 holds 0, and so does every
     position outside `mask` when one is given.
 
-    The logits are used whole (no slicing, which would copy a [b, s, vocab] block): the last position scores a
-    dummy target and is dropped.
+    `logits` are [b, s, v/tp], used whole (no slicing, which would copy a [b, s, vocab] block: the last position
+    scores a dummy target and is dropped); or, with `logits_at_mask`, only the `logit_positions(mask)` ones, as
+    [1, n, v/tp] in row-major order (what the model returns under `engine.logits_only_at`).
     """
     next_tokens = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
     # `mask` is aligned with tokens (position t: is log p(tokens[t]) needed?), computed from the logits at t - 1.
-    next_mask = None if mask is None else torch.nn.functional.pad(mask[:, 1:].bool(), (0, 1))
+    next_mask = None if mask is None else logit_positions(mask)
+    shift = lambda t: torch.nn.functional.pad(t[:, :-1], (1, 0))  # noqa: E731
+    if logits_at_mask:
+        n = None if next_mask is None else int(next_mask.sum())
+        if logits.shape[:2] != (1, n):
+            raise ValueError(f"logits {tuple(logits.shape)} are not the {n} positions the mask selects")
+        lp, ent = vocab_parallel_logprobs_and_entropy(logits, next_tokens[next_mask][None], tp_group, vocab_size,
+                                                      temperature)
+        whole = [torch.zeros(tokens.shape, dtype=t.dtype, device=t.device).masked_scatter(next_mask, t[0])
+                 for t in (lp, ent)]
+        return shift(whole[0]), shift(whole[1])
     lp, ent = vocab_parallel_logprobs_and_entropy(logits, next_tokens, tp_group, vocab_size, temperature,
                                                   next_mask)
-    shift = lambda t: torch.nn.functional.pad(t[:, :-1], (1, 0))  # noqa: E731
     return shift(lp), shift(ent)
 
 
 def target_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tp_group, vocab_size: int,
-                    temperature: float = 1.0, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    temperature: float = 1.0, mask: Optional[torch.Tensor] = None,
+                    logits_at_mask: bool = False) -> torch.Tensor:
     """The log-probs of `target_logprobs_and_entropy`."""
-    return target_logprobs_and_entropy(logits, tokens, tp_group, vocab_size, temperature, mask)[0]
+    return target_logprobs_and_entropy(logits, tokens, tp_group, vocab_size, temperature, mask, logits_at_mask)[0]

@@ -3,7 +3,9 @@
 Variable lengths are handled by padding, not packing: every micro-batch of a step is right-padded to the
 step's longest sequence (rounded up to a multiple of 8), because Megatron-Core's pipeline schedule exchanges
 fixed-shape activations between stages, and packed sequences (THD) need transformer-engine's attention.
-Padding positions carry no loss and, with causal attention, do not influence real positions.
+Padding positions carry no loss and, with causal attention, do not influence real positions. The model computes
+logits only where the loss reads them (the positions before response tokens, `engine.logits_only_at`): a prompt
+position's logits would cost the output layer and a pass over the vocabulary for nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.topology import ExecutorGroups
 from megatron_rl.rollout import RolloutBatch
 from megatron_rl.training.engine import TrainEngine, _device, run_schedule
-from megatron_rl.training.logprobs import target_logprobs, target_logprobs_and_entropy
+from megatron_rl.training.logprobs import logit_positions, target_logprobs, target_logprobs_and_entropy
 from megatron_rl.training.reference import freeze
 from megatron_rl.training.settings import LRSchedule, TrainerSettings
 
@@ -157,6 +159,7 @@ def make_micro_batches(batch: RolloutBatch, micro_batch_size: int, seq_len: int,
     mask = torch.zeros(rows, seq_len, dtype=torch.bool)
     mask[:n, :s] = batch.response_mask()
     mask[:, 0] = False  # position 0 is never a target
+    positions = logit_positions(mask)  # the only logits the loss reads (engine.logits_only_at)
     logp_mu = torch.zeros(rows, seq_len)
     logp_mu[:n, :s] = batch.behaviour_logprobs
     adv = torch.zeros(rows)
@@ -168,7 +171,8 @@ def make_micro_batches(batch: RolloutBatch, micro_batch_size: int, seq_len: int,
     for i in range(0, rows, micro_batch_size):
         sl = slice(i, i + micro_batch_size)
         out.append({k: v[sl].to(device) if device is not None else v[sl]
-                    for k, v in (("tokens", tokens), ("loss_mask", mask), ("logp_mu", logp_mu), ("adv", adv))})
+                    for k, v in (("tokens", tokens), ("loss_mask", mask), ("logit_positions", positions),
+                                 ("logp_mu", logp_mu), ("adv", adv))})
     return out
 
 
@@ -181,7 +185,7 @@ def aipo_microbatch_loss(logits: torch.Tensor, mb: dict, tp_group, vocab_size: i
     s = settings
     # One pass over the vocabulary gives both; the entropy only carries gradient when it is in the loss.
     logp_pi, entropy = target_logprobs_and_entropy(logits, mb["tokens"], tp_group, vocab_size, s.temperature,
-                                                   mask=mb["loss_mask"])
+                                                   mask=mb["loss_mask"], logits_at_mask="logit_positions" in mb)
     if not s.aipo.entropy_coef:
         entropy = entropy.detach() if s.log_entropy else None
     mask = mb["loss_mask"]
@@ -223,7 +227,8 @@ class RLTrainer:
     def _reference_logprobs(self, micro_batches: list[dict]) -> None:
         def loss_fn(logits, mb):
             mb["logp_ref"] = target_logprobs(logits, mb["tokens"], self.pgs.tp, self.cfg.vocab_size,
-                                             self.settings.temperature, mask=mb["loss_mask"]).detach()
+                                             self.settings.temperature, mask=mb["loss_mask"],
+                                             logits_at_mask="logit_positions" in mb).detach()
             zero = logits.new_zeros(())
             return zero, torch.ones((), dtype=torch.int64, device=zero.device), {}
 
