@@ -23,6 +23,8 @@ time (one PNG, staleness.png in that directory, one colour per staleness); the r
 rewritten to study.json there after each run, so a study run in parts (or cut short) can be drawn whole with
 `--from`. The table gives the held-out reward at the start, its best and
 its last value, the mean of the last quarter of evaluations, the mean step time and the mean |logp_pi - logp_mu|.
+For each stale setting it then splits the gap to sync into what the lag alone explains (sync's curve s steps earlier,
+`lag_alone`) and the rest, and compares the train reward of the same policy versions (`by_version`).
 Ends with one JSON line.
 """
 
@@ -96,7 +98,9 @@ def summarize(name: str, run_dir: Path, seed: int | None = None) -> dict:
             "last_quarter_mean": round(sum(e["eval/reward"] for e in tail) / len(tail), 4),
             "mean_step_s": round(sum(r["time/total_s"] for r in rows) / len(rows), 4),
             "logp_diff_mean": round(sum(r.get("logp_diff_mean") or 0 for r in rows) / len(rows), 5),
-            "curve": curve}
+            "curve": curve,
+            # each step's train reward and the policy version that sampled it (for `by_version`)
+            "train": [(r["step"], r["generated_with_version"], round(r["reward"], 5)) for r in rows]}
 
 
 def _setting_and_seed(dirname: str) -> tuple[str, int | None]:
@@ -187,6 +191,68 @@ def paired(results: list[dict], a: str, b: str) -> dict | None:
     return {"a": a, "b": b, "seeds": len(d), "diff": diff, "se": se, "in_se": diff / se if se else None}
 
 
+def _staleness(setting: str) -> int:
+    return int(setting.split("-")[0].removeprefix("async"))
+
+
+def _interpolate(curve: list, step: float) -> float:
+    """A held-out curve's value at `step`, linear between its evaluations ([step, seconds, reward] rows)."""
+    for (s0, _, r0), (s1, _, r1) in zip(curve, curve[1:]):
+        if s0 <= step <= s1:
+            return r0 + (r1 - r0) * (step - s0) / (s1 - s0)
+    raise ValueError(f"step {step} is outside the curve's evaluations {curve[0][0]}..{curve[-1][0]}")
+
+
+def lag_alone(results: list[dict], setting: str) -> dict | None:
+    """How much of a stale setting's gap to sync its lag alone explains. At staleness s the first s batches come
+    from the starting weights and every later one is s updates old; if that lag were all staleness did, the run
+    would reach at its last evaluation T what sync reached at T - s. Seed by seed: `lag` = sync(T) - sync(T - s)
+    (sync's held-out curve, linear between its evaluations) and `rest` = sync(T - s) - setting(T), what the lag
+    does not explain, with its SE (the same floor as `paired`). None without a seed both ran."""
+    by = {(r["setting"], r.get("seed")): r for r in results}
+    seeds = sorted({s for (n, s) in by if n == setting} & {s for (n, s) in by if n == "sync"})
+    if not seeds or not setting.startswith("async"):
+        return None
+    lag, rest = [], []
+    for seed in seeds:
+        sync, stale = by[("sync", seed)], by[(setting, seed)]
+        last = stale["curve"][-1][0]
+        delayed = _interpolate(sync["curve"], last - _staleness(setting))
+        lag.append(_interpolate(sync["curve"], last) - delayed)
+        rest.append(delayed - stale["last"])
+    binomial = sum(m * (1 - m) / by[(n, seeds[0])]["heldout"] for n, m in (
+        ("sync", sum(by[("sync", s)]["last"] for s in seeds) / len(seeds)),
+        (setting, sum(by[(setting, s)]["last"] for s in seeds) / len(seeds))) if by[(n, seeds[0])].get("heldout"))
+    se = math.sqrt(max(_variance(rest), binomial) / len(rest)) if binomial or len(rest) > 1 else None
+    gap = sum(lag) / len(lag) + sum(rest) / len(rest)
+    return {"setting": setting, "seeds": len(seeds), "gap": gap, "lag": sum(lag) / len(lag),
+            "rest": sum(rest) / len(rest), "rest_se": se}
+
+
+def by_version(results: list[dict], setting: str, last: int = 10) -> dict | None:
+    """The train reward of the same policy versions: the mean train reward of the batches sampled by the last
+    `last` policy versions the stale run reached, against sync's batches from those versions, seed by seed (runs
+    that kept their per-step rows). A lag that only delays learning gives a policy of version v the same reward in
+    both (it has had v updates either way); a lower reward means each stale update was worth less. Returns the
+    paired mean difference and its SE over seeds (the SE of one run's mean is not floored: batches differ)."""
+    by = {(r["setting"], r.get("seed")): r for r in results if r.get("train")}
+    seeds = sorted({s for (n, s) in by if n == setting} & {s for (n, s) in by if n == "sync"})
+    if not seeds:
+        return None
+    diffs, versions = [], None
+    for seed in seeds:
+        rows = {n: {} for n in ("sync", setting)}
+        for n in rows:
+            for _, version, reward in by[(n, seed)]["train"]:
+                rows[n].setdefault(version, []).append(reward)
+        shared = sorted(set(rows["sync"]) & set(rows[setting]))[-last:]
+        versions = (shared[0], shared[-1])
+        mean = {n: sum(sum(rows[n][v]) / len(rows[n][v]) for v in shared) / len(shared) for n in rows}
+        diffs.append(mean[setting] - mean["sync"])
+    se = math.sqrt(_variance(diffs) / len(diffs)) if len(diffs) > 1 else None
+    return {"setting": setting, "seeds": len(seeds), "versions": versions, "diff": sum(diffs) / len(diffs), "se": se}
+
+
 def _pm(value: float, se: float | None) -> str:
     return f"{value:+.3f} +- " + ("  n/a" if se is None else f"{se:5.3f}")
 
@@ -237,8 +303,9 @@ def plot(results: list[dict], path: Path) -> None:
 DEFAULT_SETTINGS = ["sync", *(f"async{s}{c}" for c in ("", "-uncorrected") for s in (1, 2, 4, 8))]
 
 
-def report(results: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Print the runs, the settings over seeds and the pairs the study tests; returns (settings, pairs)."""
+def report(results: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """Print the runs, the settings over seeds, the pairs the study tests and how much of each stale setting's gap
+    to sync its lag alone explains; returns (settings, pairs, lags)."""
     print(f"{'run':<28} {'start':>6} {'best':>6} {'last':>6} {'last 1/4':>8} {'step s':>7} {'|dlogp|':>8}")
     for r in results:
         print(f"{run_name(r['setting'], r.get('seed')):<28} {r['start']:6.3f} {r['best']:6.3f} {r['last']:6.3f} "
@@ -254,7 +321,18 @@ def report(results: list[dict]) -> tuple[list[dict], list[dict]]:
     for q in pairs:
         in_se = "" if q["in_se"] is None else f"{q['in_se']:+6.1f}"
         print(f"{q['a'] + ' - ' + q['b']:<40} {q['seeds']:5d} {_pm(q['diff'], q['se']):>16} {in_se:>6}")
-    return stats, pairs
+    stale = [n for n in dict.fromkeys(r["setting"] for r in results) if n.startswith("async")]
+    lags = [q for q in (lag_alone(results, n) for n in stale) if q is not None]
+    if lags:
+        print(f"\n{'gap to sync, held-out':<28} {'seeds':>5} {'gap':>7} {'the lag':>8} "
+              f"{'the rest +- SE':>16}   train reward at the same policy versions, setting - sync")
+    for q in lags:
+        v = by_version(results, q["setting"])
+        at = "" if v is None else f"{_pm(v['diff'], v['se'])} (versions {v['versions'][0]}-{v['versions'][1]}, " \
+                                  f"{v['seeds']} seeds)"
+        print(f"{q['setting']:<28} {q['seeds']:5d} {q['gap']:+7.3f} {q['lag']:+8.3f} {_pm(q['rest'], q['rest_se']):>16}"
+              f"   {at}")
+    return stats, pairs, lags
 
 
 def main(argv=None) -> int:
@@ -299,12 +377,12 @@ def main(argv=None) -> int:
         args.save.write_text(json.dumps({"from": [str(d) for d in args.from_dirs or []] or None,
                                          "config": args.config, "results": results}, indent=1) + "\n")
     print(f"wrote {png}")
-    stats, pairs = report(results)
+    stats, pairs, lags = report(results)
     source = {"from": [str(d) for d in args.from_dirs]} if args.from_dirs else {
         "config": args.config or "default", "overrides": overrides}
     emit({"benchmark": "staleness", **source, "plot": str(png),
-          "results": [{k: v for k, v in r.items() if k != "curve"} for r in results], "settings": stats,
-          "pairs": pairs})
+          "results": [{k: v for k, v in r.items() if k not in ("curve", "train")} for r in results],
+          "settings": stats, "pairs": pairs, "lag_alone": lags})
     return 0
 
 
