@@ -369,8 +369,8 @@ def main(argv=None) -> int:
         for seed in seeds:  # every setting once, then again with the next seed: a study cut short stays balanced
             for n in names:  # study.json is rewritten after each run, so a study cut short keeps what it finished
                 results.append(run_setting(n, args.config, overrides, root, seed))
-            (root / "study.json").write_text(json.dumps(
-                {"config": args.config or "default", "overrides": overrides, "results": results}, indent=1) + "\n")
+                (root / "study.json").write_text(json.dumps(
+                    {"config": args.config or "default", "overrides": overrides, "results": results}, indent=1) + "\n")
         png = args.plot or root / "staleness.png"
     plot(results, png)
     if args.save:
