@@ -99,8 +99,10 @@ def summarize(name: str, run_dir: Path, seed: int | None = None) -> dict:
             "mean_step_s": round(sum(r["time/total_s"] for r in rows) / len(rows), 4),
             "logp_diff_mean": round(sum(r.get("logp_diff_mean") or 0 for r in rows) / len(rows), 5),
             "curve": curve,
-            # each step's train reward and the policy version that sampled it (for `by_version`)
-            "train": [(r["step"], r["generated_with_version"], round(r["reward"], 5)) for r in rows]}
+            # each step's policy version that sampled its batch, train reward and trainer-generator log-prob gap
+            # (for `by_version`, and for the gap the job warns at: controller/metrics.py, LOGP_GAP_WARN)
+            "train": [(r["step"], r["generated_with_version"], round(r["reward"], 5),
+                       round(r.get("logp_diff_mean") or 0.0, 5)) for r in rows]}
 
 
 def _setting_and_seed(dirname: str) -> tuple[str, int | None]:
@@ -243,7 +245,7 @@ def by_version(results: list[dict], setting: str, last: int = 10) -> dict | None
     for seed in seeds:
         rows = {n: {} for n in ("sync", setting)}
         for n in rows:
-            for _, version, reward in by[(n, seed)]["train"]:
+            for _, version, reward, *_ in by[(n, seed)]["train"]:
                 rows[n].setdefault(version, []).append(reward)
         shared = sorted(set(rows["sync"]) & set(rows[setting]))[-last:]
         versions = (shared[0], shared[-1])

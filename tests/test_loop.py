@@ -253,3 +253,28 @@ def test_the_log_prob_gap_warning_comes_once_when_the_windowed_mean_passes_the_t
     # the window's mean passes the threshold with its third row of 1.5x (3 x 1.5 + 2 x 0.5 > 5): step 15
     assert len(said) == 1 and "rollout staleness 4" in said[0] and f"past {LOGP_GAP_WARN}" in said[0]
     assert said[0].startswith("megatron-rl: warning: at step 15 ")
+
+
+def test_the_log_prob_gap_warning_sits_between_the_studys_staleness_1_and_staleness_4_runs():
+    """LOGP_GAP_WARN is a measurement (docs/benchmarks.md, the seeded staleness study): fed the study's runs step by
+    step, GapWatch stays silent on every staleness 1 run, which learned as well as sync, and warns on every
+    staleness 4 run, which did not."""
+    import json
+    from pathlib import Path
+
+    from megatron_rl.controller.metrics import GapWatch
+
+    study = json.loads((Path(__file__).resolve().parents[1] / "docs" / "data" / "staleness-seeds.json").read_text())
+    warned = {}
+    for run in study["results"]:
+        if not run.get("train") or run["setting"] == "sync":
+            continue  # runs kept without their per-step rows
+        said = []
+        watch = GapWatch(int(run["setting"].split("-")[0].removeprefix("async")), said.append)
+        for step, _, _, gap in run["train"]:
+            watch.see({"step": step, "logp_diff_mean": gap})
+        warned[(run["setting"], run["seed"])] = bool(said)
+    ones = [w for (setting, _), w in warned.items() if setting.startswith("async1")]
+    fours = [w for (setting, _), w in warned.items() if setting.startswith("async4")]
+    assert len(ones) >= 4 and len(fours) >= 8, warned
+    assert not any(ones) and all(fours), warned
