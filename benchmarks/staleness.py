@@ -185,12 +185,18 @@ def paired(results: list[dict], a: str, b: str) -> dict | None:
     if not seeds:
         return None
     d = [by[(a, s)]["last"] - by[(b, s)]["last"] for s in seeds]
-    means = {n: sum(by[(n, s)]["last"] for s in seeds) / len(seeds) for n in (a, b)}
+    diff = sum(d) / len(d)
+    se = _paired_se(d, by, seeds, (a, b))
+    return {"a": a, "b": b, "seeds": len(d), "diff": diff, "se": se, "in_se": diff / se if se else None}
+
+
+def _paired_se(d: list[float], by: dict, seeds: list, names: tuple[str, str]) -> float | None:
+    """The SE of the mean of per-seed differences d between two settings: from the spread of d, floored by the sum
+    of the two settings' binomial variances at their mean last evaluations (unknown held-out counts add none)."""
+    means = {n: sum(by[(n, s)]["last"] for s in seeds) / len(seeds) for n in names}
     binomial = sum(m * (1 - m) / by[(n, seeds[0])]["heldout"] for n, m in means.items()
                    if by[(n, seeds[0])].get("heldout"))
-    diff = sum(d) / len(d)
-    se = math.sqrt(max(_variance(d), binomial) / len(d)) if binomial or len(d) > 1 else None
-    return {"a": a, "b": b, "seeds": len(d), "diff": diff, "se": se, "in_se": diff / se if se else None}
+    return math.sqrt(max(_variance(d), binomial) / len(d)) if binomial or len(d) > 1 else None
 
 
 def _staleness(setting: str) -> int:
@@ -222,10 +228,7 @@ def lag_alone(results: list[dict], setting: str) -> dict | None:
         delayed = _interpolate(sync["curve"], last - _staleness(setting))
         lag.append(_interpolate(sync["curve"], last) - delayed)
         rest.append(delayed - stale["last"])
-    binomial = sum(m * (1 - m) / by[(n, seeds[0])]["heldout"] for n, m in (
-        ("sync", sum(by[("sync", s)]["last"] for s in seeds) / len(seeds)),
-        (setting, sum(by[(setting, s)]["last"] for s in seeds) / len(seeds))) if by[(n, seeds[0])].get("heldout"))
-    se = math.sqrt(max(_variance(rest), binomial) / len(rest)) if binomial or len(rest) > 1 else None
+    se = _paired_se(rest, by, seeds, ("sync", setting))
     gap = sum(lag) / len(lag) + sum(rest) / len(rest)
     return {"setting": setting, "seeds": len(seeds), "gap": gap, "lag": sum(lag) / len(lag),
             "rest": sum(rest) / len(rest), "rest_se": se}

@@ -79,8 +79,9 @@ def open_metrics(cfg: "JobConfig", run_dir: Path, start_step: int, echo: Optiona
 # The trainer-generator log-prob gap (`logp_diff_mean`, the mean |logp_pi - logp_mu| over a step's response tokens)
 # above which the staleness study on the real-model recipe saw held-out accuracy fall (docs/benchmarks.md, "The
 # seeded study"): over 3 seeds, staleness 1 learned as well as sync and its 5-step mean gap never passed 0.072;
-# staleness 4 lost about half of what sync learned, with any correction, and its 5-step mean passed 0.08 by step 6
-# (staleness 2, one seed: 0.08-0.09, and it fell too). tests/test_loop.py replays the study's runs through GapWatch.
+# staleness 4 ended 0.18-0.37 below sync (which gained 0.52) with or without a correction, and its 5-step mean
+# passed 0.08 by step 6 (staleness 2, one seed: 0.08-0.09, and it fell too). tests/test_loop.py replays the study's
+# runs through GapWatch.
 LOGP_GAP_WARN = 0.08
 GAP_WINDOW = 5  # steps the gap is averaged over before it is compared
 
