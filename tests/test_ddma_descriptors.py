@@ -22,6 +22,9 @@ CASES = [
     ({"tie_word_embeddings": True}, dict(tp=1, pp=1, dp=4)),
     ({"num_query_groups": 4}, dict(tp=4)),
     ({"tie_word_embeddings": True, "vocab_size": 250}, dict(tp=1, pp=4)),
+    # Qwen2's QKV bias (split with the QKV rows), Qwen3's q/k norms (replicated) on heads wider than hidden/heads
+    ({"family": "qwen2", "tie_word_embeddings": True}, dict(tp=2, pp=2)),
+    ({"family": "qwen3", "head_dim": 32}, dict(tp=2, pp=2)),
 ]
 
 
@@ -56,9 +59,10 @@ def test_descriptors_match_real_models(described, i):
             assert torch.equal(got, expected), lp.local_name
 
 
-def test_logical_params_cover_the_model_once():
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_logical_params_cover_the_model_once(family):
     for tied in (False, True):
-        cfg = get_preset("tiny", tie_word_embeddings=tied)
+        cfg = get_preset("tiny", tie_word_embeddings=tied, family=family)
         total = sum(p.numel for p in logical_params(cfg))
         # num_parameters counts padded vocabulary rows at TP=1
         pad_rows = cfg.padded_vocab_size(1) - cfg.vocab_size

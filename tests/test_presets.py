@@ -11,12 +11,51 @@ PUBLISHED = {
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
     "llama3-405b": 405_853_388_800,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-7b": 7_615_616_512,
+    "mistral-7b-v0.1": 7_241_732_096,
+    "mistral-7b": 7_248_023_552,  # v0.3: the v0.1 shape with 768 more tokens
 }
+# Qwen3's model cards give totals and non-embedding counts in billions, rounded.
+PUBLISHED_QWEN3 = {"qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3-8b": (8.2, 6.95)}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_parameter_counts(name):
     assert PRESETS[name].num_parameters(tp=1) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", PUBLISHED_QWEN3)
+def test_qwen3_parameter_counts(name):
+    m = PRESETS[name]
+    total, body = PUBLISHED_QWEN3[name]
+    embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    digits = len(str(total).split(".")[1])
+    assert round(m.num_parameters(tp=1) / 1e9, digits) == total
+    assert round((m.num_parameters(tp=1) - embeddings) / 1e9, len(str(body).split(".")[1])) == body
+
+
+@pytest.mark.parametrize("name", [n for n, m in PRESETS.items() if m.family != "llama"])
+def test_parameter_counts_equal_transformers_model_of_the_preset(name):
+    """The preset's count and shapes against the transformers model its config.json builds (on the meta device)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from megatron_rl.models.families import hf_config_dict
+    from megatron_rl.models.hf_mapping import hf_shapes, model_config_from_hf
+
+    m = PRESETS[name]
+    raw = hf_config_dict(m, "float32")
+    config = transformers.AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == hf_shapes(m, lm_head=True)
+    pad_rows = m.padded_vocab_size(1) - m.vocab_size
+    padding = pad_rows * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    assert sum(p.numel() for p in model.parameters()) == m.num_parameters(tp=1) - padding
+    assert model_config_from_hf(config, name=name) == m
 
 
 def test_vocab_padding_is_a_multiple_of_128_times_tp():

@@ -63,6 +63,27 @@ def test_int8_generator_equals_transformers_on_int8_rounded_weights(tiny_hf, tp,
     assert changed > 0  # the rounding is visible: this is not the full-precision model in disguise
 
 
+def test_int8_generator_of_each_family_equals_transformers_on_int8_rounded_weights():
+    """Qwen2 (the QKV bias stays in full precision beside the int8 weight), Qwen3 (q/k norms) and Mistral at TP2."""
+    from family_workers import int8_families_worker
+    from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
+    from tiny_hf import FAMILY_CONFIGS, tiny_family_model
+
+    models, cases = [], []
+    for family in FAMILY_CONFIGS:
+        hf = tiny_family_model(family, scale=4.0)
+        cfg = model_config_from_hf(hf.config, name=family)
+        models.append(hf)
+        cases.append((cfg, hf_to_megatron(dict(hf.state_dict()), cfg)))
+    reqs = [GenerationRequest(p, SamplingParams(temperature=0, max_new_tokens=12)) for p in PROMPTS]
+    got = run_local(int8_families_worker, 2, cases, reqs)[0]
+    for family, hf, outs in zip(FAMILY_CONFIGS, models, got):
+        ref = _int8_reference(hf, 2)
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+        assert [t for t, _ in outs] == want, family
+
+
 @pytest.mark.parametrize("gen_tp", [1, 2])
 def test_fp8_generator_after_a_ddma_push_holds_per_channel_e4m3_weights(tiny_hf, gen_tp):
     """A TP2 trainer pushes twice into an fp8 generator (its row-parallel weights arrive in column pieces from both

@@ -120,6 +120,6 @@ def test_reward_model_config_refuses_in_one_line(reward_dir, tmp_path):
     shutil.copytree(d, tmp_path / "gpt2")
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert _error(tmp_path / "gpt2") == f"reward.model={str(tmp_path / 'gpt2')!r}: architecture 'gpt2' is not " \
-                                        f"supported (only llama)"
+                                        f"supported (supported: llama, qwen2, qwen3, mistral)"
     with pytest.raises(ValueError, match="without pipeline parallelism"):
         ParallelRewardModel(d, ParallelLayout(pp=2), None)

@@ -18,6 +18,8 @@ from megatron_rl.tokenizers import ByteTokenizer, Tokenizer
 from megatron_rl.tokenizers.hf import HFTokenizer
 from megatron_rl.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
 
+# The model type of the source, beside the tokenizer files (`_keep_model_type`); not a tokenizer file itself.
+MODEL_TYPE_FILE = "config.json"
 # Files a Hugging Face tokenizer is made of (whichever of them a model directory has).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
@@ -44,7 +46,21 @@ def save_tokenizer(src: Path, dst: Path) -> Optional[dict]:
         dst.mkdir(parents=True, exist_ok=True)
         for f in found:
             shutil.copy2(f, dst / f.name)
+        _keep_model_type(src, dst)
     return {"type": "hf", "path": dst.name}
+
+
+def _keep_model_type(src: Path, dst: Path) -> None:
+    """Write `{"model_type": ...}` of the source's config.json beside the copied tokenizer files: transformers picks
+    a tokenizer's class from the model type when `tokenizer_config.json` names only a generic one, and the class
+    decides how ids decode (a Qwen2 tokenizer joins word pieces without spaces), so the checkpoint's tokenizer
+    must load as the source directory's does."""
+    try:
+        model_type = json.loads((src / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(model_type, str):
+        (dst / MODEL_TYPE_FILE).write_text(json.dumps({"model_type": model_type}))
 
 
 def tokenizer_dir(ckpt: Path, meta: dict) -> Optional[Path]:

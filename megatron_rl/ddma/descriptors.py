@@ -8,7 +8,8 @@ wants. So the layout of every parameter is derived here as a pure function of th
 - the logical (TP=1, PP=1) model has canonical names with global layer indices (`decoder.layers.{i}.*`);
 - tensor-parallel weights are split along `partition_dim` with `partition_stride` blocks per rank (SwiGLU's
   `linear_fc1` is stride 2: each rank holds `[gate_shard; up_shard]`); QKV rows are grouped per query group, so a
-  contiguous split hands each rank whole groups (hence TP must divide the group count);
+  contiguous split hands each rank whole groups (hence TP must divide the group count); the QKV bias (Qwen2) is
+  split the same way, and the per-head q/k norm weights (Qwen3) are replicated over TP;
 - vocabulary tensors are padded to a multiple of `make_vocab_size_divisible_by * tp` rows; the padding is never a
   real token and depends on TP, so the logical tensor keeps `vocab_size` rows;
 - pipeline stages take an even, contiguous share of the layers; the first stage holds the embedding, the last the
@@ -46,17 +47,17 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     make_vocab_size_divisible_by: int
+    kv_channels: int
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
 
     @classmethod
     def of(cls, cfg: "ModelConfig | ModelShape") -> "ModelShape":
         if isinstance(cfg, ModelShape):
             return cfg
         return cls(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads,
-                   cfg.num_query_groups, cfg.vocab_size, cfg.tie_word_embeddings, cfg.make_vocab_size_divisible_by)
-
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+                   cfg.num_query_groups, cfg.vocab_size, cfg.tie_word_embeddings, cfg.make_vocab_size_divisible_by,
+                   cfg.kv_channels, cfg.add_qkv_bias, cfg.qk_layernorm)
 
     def padded_vocab_size(self, tp: int) -> int:
         return pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by, tp)
@@ -130,8 +131,6 @@ def check_layout(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, role: 
     """Raise ValueError (one line) if `layout` cannot hold this model, before any process group or transfer."""
     m = ModelShape.of(cfg)
     problems = []
-    if m.hidden_size % m.num_attention_heads:
-        problems.append(f"hidden size {m.hidden_size} is not divisible by {m.num_attention_heads} heads")
     if m.num_attention_heads % m.num_query_groups:
         problems.append(f"{m.num_attention_heads} heads are not divisible by {m.num_query_groups} query groups")
     for what, n in (("attention heads", m.num_attention_heads), ("query groups", m.num_query_groups),
@@ -158,10 +157,16 @@ def _layer_params(m: ModelShape) -> tuple[tuple[str, tuple[int, ...], Optional[i
     """(suffix, shape, partition_dim, stride) of one transformer layer, in Megatron's registration order."""
     h, kv = m.hidden_size, m.kv_channels
     qkv_rows = (m.num_attention_heads + 2 * m.num_query_groups) * kv
+    attention = [("self_attention.linear_proj.weight", (h, m.num_attention_heads * kv), 1, 1),
+                 ("self_attention.linear_qkv.weight", (qkv_rows, h), 0, 1)]
+    if m.add_qkv_bias:
+        attention.append(("self_attention.linear_qkv.bias", (qkv_rows,), 0, 1))
+    if m.qk_layernorm:
+        attention += [("self_attention.q_layernorm.weight", (kv,), None, 1),
+                      ("self_attention.k_layernorm.weight", (kv,), None, 1)]
     return (
         ("input_layernorm.weight", (h,), None, 1),
-        ("self_attention.linear_proj.weight", (h, m.num_attention_heads * kv), 1, 1),
-        ("self_attention.linear_qkv.weight", (qkv_rows, h), 0, 1),
+        *attention,
         ("pre_mlp_layernorm.weight", (h,), None, 1),
         ("mlp.linear_fc1.weight", (2 * m.ffn_hidden_size, h), 0, 2),
         ("mlp.linear_fc2.weight", (h, m.ffn_hidden_size), 1, 1),

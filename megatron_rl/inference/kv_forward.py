@@ -2,10 +2,11 @@
 
 Megatron-Core's inference engines are CUDA-only and its static inference context gives every sequence of a
 batch the same length offset, which rules out continuous batching. This module reuses the model's modules
-(parallel embedding, layer norms, tensor-parallel QKV / projection / MLP linears, the output layer, its RoPE
-frequencies and `_apply_rotary_pos_emb_bshd`) and only replaces the attention bookkeeping: each cache slot
-holds one sequence with its own length, every token carries its own position, and attention masks each slot
-to its own prefix. The arithmetic is the training forward's (tested against it and against transformers).
+(parallel embedding, layer norms, tensor-parallel QKV / projection / MLP linears with their QKV bias, the per-head
+q/k norms applied before RoPE, the output layer, its RoPE frequencies and `_apply_rotary_pos_emb_bshd`) and only
+replaces the attention bookkeeping: each cache slot holds one sequence with its own length, every token carries its
+own position, and attention masks each slot to its own prefix. The arithmetic is the training forward's (tested
+against it and against transformers).
 
 With the model's GPU fusions (`build_gpt_model(fusions=...)`, kept as `model.megatron_rl_fusions`) the norms are
 the model's `FusedRMSNorm`s and RoPE is the compiled `megatron_rl.models.fused.apply_rope`. (Attention stays
@@ -87,6 +88,7 @@ class IncrementalForward:
                                      m.mlp.linear_fc2))
         fusions = getattr(model, "megatron_rl_fusions", frozenset())
         self._rotate = apply_rope if "rope" in fusions else _apply_rotary_pos_emb_bshd
+        self._qk_norm = bool(cfg.qk_layernorm)
 
     def allocate_cache(self, slots: int, max_len: int) -> KVCache:
         device = next(self.model.parameters()).device
@@ -195,6 +197,8 @@ class IncrementalForward:
             qkv = qkv.view(s, b, g, (per + 2) * d)
             q, k, v = torch.split(qkv, [per * d, d, d], dim=3)
             q = q.reshape(s, b, g * per, d)
+            if self._qk_norm:  # per-head RMSNorm of queries and keys, before RoPE (Qwen3)
+                q, k = attn.q_layernorm(q), attn.k_layernorm(k)
             if rope is not None:
                 q, k = _rotate_half_pairs(q, *rope), _rotate_half_pairs(k, *rope)
             else:

@@ -1,4 +1,4 @@
-"""Llama-family models on Megatron-Core.
+"""Decoder models (Llama, Qwen2/2.5, Qwen3, Mistral: `families.py`) on Megatron-Core.
 
 The presets import nothing heavy; the builder (which imports Megatron-Core) loads on first use.
 """

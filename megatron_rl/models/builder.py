@@ -1,4 +1,5 @@
-"""Build a Megatron-Core GPTModel for a Llama-family preset, a parallel layout and a process-group collection."""
+"""Build a Megatron-Core GPTModel for a model shape (any family of `megatron_rl.models.families`), a parallel layout
+and a process-group collection."""
 
 from __future__ import annotations
 
@@ -40,8 +41,10 @@ def resolve_attention_backend(backend: AttentionBackend) -> str:
     return backend
 
 
-def layer_spec(backend: AttentionBackend = "auto", fusions: FusionSpec = "none") -> ModuleSpec:
-    """Transformer-layer spec: Megatron-Core's local modules with the chosen core attention, or TE's spec.
+def layer_spec(backend: AttentionBackend = "auto", fusions: FusionSpec = "none",
+               qk_layernorm: bool = False) -> ModuleSpec:
+    """Transformer-layer spec: Megatron-Core's local modules with the chosen core attention, or TE's spec;
+    `qk_layernorm` adds Megatron-Core's per-head RMSNorm of queries and keys (Qwen3).
 
     With the "rmsnorm" fusion the local spec's norms (torch.nn.RMSNorm) become `FusedRMSNorm` (TE's spec has its
     own fused norms)."""
@@ -49,8 +52,8 @@ def layer_spec(backend: AttentionBackend = "auto", fusions: FusionSpec = "none")
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if "rmsnorm" in resolve_fusions(fusions):
@@ -66,7 +69,8 @@ def transformer_config(
     use_cpu_initialization: Optional[bool] = None,
     **overrides,
 ) -> TransformerConfig:
-    """Megatron-Core TransformerConfig for a Llama-family model in a given layout."""
+    """Megatron-Core TransformerConfig for a model shape in a given layout (its family's features are Megatron-Core
+    options: `add_qkv_bias`, `qk_layernorm`; a head size other than hidden/heads is `kv_channels`)."""
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
     kwargs = dict(
@@ -82,7 +86,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp,
@@ -125,7 +130,7 @@ def build_gpt_model(
     config_overrides: Optional[dict] = None,
     fusions: FusionSpec = "auto",
 ) -> GPTModel:
-    """One pipeline stage of a Llama-family GPTModel on this rank.
+    """One pipeline stage of the model's GPTModel on this rank.
 
     The stage, tensor shards and vocabulary padding (to `make_vocab_size_divisible_by * tp`) follow from `layout`
     and the ranks of `pgs`. Initialization is deterministic in `seed`; on the CPU, Megatron-Core initializes each
@@ -154,7 +159,7 @@ def build_gpt_model(
     config = transformer_config(model, layout, params_dtype=params_dtype, **overrides)
     if not config.apply_rope_fusion:
         fused -= {"rope"}
-    spec = layer_spec(backend, fused)
+    spec = layer_spec(backend, fused, qk_layernorm=model.qk_layernorm)
     if "rmsnorm" in fused:
         # The block's final norm comes from Megatron-Core's default (WrappedTorchNorm without apex): pass the
         # block's submodules explicitly, as `_get_block_submodules` builds them, with our norm.

@@ -1,9 +1,12 @@
-"""Llama-family model presets with their published shapes."""
+"""Model presets (Llama, Qwen2.5, Qwen3, Mistral) with their published shapes."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
+
+from megatron_rl.models.families import family
 
 
 def pad_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -14,9 +17,12 @@ def pad_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 @dataclass
 class ModelConfig:
-    """Shape of a Llama-family decoder. Field names follow Megatron-Core's TransformerConfig where one exists."""
+    """Shape of a decoder of one of the families of `megatron_rl.models.families`. Field names follow
+    Megatron-Core's TransformerConfig where one exists; the family decides the QKV bias and the q/k norms."""
 
     name: str = "tiny"
+    # The Hugging Face model type (`families.FAMILIES`): it decides the QKV bias and the q/k norms.
+    family: str = "llama"
     num_layers: int = 4
     hidden_size: int = 64
     ffn_hidden_size: int = 176
@@ -33,10 +39,25 @@ class ModelConfig:
     init_method_std: float = 0.02
     # Vocabulary is padded to a multiple of this times the tensor-parallel size (Megatron's convention).
     make_vocab_size_divisible_by: int = 128
+    # The size of one attention head when it is not hidden_size / num_attention_heads (Qwen3).
+    head_dim: Optional[int] = None
+
+    def __post_init__(self):
+        # One spelling per shape: a head size equal to hidden_size / num_attention_heads is the default's.
+        if self.head_dim is not None and self.head_dim * self.num_attention_heads == self.hidden_size:
+            self.head_dim = None
 
     @property
     def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def add_qkv_bias(self) -> bool:
+        return family(self.family).qkv_bias
+
+    @property
+    def qk_layernorm(self) -> bool:
+        return family(self.family).qk_norm
 
     def padded_vocab_size(self, tp: int) -> int:
         return pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by, tp)
@@ -44,8 +65,9 @@ class ModelConfig:
     def num_parameters(self, tp: int = 1) -> int:
         """Parameters of the unsharded model (padded vocabulary at the given TP)."""
         h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        kv = self.num_query_groups * self.kv_channels
-        attn = h * (h + 2 * kv) + h * h
+        q, kv = self.num_attention_heads * self.kv_channels, self.num_query_groups * self.kv_channels
+        attn = h * (q + 2 * kv) + q * h
+        attn += (q + 2 * kv) * self.add_qkv_bias + 2 * self.kv_channels * self.qk_layernorm
         mlp = 3 * h * f
         norms = 2 * h
         v = self.padded_vocab_size(tp)
@@ -84,6 +106,49 @@ PRESETS: dict[str, ModelConfig] = {
         name="llama3-405b", num_layers=126, hidden_size=16384, ffn_hidden_size=53248, num_attention_heads=128,
         num_query_groups=8, vocab_size=128256, max_position_embeddings=131072, rotary_base=500000.0,
         rope_scaling=True,
+    ),
+    # Qwen/Qwen2.5-{0.5B,1.5B,7B}(-Instruct): QKV biases; the small two tie their embeddings.
+    "qwen2.5-0.5b": ModelConfig(
+        name="qwen2.5-0.5b", family="qwen2", num_layers=24, hidden_size=896, ffn_hidden_size=4864,
+        num_attention_heads=14, num_query_groups=2, vocab_size=151936, max_position_embeddings=32768,
+        rotary_base=1000000.0, norm_epsilon=1e-6, tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": ModelConfig(
+        name="qwen2.5-1.5b", family="qwen2", num_layers=28, hidden_size=1536, ffn_hidden_size=8960,
+        num_attention_heads=12, num_query_groups=2, vocab_size=151936, max_position_embeddings=32768,
+        rotary_base=1000000.0, norm_epsilon=1e-6, tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": ModelConfig(
+        name="qwen2.5-7b", family="qwen2", num_layers=28, hidden_size=3584, ffn_hidden_size=18944,
+        num_attention_heads=28, num_query_groups=4, vocab_size=152064, max_position_embeddings=32768,
+        rotary_base=1000000.0, norm_epsilon=1e-6,
+    ),
+    # Qwen/Qwen3-{0.6B,1.7B,8B}: per-head q/k RMSNorm, 128-wide heads whatever the hidden size.
+    "qwen3-0.6b": ModelConfig(
+        name="qwen3-0.6b", family="qwen3", num_layers=28, hidden_size=1024, ffn_hidden_size=3072,
+        num_attention_heads=16, num_query_groups=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rotary_base=1000000.0, norm_epsilon=1e-6, tie_word_embeddings=True,
+    ),
+    "qwen3-1.7b": ModelConfig(
+        name="qwen3-1.7b", family="qwen3", num_layers=28, hidden_size=2048, ffn_hidden_size=6144,
+        num_attention_heads=16, num_query_groups=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rotary_base=1000000.0, norm_epsilon=1e-6, tie_word_embeddings=True,
+    ),
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", family="qwen3", num_layers=36, hidden_size=4096, ffn_hidden_size=12288,
+        num_attention_heads=32, num_query_groups=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rotary_base=1000000.0, norm_epsilon=1e-6,
+    ),
+    # mistralai/Mistral-7B-v0.3 (no sliding window) and v0.1 (a 4096-token window: converted with
+    # max_position_embeddings at most 4096, where full attention is the same).
+    "mistral-7b": ModelConfig(
+        name="mistral-7b", family="mistral", num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+        num_attention_heads=32, num_query_groups=8, vocab_size=32768, max_position_embeddings=32768,
+        rotary_base=1000000.0,
+    ),
+    "mistral-7b-v0.1": ModelConfig(
+        name="mistral-7b-v0.1", family="mistral", num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+        num_attention_heads=32, num_query_groups=8, vocab_size=32000, max_position_embeddings=4096,
     ),
 }
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_rl.models.families import FAMILIES
 from megatron_rl.models.presets import ModelConfig, get_preset
 
 
@@ -18,7 +19,8 @@ class ModelSection:
     of a checkpoint (`model.checkpoint=PATH`), whose recorded shape is then the model's.
 
     checkpoint: a megatron-rl checkpoint (`megatron-rl convert --to megatron` output, or a training run's step or
-        root); with the local launcher also a Hugging Face Llama directory, a .gguf file or the name of a packaged
+        root); with the local launcher also a Hugging Face Llama, Qwen2/2.5, Qwen3 or Mistral directory, a Llama
+        .gguf file or the name of a packaged
         model (`smollm2-135m-instruct`), converted once into the run directory before the job starts.
     tokenizer: "byte", a HF directory, a .gguf or a sentencepiece .model; default: the checkpoint's own tokenizer,
         or the byte tokenizer without a checkpoint.
@@ -68,15 +70,20 @@ def divides(a_name: str, a: int, b_name: str, b: int) -> list[str]:
 
 
 def model_problems(model: ModelConfig) -> list[str]:
-    """The model's shape: positive sizes, heads that divide the hidden size, finite positive constants."""
-    out = [f"model.{f}={getattr(model, f)} must be >= 1"
-           for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                     "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by") if getattr(model, f) < 1]
+    """The model's shape: a known family, positive sizes, heads that divide the hidden size (unless the head size
+    is given), finite positive constants."""
+    out = [] if model.family in FAMILIES else [f"model.family={model.family!r} is not one of {', '.join(FAMILIES)}"]
+    out += [f"model.{f}={getattr(model, f)} must be >= 1"
+            for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                      "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by") if getattr(model, f) < 1]
     out += [f"model.{f}={getattr(model, f)} must be a finite number > 0"
             for f in ("rotary_base", "rope_scaling_factor", "norm_epsilon", "init_method_std")
             if not (math.isfinite(getattr(model, f)) and getattr(model, f) > 0)]
+    if model.head_dim is not None and model.head_dim < 1:
+        out.append(f"model.head_dim={model.head_dim} must be >= 1 (or null: hidden_size / num_attention_heads)")
     if out:
         return out
-    return (divides("model.num_attention_heads", model.num_attention_heads, "model.hidden_size", model.hidden_size)
-            + divides("model.num_query_groups", model.num_query_groups, "model.num_attention_heads",
-                      model.num_attention_heads))
+    heads = [] if model.head_dim else divides("model.num_attention_heads", model.num_attention_heads,
+                                              "model.hidden_size", model.hidden_size)
+    return heads + divides("model.num_query_groups", model.num_query_groups, "model.num_attention_heads",
+                           model.num_attention_heads)

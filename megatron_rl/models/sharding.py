@@ -156,3 +156,21 @@ def gather_full_state_dict(model: torch.nn.Module, cfg: ModelConfig, pgs) -> dic
     for s in stages:
         full.update(s)
     return full
+
+
+def model_sharded_state_dict(model: torch.nn.Module, dp_cp_group) -> dict:
+    """`model.sharded_state_dict()` for `dist_checkpointing` save and load, with the executor's own DP group.
+
+    Megatron-Core's `LanguageModule.tie_embeddings_and_output_weights_state_dict` (tied embeddings on a last
+    pipeline stage that is not the first: Qwen2.5-0.5B or SmolLM2 at PP > 1) reads the DP rank from the global
+    `parallel_state`, which our executors never initialize (each has its own process groups), and fails with "data
+    parallel group with context parallel combined is not initialized". While the dict is built, that one call
+    answers from `dp_cp_group`."""
+    from megatron.core import parallel_state
+
+    original = parallel_state.get_data_parallel_rank
+    parallel_state.get_data_parallel_rank = lambda *args, **kwargs: dp_cp_group.rank()
+    try:
+        return model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
+    finally:
+        parallel_state.get_data_parallel_rank = original

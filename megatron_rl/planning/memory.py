@@ -58,9 +58,9 @@ class RankMemory:
 def activation_bytes_per_token_layer(model: ModelConfig, tp: int, itemsize: int, fused: bool) -> int:
     """Bytes kept for the backward pass per token and transformer layer (module docstring)."""
     h, f, t, a = model.hidden_size, model.ffn_hidden_size, tp, itemsize
-    kv = model.num_query_groups * model.kv_channels
+    q, kv = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
     norm = 2 * a * h if fused else 4 * h + 4 * h + a * h
-    attention = a * ((h + 2 * kv) // t + (h + kv) // t + h // t) + 4 * (model.num_attention_heads // t)
+    attention = a * ((q + 2 * kv) // t + (q + kv) // t + q // t) + 4 * (model.num_attention_heads // t)
     mlp = a * (3 if fused else 5) * f // t
     return 2 * (norm + 4) + attention + mlp
 
@@ -84,9 +84,9 @@ def prefill_workspace_bytes(model: ModelConfig, tp: int, slots: int, prompt: int
                             quantized: bool) -> int:
     """Transient bytes of prefilling `slots` prompts of `prompt` tokens at once (module docstring)."""
     h, f = model.hidden_size, model.ffn_hidden_size
-    kv = model.num_query_groups * model.kv_channels
+    q, kv = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
     tokens = slots * prompt
     logits = slots * (model.padded_vocab_size(tp) // tp) * itemsize + slots * model.vocab_size * 4
-    layer = tokens * itemsize * (2 * h + (h + 2 * kv) // tp + h // tp + 3 * f // tp)
+    layer = tokens * itemsize * (2 * h + (q + 2 * kv) // tp + q // tp + 3 * f // tp)
     dequantized = (2 * f // tp) * h * itemsize if quantized else 0
     return logits + layer + dequantized

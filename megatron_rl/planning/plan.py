@@ -157,7 +157,7 @@ def model_cost(model: ModelConfig) -> ModelCost:
     n = sum(p.numel for p in logical_params(model) if len(p.shape) == 2 and p.name != EMBEDDING)
     if model.tie_word_embeddings:
         n += model.vocab_size * model.hidden_size
-    return ModelCost(n, model.num_layers, model.hidden_size)
+    return ModelCost(n, model.num_layers, model.hidden_size, model.num_attention_heads * model.kv_channels)
 
 
 def workload(cfg: JobConfig) -> Workload:
@@ -264,8 +264,8 @@ def _scoring_workspace_bytes(model: ModelConfig, tp: int, batch: int, context: i
     output, QKV, the attention output, the MLP's three f-sized tensors; no s x s scores), and no logits (no LM
     head; the fp32 head reads one hidden state per sequence)."""
     h, f = model.hidden_size, model.ffn_hidden_size
-    kv = model.num_query_groups * model.kv_channels
-    return batch * context * itemsize * (2 * h + (h + 2 * kv) // tp + h // tp + 3 * f // tp)
+    q, kv = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
+    return batch * context * itemsize * (2 * h + (q + 2 * kv) // tp + q // tp + 3 * f // tp)
 
 
 def _reward_model_memory(cfg: JobConfig, cal: Calibration, device_bytes: int) -> tuple[ExecutorMemory, dict]:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_rl.planning.calibration import Calibration
 
@@ -71,10 +72,12 @@ class ModelCost:
     matmul_params: int
     num_layers: int
     hidden_size: int
+    attention_width: Optional[int] = None  # heads x head size, when not the hidden size (Qwen3)
 
     def forward_flops_per_token(self, context: float) -> float:
         """2 FLOPs per weight, plus QK^T and AV against `context` earlier tokens."""
-        return 2.0 * self.matmul_params + 4.0 * self.num_layers * self.hidden_size * context
+        width = self.attention_width or self.hidden_size
+        return 2.0 * self.matmul_params + 4.0 * self.num_layers * width * context
 
 
 @dataclass(frozen=True)
