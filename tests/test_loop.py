@@ -278,3 +278,48 @@ def test_the_log_prob_gap_warning_sits_between_the_studys_staleness_1_and_stalen
     fours = [w for (setting, _), w in warned.items() if setting.startswith("async4")]
     assert len(ones) >= 4 and len(fours) >= 8, warned
     assert not any(ones) and all(fours), warned
+
+
+def test_a_run_that_cannot_learn_is_told_once_naming_the_step():
+    """`trainer.lr=1e6` on the default job: the gradient norm exactly 0 at every step and, from step 1, the policy
+    uniform (the rows below are that run's own, rounded). Uniform is judged against the entropy of a uniform
+    distribution and of a model fresh from its initialization (logits of std 0.2), both computed by torch."""
+    import torch
+
+    from megatron_rl.controller.metrics import STUCK_STEPS, StuckWatch
+
+    vocab = 300
+    uniform = torch.distributions.Categorical(logits=torch.zeros(vocab)).entropy().item()
+    fresh = torch.distributions.Categorical(logits=0.2 * torch.randn(64, vocab, generator=torch.Generator()
+                                                                       .manual_seed(0))).entropy().mean().item()
+    collapsed = [{"step": 0, "grad_norm": 0.0, "entropy": 4.6947}] + [
+        {"step": s, "grad_norm": 0.0, "entropy": 5.7037821} for s in range(1, 8)]
+    said = []
+    watch = StuckWatch(vocab, said.append)
+    for row in collapsed:
+        watch.see(row)
+    assert abs(5.7037821 - uniform) < 1e-6 and len(said) == 1, said
+    assert said[0].startswith(f"megatron-rl: warning: at step {STUCK_STEPS - 1} the gradient norm has been exactly 0 "
+                              f"for {STUCK_STEPS} steps in a row and the policy uniform over the 300 tokens")
+    assert "collapsed" in said[0] and "trainer.lr" in said[0] and "\n" not in said[0]
+
+    def told(rows):
+        out = []
+        w = StuckWatch(vocab, out.append)
+        for step, (grad, entropy) in enumerate(rows):
+            w.see({"step": step, **({} if grad is None else {"grad_norm": grad}), "entropy": entropy})
+        return out
+
+    almost = STUCK_STEPS - 1
+    learning = [(0.0, fresh)] * almost + [(0.3, fresh)] + [(0.0, fresh)] * almost  # never enough zeros in a row
+    assert told(learning) == [] and told([(0.2, fresh)] * 20) == []
+    assert fresh < uniform - 5 * 1e-3  # a fresh model is not "uniform"
+    # Rows without a gradient norm neither break nor extend a run of zeros.
+    gaps = [(0.0, fresh), (None, fresh)] * STUCK_STEPS
+    out = told(gaps)
+    assert len(out) == 1 and out[0].startswith(f"megatron-rl: warning: at step {2 * STUCK_STEPS - 2} the gradient "
+                                               f"norm has been exactly 0 for {STUCK_STEPS} steps in a row: the run is "
+                                               f"not learning")
+    # Uniform with a gradient: collapsed all the same.
+    out = told([(1.5, uniform)] * STUCK_STEPS)
+    assert len(out) == 1 and f"at step {STUCK_STEPS - 1} the policy has been uniform" in out[0]

@@ -1,10 +1,11 @@
-"""Checkpoint conversion: Hugging Face Llama (directory or GGUF) <-> Megatron-Core distributed checkpoint.
+"""Checkpoint conversion: Hugging Face Llama, Qwen2/2.5, Qwen3 or Mistral (a directory; Llama also GGUF) <->
+Megatron-Core distributed checkpoint (the families and what is refused: `megatron_rl.models.families`).
 
 The Megatron side is a standard `dist_checkpointing` (torch_dist) checkpoint of a local-spec GPTModel in `DST/model/`,
 so it loads at any TP/PP/DP (`dist_checkpointing.load(model.sharded_state_dict(), DST/model)`); `DST/megatron_rl.json`
 records the model shape, the layout it was written with and the tokenizer, whose files go to `DST/tokenizer/`.
 The HF side is `config.json` plus safetensors shards with an index (and the tokenizer files, when the checkpoint
-has them). Tensors are renamed and re-laid out exactly (QKV interleaved per KV group, fc1 = [gate; up]), so
+has them). Tensors are renamed and re-laid out exactly (QKV and its bias interleaved per KV group, fc1 = [gate; up]), so
 HF -> Megatron -> HF reproduces every tensor bit for bit.
 
 Both directions stream; neither holds two copies of the model (measured in docs/benchmarks.md):
@@ -41,8 +42,11 @@ import torch
 from megatron_rl.checkpointing.inspect import dist_tensors, is_run_root, model_config, resolve_checkpoint
 from megatron_rl.checkpointing.inspect import read_meta as read_checkpoint_meta
 from megatron_rl.checkpointing.layout import CONVERT_FORMAT, META, MODEL_DIR, TOKENIZER_DIR, TRAIN_FORMAT, InspectError
+from megatron_rl.checkpointing.layout import CheckpointError
+from megatron_rl.checkpointing import safe_load
 from megatron_rl.checkpointing.safetensors_io import CODE_DTYPES, read_header, write_sharded
-from megatron_rl.checkpointing.tokenizer import TOKENIZER_FILES, save_tokenizer, tokenizer_dir
+from megatron_rl.checkpointing.tokenizer import MODEL_TYPE_FILE, TOKENIZER_FILES, save_tokenizer, tokenizer_dir
+from megatron_rl.models.families import hf_config_dict, hf_config_fields, unsupported_feature
 from megatron_rl.models.hf_mapping import (hf_row_blocks, hf_shapes, megatron_names, model_config_from_hf,
                                            to_hf_tensors)
 from megatron_rl.models.presets import ModelConfig
@@ -154,37 +158,23 @@ def gguf_architecture(path: Path) -> Optional[str]:
     return None
 
 
-# transformers' LlamaConfig defaults, for keys a config.json leaves out (reading config.json directly spares the
-# conversion the seconds that importing transformers takes).
-_LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048,
-                   "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "initializer_range": 0.02,
-                   "rope_theta": 10000.0, "rope_scaling": None, "rope_parameters": None, "hidden_act": "silu",
-                   "head_dim": None}
-
-
 def hf_model_config(src: Path) -> ModelConfig:
-    """ModelConfig of a HF Llama directory (its config.json), refusing other architectures in one line."""
+    """ModelConfig of a HF Llama / Qwen2 / Qwen3 / Mistral directory (its config.json, read without importing
+    transformers), refusing other architectures and unsupported features in one line that names them."""
     from types import SimpleNamespace
 
     try:
         raw = json.loads((src / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConversionError(f"{src / 'config.json'}: unreadable ({_first_line(e)})") from None
-    arch = raw.get("model_type")
-    if arch != "llama":
-        raise ConversionError(f"{src}: architecture {arch!r} is not supported (only llama)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag):
-            raise ConversionError(f"{src}: {flag}=true is not supported (Llama without biases only)")
-    hf = SimpleNamespace(**{**_LLAMA_DEFAULTS, **raw})
-    if hf.hidden_act != "silu":
-        raise ConversionError(f"{src}: hidden_act={hf.hidden_act!r} is not supported (silu only)")
-    if hf.head_dim is not None and hf.head_dim * hf.num_attention_heads != hf.hidden_size:
-        raise ConversionError(f"{src}: head_dim={hf.head_dim} with {hf.num_attention_heads} heads does not equal "
-                              f"hidden_size={hf.hidden_size} (not supported)")
     try:
-        return model_config_from_hf(hf, name=src.name)
+        problem = unsupported_feature(raw)
+    except ValueError as e:  # an architecture that is not one of the families
+        raise ConversionError(f"{src}: {_first_line(e)}") from None
+    if problem:
+        raise ConversionError(f"{src}: {problem}")
+    try:
+        return model_config_from_hf(SimpleNamespace(**hf_config_fields(raw)), name=src.name)
     except (ValueError, TypeError, AttributeError) as e:
         raise ConversionError(f"{src}: unsupported config ({_first_line(e)})") from None
 
@@ -221,8 +211,8 @@ def hf_tensor_files(src: Path, cfg: ModelConfig, extra: Optional[dict[str, tuple
     ignored = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     extra = sorted(n for n in where if n not in expected and n not in ignored and "rotary_emb.inv_freq" not in n)
     if extra:
-        raise ConversionError(f"{src}: unexpected tensor {extra[0]} ({len(extra)} in all) for a Llama model of this "
-                              f"config")
+        raise ConversionError(f"{src}: unexpected tensor {extra[0]} ({len(extra)} in all) for a {cfg.family} model "
+                              f"of this config")
     return {name: str(where[name][0]) for name in expected}
 
 
@@ -231,7 +221,7 @@ def _gguf_to_safetensors(src: Path, out: Path) -> ModelConfig:
     tensor, dropping each one after it is written."""
     arch = gguf_architecture(src)
     if arch != "llama":
-        raise ConversionError(f"{src}: architecture {arch!r} is not supported (only llama)")
+        raise ConversionError(f"{src}: architecture {arch!r} is not supported (GGUF files: only llama)")
     import transformers
 
     try:
@@ -240,7 +230,8 @@ def _gguf_to_safetensors(src: Path, out: Path) -> ModelConfig:
     except Exception as e:  # noqa: BLE001
         raise ConversionError(f"{src}: cannot load this GGUF as a Llama model ({_first_line(e)})") from None
     if getattr(model.config, "model_type", None) != "llama":
-        raise ConversionError(f"{src}: architecture {model.config.model_type!r} is not supported (only llama)")
+        raise ConversionError(f"{src}: architecture {model.config.model_type!r} is not supported (GGUF files: only "
+                              f"llama)")
     try:
         cfg = model_config_from_hf(model.config, name=src.stem)
     except ValueError as e:
@@ -330,7 +321,7 @@ def _save_megatron_worker(rank, world_size, cfg: ModelConfig, tp: int, pp: int, 
     from megatron.core import dist_checkpointing
 
     from megatron_rl.models import build_gpt_model
-    from megatron_rl.models.sharding import describe_params
+    from megatron_rl.models.sharding import describe_params, model_sharded_state_dict
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 
     g = build_topology([ExecutorPlacement("convert", ParallelLayout(tp=tp, pp=pp))])["convert"]
@@ -344,7 +335,7 @@ def _save_megatron_worker(rank, world_size, cfg: ModelConfig, tp: int, pp: int, 
         for d in describe_params(model, cfg, g.pgs.tp.rank(), g.pgs.tp.size()):
             fill_param(params[d.local_name], d, cfg, files)
     local_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    sharded = model.sharded_state_dict(metadata={"dp_cp_group": g.pgs.dp_cp})
+    sharded = model_sharded_state_dict(model, g.pgs.dp_cp)
     _copy_views_releasing_params(sharded, model)
     dist_checkpointing.save(sharded, out)
     return dict(meter.report(), rank=rank, local_bytes=local_bytes)
@@ -427,7 +418,7 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
     if gguf:
         arch = gguf_architecture(src)
         if arch != "llama":
-            raise ConversionError(f"{src}: architecture {arch!r} is not supported (only llama)")
+            raise ConversionError(f"{src}: architecture {arch!r} is not supported (GGUF files: only llama)")
     else:
         cfg = hf_model_config(src)
         _check_layout(cfg, tp, pp)
@@ -536,20 +527,6 @@ def _stored_box(reader: DistSliceReader, name: str, cfg: ModelConfig):
     return name, (0,) * len(size), size, size
 
 
-def hf_config_dict(cfg: ModelConfig, dtype: str) -> dict:
-    """config.json of a transformers LlamaForCausalLM with this shape (written without importing transformers)."""
-    rope = ({"rope_type": "llama3", "factor": cfg.rope_scaling_factor, "low_freq_factor": 1.0,
-             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192} if cfg.rope_scaling else None)
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels, "hidden_act": "silu",
-            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
-            "rope_theta": cfg.rotary_base, "rope_scaling": rope, "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_word_embeddings,
-            "initializer_range": cfg.init_method_std, "torch_dtype": dtype, "use_cache": True}
-
-
 def megatron_to_hf_checkpoint(src: Path, dst: Path, overwrite: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
     start = time.perf_counter()
     meter = MemoryMeter()
@@ -557,7 +534,8 @@ def megatron_to_hf_checkpoint(src: Path, dst: Path, overwrite: bool = False, sha
         ckpt = resolve_checkpoint(src)
         meta = read_checkpoint_meta(ckpt)
         dist_tensors(ckpt / MODEL_DIR)  # one-line error for a missing or half-written model/
-    except InspectError as e:
+        safe_load.check_checkpoint(ckpt)  # its pickles hold only data, before torch reads them
+    except (InspectError, CheckpointError) as e:
         raise ConversionError(str(e)) from None
     if not meta.get("model"):
         raise ConversionError(f"{ckpt}: {META} records no model shape")
@@ -596,6 +574,8 @@ def megatron_to_hf_checkpoint(src: Path, dst: Path, overwrite: bool = False, sha
         copied = 0
         if tok is not None and tok.is_dir():
             for f in tok.iterdir():
+                if f.name == MODEL_TYPE_FILE:  # the model's own config.json is written above
+                    continue
                 if f.is_file() and (f.name in TOKENIZER_FILES or f.suffix in (".json", ".model", ".txt", ".jinja")):
                     shutil.copy2(f, tmp / f.name)
                     copied += 1

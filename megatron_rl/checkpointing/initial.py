@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from megatron_rl.checkpointing.inspect import model_config, read_meta, resolve_checkpoint
 from megatron_rl.checkpointing.layout import META, MODEL_DIR, InspectError
+from megatron_rl.checkpointing import safe_load
 from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
@@ -79,7 +80,8 @@ def checkpoint_model_config(spec: str) -> ModelConfig:
 
     hf = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     if getattr(hf, "model_type", None) != "llama":
-        raise ValueError(f"model.checkpoint={spec!r}: architecture {hf.model_type!r} is not supported (only llama)")
+        raise ValueError(f"model.checkpoint={spec!r}: architecture {hf.model_type!r} is not supported (GGUF files: "
+                         f"only llama)")
     return model_config_from_hf(hf, name=path.stem)
 
 
@@ -115,11 +117,13 @@ def load_weights(model, ckpt: Path, dp_cp_group=None) -> None:
     `model` (their shard, any layout) from `ckpt/model`; ranks without one pass model=None."""
     from megatron.core import dist_checkpointing
 
+    safe_load.check_dist_dir(Path(ckpt) / MODEL_DIR)  # its pickles hold only data (CheckpointError), before torch
     if model is None:
         dist_checkpointing.load({}, str(Path(ckpt) / MODEL_DIR))
         return
-    state = dist_checkpointing.load(model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group}),
-                                    str(Path(ckpt) / MODEL_DIR))
+    from megatron_rl.models.sharding import model_sharded_state_dict
+
+    state = dist_checkpointing.load(model_sharded_state_dict(model, dp_cp_group), str(Path(ckpt) / MODEL_DIR))
     model.load_state_dict(state)
 
 

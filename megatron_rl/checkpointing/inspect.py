@@ -10,8 +10,9 @@ Understands
 - a bare Megatron-Core dist_checkpointing (torch_dist) directory.
 `model/` and `optimizer/` are read through torch.distributed.checkpoint's `.metadata` (global shapes and dtypes of
 every tensor). A checkpoint missing any of that is reported in one line naming the path and what is missing.
-The one thing read beyond metadata: the files of a checkpoint with checksums, to check them (a file whose content
-changed is named in one line).
+Read beyond metadata, to check them: the files of a checkpoint with checksums (a file whose content changed is
+named in one line), and every pickled file, which may hold only data (`safe_load`: a file that would run code is
+named in one line, and nothing in it runs).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megatron_rl.checkpointing.layout import (CHECKSUM_MISMATCH, CHECKSUMS, DCP_
                                               TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError, InspectError,
                                               checksum_mismatches, manifest_problems)
 from megatron_rl.checkpointing.layout import read_latest as read_pointer
+from megatron_rl.checkpointing import safe_load
 from megatron_rl.models.presets import ModelConfig
 
 
@@ -68,14 +70,12 @@ def dist_tensors(d: Path, what: str = "model") -> list[dict]:
     # torch loads here, not when the module is imported: resolving a checkpoint path (config checks, eval's argument
     # errors) stays fast.
     import torch
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        md = FileSystemReader(str(d)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata is reported the same way
-        raise InspectError(f"{d}: unreadable {DCP_METADATA} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                           ) from None
+        md = safe_load.read_dcp_metadata(d)
+    except CheckpointError as e:
+        raise InspectError(str(e)) from None
     out = []
     for name, m in md.state_dict_metadata.items():
         if not isinstance(m, TensorStorageMetadata):
@@ -185,6 +185,10 @@ def inspect_checkpoint(ckpt: Path) -> dict:
     if mismatches:
         more = f" (and {len(mismatches) - 1} more files)" if len(mismatches) > 1 else ""
         raise InspectError(f"{ckpt / mismatches[0]}: {CHECKSUM_MISMATCH}{more}")
+    try:
+        safe_load.check_checkpoint(ckpt)
+    except CheckpointError as e:
+        raise InspectError(str(e)) from None
     if meta.get(CHECKSUMS):
         checksums = f"{len(meta[CHECKSUMS])} files match their CRC-32"
     elif meta.get(MANIFEST):

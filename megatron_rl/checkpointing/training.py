@@ -51,7 +51,7 @@ from megatron_rl.checkpointing.layout import (CHECKSUM_MISMATCH, CHECKSUMS, LATE
                                               OPTIMIZER_DIR, RL_STATE, RNG_DIR, STEP_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
                                               CheckpointError, checksum_mismatches, file_checksums, manifest,
                                               manifest_problems, read_latest, step_dir_name)
-from megatron_rl.checkpointing import background, optimizer_state, storage
+from megatron_rl.checkpointing import background, optimizer_state, safe_load, storage
 from megatron_rl.checkpointing.tokenizer import save_tokenizer
 from megatron_rl.failpoints import failpoint
 
@@ -85,11 +85,13 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _rng_state() -> dict:
+    """Every RNG's state as tensors, numbers and tuples: what `torch.load(weights_only=True)` reads back."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, *rest = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), *rest)
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -106,7 +108,8 @@ def _set_rng_state(state: dict) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, *rest = state["numpy"]  # keys: a tensor, or an array where the file holds numpy's own state
+        np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), *rest))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -646,22 +649,26 @@ class TrainCheckpointer:
 
     # ---- find and load ---------------------------------------------------------------------------------------
     def verify(self, path: Path) -> dict:
-        """`verify(path, checksums=True)`, collective when torch.distributed is initialized: each rank reads a
-        share of the files, and every rank gets the same answer. Remembered, so that `load` after `find` reads the
-        files once."""
+        """`verify(path, checksums=True)`, and every pickled file checked to hold only data (`safe_load`; nothing
+        in it runs), collective when torch.distributed is initialized: each rank reads a share of the files, and
+        every rank gets the same answer. Remembered, so that `load` after `find` reads the files once."""
         path = Path(path)
         meta = verify(path)
         if path in self._verified:
             return meta
-        files = sorted(meta.get(CHECKSUMS) or {})
+        files, pickled = sorted(meta.get(CHECKSUMS) or {}), safe_load.pickled_files(path)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             rank, world = dist.get_rank(), dist.get_world_size()
             parts: list = [None] * world
-            dist.all_gather_object(parts, checksum_mismatches(path, meta, files[rank::world]))
-            mismatches = sorted(rel for part in parts for rel in part)
+            dist.all_gather_object(parts, (checksum_mismatches(path, meta, files[rank::world]),
+                                           safe_load.problems(path, pickled[rank::world])))
+            mismatches = sorted(rel for part, _ in parts for rel in part)
+            refused = [line for _, part in parts for line in part]
         else:
-            mismatches = checksum_mismatches(path, meta, files)
+            mismatches, refused = checksum_mismatches(path, meta, files), safe_load.problems(path, pickled)
         _raise_mismatch(path, mismatches)
+        if refused:
+            raise CheckpointError(refused[0])
         self._verified.add(path)
         return meta
 
@@ -731,11 +738,11 @@ class TrainCheckpointer:
             rng = path / RNG_DIR / f"rank_{dist.get_rank():05d}.pt"
             same_world = meta.get("world_size") == dist.get_world_size()
             if same_world and rng.exists():
-                _set_rng_state(torch.load(rng, weights_only=False))
+                _set_rng_state(safe_load.load_data(rng, numpy_arrays=True))
         else:
             dist_checkpointing.load({}, str(path / MODEL_DIR))
             dist_checkpointing.load({}, str(path / OPTIMIZER_DIR))
         rl = path / RL_STATE
-        meta["rl_state"] = torch.load(rl, weights_only=True) if rl.exists() else {}
+        meta["rl_state"] = safe_load.load_data(rl) if rl.exists() else {}
         dist.barrier()
         return meta

@@ -111,6 +111,52 @@ class GapWatch:
                      f"generator.quantization")
 
 
+# A run that cannot learn: the gradient norm exactly 0 (no response of a prompt scored differently from the others,
+# so every advantage is 0, or the model collapsed), or the policy uniform over the vocabulary (its entropy the log of
+# the vocabulary's size: a learning rate far too high flattens every logit), for STUCK_STEPS steps in a row. A
+# model fresh from its random initialization sits about 0.01 nats below uniform (logits of std 0.2), so "uniform"
+# means within UNIFORM_NATS of it.
+STUCK_STEPS = 5
+UNIFORM_NATS = 1e-3
+
+
+class StuckWatch:
+    """Tells the user, once per process, when the gradient norm has been exactly zero, or the policy uniform over
+    the `vocab_size` tokens, for `STUCK_STEPS` steps in a row: such a run goes on to its end with nothing learned
+    and exit code 0."""
+
+    def __init__(self, vocab_size: int, say: Callable[[str], None]):
+        self.uniform_entropy = math.log(vocab_size)
+        self.vocab_size, self.say = vocab_size, say
+        self.zero_grad = self.uniform = 0  # steps in a row
+        self.warned = False
+
+    def see(self, row: dict) -> None:
+        if self.warned:
+            return
+        grad, entropy = row.get("grad_norm"), row.get("entropy")
+        if isinstance(grad, (int, float)):
+            self.zero_grad = self.zero_grad + 1 if grad == 0 else 0
+        if isinstance(entropy, (int, float)):
+            self.uniform = self.uniform + 1 if abs(entropy - self.uniform_entropy) <= UNIFORM_NATS else 0
+        if max(self.zero_grad, self.uniform) < STUCK_STEPS:
+            return
+        self.warned = True
+        lower = "lower trainer.lr (or trainer.sft_lr, for the warm start)"
+        flat = (f"uniform over the {self.vocab_size} tokens (entropy {entropy:.4f} = ln {self.vocab_size})"
+                if self.uniform else "")
+        if self.zero_grad and self.uniform:
+            what = (f"the gradient norm has been exactly 0 for {self.zero_grad} steps in a row and the policy "
+                    f"{flat} for {self.uniform} steps: the model has collapsed and is not learning; {lower}")
+        elif self.uniform:
+            what = f"the policy has been {flat} for {self.uniform} steps in a row: the model has collapsed; {lower}"
+        else:
+            what = (f"the gradient norm has been exactly 0 for {self.zero_grad} steps in a row: the run is not "
+                    f"learning (every response scored the same as the others of its prompt, so every advantage is 0, "
+                    f"or the model has collapsed)")
+        self.say(f"megatron-rl: warning: at step {row.get('step')} {what}")
+
+
 def scalars(row: dict) -> dict[str, float]:
     """The plottable values of a row (what TensorBoard and W&B get): finite numbers, not booleans or lists."""
     return {k: v for k, v in row.items()

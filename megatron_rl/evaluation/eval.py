@@ -29,7 +29,8 @@ from typing import Optional, Union
 
 from megatron_rl.checkpointing import load_checkpoint_tokenizer
 from megatron_rl.checkpointing.inspect import resolve_checkpoint as resolve
-from megatron_rl.checkpointing.layout import META, MODEL_DIR, InspectError
+from megatron_rl.checkpointing import safe_load
+from megatron_rl.checkpointing.layout import META, MODEL_DIR, CheckpointError, InspectError
 from megatron_rl.data import ChatPromptBuilder, DataError, default_data_dir, load_prompt_dataset, registry
 from megatron_rl.data.datasets import DATA_DIR_ENV
 from megatron_rl.models.presets import ModelConfig
@@ -146,13 +147,14 @@ def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts:
 
     from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
     from megatron_rl.models import build_gpt_model
+    from megatron_rl.models.sharding import model_sharded_state_dict
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 
     g = build_topology([ExecutorPlacement("eval", ParallelLayout(tp=world_size // pp, pp=pp))])["eval"]
     # Built as a job's generator builds it in `dtype` (a bf16 model keeps its norm weights in fp32); the stored
     # tensors are rounded to it as they load, whatever dtype they were saved in.
     model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=getattr(torch, dtype))
-    state = dist_checkpointing.load(model.sharded_state_dict(metadata={"dp_cp_group": g.pgs.dp_cp}), model_dir)
+    state = dist_checkpointing.load(model_sharded_state_dict(model, g.pgs.dp_cp), model_dir)
     model.load_state_dict(state)
     gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch_size, max_len=max_len, pp_group=g.pgs.pp)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids))
@@ -212,6 +214,10 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
 
     from megatron_rl.launch.spawn import LaunchError, run_local  # imports torch: after the argument checks
 
+    try:
+        safe_load.check_checkpoint(ckpt)  # its pickles hold only data, before the ranks load them
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
     try:
         results = run_local(_generate_worker, s.tp * s.pp, cfg, str(ckpt / MODEL_DIR), compute, prompts,
                             s.max_new_tokens, tuple(sorted(tok.stop_ids)), s.batch_size, max_len, s.pp,

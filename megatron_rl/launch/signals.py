@@ -10,6 +10,7 @@ the loop; the run ends with exit code 128 + the signal's number (143 for SIGTERM
 
 from __future__ import annotations
 
+import re
 import signal
 from multiprocessing import resource_tracker
 
@@ -52,6 +53,10 @@ def name(signum: int) -> str:
 def exit_code(signum: int) -> int:
     """The shell's convention for a process ended by a signal: 128 + its number."""
     return 128 + signum
+
+
+# The part of `stopped_line` that says the stop is complete: what a launch script looks for in the ranks' output.
+STOPPED_WITH_CHECKPOINT = re.compile(r"megatron-rl: stopped by [A-Z]+ after step \d+; checkpoint \S+ saved")
 
 
 def stopped_line(signum: int, step: int, checkpoint: str) -> str:

@@ -46,14 +46,17 @@ def _expected(model: ModelConfig, stages) -> dict[str, tuple[tuple[int, ...], bo
 def checkpoint_report(path: Path, model: ModelConfig, layout: ParallelLayout, stages) -> dict:
     """{"path", "loads", "tensors", "read_bytes_per_rank": {"pp N": bytes}}; raises ReshardError (one line) for a
     path that is not a checkpoint or holds another model."""
+    from megatron_rl.checkpointing import safe_load
     from megatron_rl.checkpointing.inspect import InspectError, dist_tensors, read_meta, resolve_checkpoint
+    from megatron_rl.checkpointing.layout import CheckpointError
 
     try:
         ckpt = resolve_checkpoint(path)
         meta = read_meta(ckpt)
         tensors = {t["name"]: t for t in dist_tensors(ckpt / "model", "model")}
         optimizer = dist_tensors(ckpt / "optimizer", "optimizer") if (ckpt / "optimizer").is_dir() else []
-    except InspectError as e:
+        safe_load.check_checkpoint(ckpt)  # a checkpoint that would run code is named here, not at the job's resume
+    except (InspectError, CheckpointError) as e:
         raise ReshardError(f"--checkpoint: {e}") from None
     expected = _expected(model, stages)
     for key, (shape, is_vocab) in expected.items():
