@@ -120,10 +120,10 @@ def remove_unfinished(root: Path) -> tuple[list[str], int]:
 
 
 def estimate_checkpoint_bytes(num_params: int, param_bytes: int, with_reference: bool) -> int:
-    """A training checkpoint's size: the weights in their dtype, Adam's two fp32 moments and, for 16-bit weights,
-    the fp32 main copy the optimizer keeps; the KL reference model's weights when the run has one."""
-    optimizer = 8 + (4 if param_bytes < 4 else 0)
-    return num_params * (param_bytes + optimizer + (param_bytes if with_reference else 0))
+    """A training checkpoint's size: the weights in their dtype, then the optimizer's state as the distributed
+    optimizer saves it, Adam's two fp32 moments and an fp32 copy of the weights (saved with fp32 weights too); the KL
+    reference model's weights when the run has one."""
+    return num_params * (param_bytes + 12 + (param_bytes if with_reference else 0))
 
 
 def space_warning(root: Path, checkpoint_bytes: int, keep_last: int, present: int) -> Optional[str]:
