@@ -86,4 +86,10 @@ def test_job_with_a_pp2_generator_runs_and_resumes(tmp_path):
     assert launch("generator.pp=1", "run.steps=6", "run.name=pp1")["resumed_from_step"] == 0
     got, want = rows("pp2"), rows("pp1")
     assert [r["step"] for r in got] == list(range(6)) and "eval/reward" in got[3]
-    assert got == want
+    # The trainer-generator log-prob gaps measure rounding, which the generator's layout moves by ~1e-7 in fp32
+    # (this machine's "auto" without native bf16); every other field is equal.
+    rounding = ("logp_diff_mean", "logp_diff_max", "kl_mu_pi", "is_weight_max", "is_weight_mean")
+    for g, w in zip(got, want):
+        assert {k: v for k, v in g.items() if k not in rounding} == {k: v for k, v in w.items() if k not in rounding}
+        for k in rounding:
+            assert g[k] == pytest.approx(w[k], abs=1e-6), (g["step"], k)

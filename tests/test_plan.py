@@ -29,11 +29,14 @@ JOBS = {
     "smollm2-pp2-fp32": ["model.preset=smollm2-135m", "trainer.tp=1", "trainer.pp=2", "trainer.dp=1",
                          "trainer.dtype=fp32", "generator.tp=3", "generator.dtype=bf16", "trainer.sft_warmup_steps=0"],
     # a two-stage generator: each stage's rank holds its own layers (embedding on the first, output on the last)
-    "tiny-generator-pp2": ["trainer.tp=1", "generator.pp=2", "generator.dtype=bf16", "trainer.sft_warmup_steps=0"],
+    "tiny-generator-pp2": ["trainer.tp=1", "trainer.dtype=bf16", "generator.pp=2", "generator.dtype=bf16",
+                           "trainer.sft_warmup_steps=0"],
     # tied embeddings over two trainer stages, two DP ranks: the output layer is saved once, by the first stage
     "tiny-tied-pp2dp2": ["model.tie_word_embeddings=true", "trainer.tp=1", "trainer.pp=2", "trainer.dp=2",
-                         "trainer.dtype=bf16", "trainer.sft_warmup_steps=0"],
+                         "trainer.dtype=bf16", "generator.dtype=bf16", "trainer.sft_warmup_steps=0"],
 }
+# Every dtype is explicit: the plan resolves "auto" for a GPU (bf16), the job here for this CPU (fp32 without native
+# bf16), and the two must build the same tensors.
 
 
 @pytest.mark.parametrize("overrides", list(JOBS.values()), ids=list(JOBS))
@@ -93,13 +96,13 @@ def test_activation_model_bounds_what_autograd_keeps():
 def recipe_plans():
     cal = load_calibration()
     plans = {}
-    for name in ("llama3-8b", "llama3-70b", "llama3-405b-bf16"):
+    for name in ("llama3-8b", "llama3-70b", "llama3-405b-bf16", "qwen2.5-7b"):
         cfg = load_config(CONFIGS / f"{name}.yaml")
         plans[name] = (cfg, make_plan(cfg, validate(cfg, cfg.run.world_size), cal))
     return plans
 
 
-def test_8b_70b_and_405b_bf16_recipes_fit_on_80_gib(recipe_plans):
+def test_8b_70b_405b_bf16_and_qwen_recipes_fit_on_80_gib(recipe_plans):
     for name, (cfg, plan) in recipe_plans.items():
         assert plan.trainer.device_bytes == 80 * GIB
         assert plan.trainer.fits and plan.generator.fits, (name, plan.trainer.worst, plan.generator.worst)
@@ -109,11 +112,12 @@ def test_8b_70b_and_405b_bf16_recipes_fit_on_80_gib(recipe_plans):
     assert all(45 * GIB < r.parts["weights"] < 50 * GIB for r in plan.generator.ranks)
     # An independent count: a bf16 generator at TP1 holds 2 bytes per parameter of the preset's formula, and 2 more
     # per norm weight (Megatron-Core's local spec keeps RMSNorm weights in fp32).
-    cfg, plan = recipe_plans["llama3-8b"]
-    m = validate(cfg)
-    norms = (2 * m.num_layers + 1) * m.hidden_size
-    assert plan.generator.ranks[0].parts["weights"] == 2 * m.num_parameters(tp=1) + 2 * norms
-    assert plan.sync.senders == cfg.trainer.tp * cfg.trainer.dp  # every trainer rank sends
+    for name in ("llama3-8b", "qwen2.5-7b"):  # the Qwen2.5 count includes its QKV biases
+        cfg, plan = recipe_plans[name]
+        m = validate(cfg)
+        norms = (2 * m.num_layers + 1) * m.hidden_size
+        assert plan.generator.ranks[0].parts["weights"] == 2 * m.num_parameters(tp=1) + 2 * norms, name
+        assert plan.sync.senders == cfg.trainer.tp * cfg.trainer.dp  # every trainer rank sends
 
 
 def test_405b_plan_runs_in_a_minute_and_4_gib_and_fits():

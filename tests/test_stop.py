@@ -86,13 +86,13 @@ def test_a_second_launch_on_a_running_run_dir_exits_2_and_the_first_finishes(tmp
     run = tmp_path / "l"
     first = _train(tmp_path, "run.name=l", "run.steps=3")
     _wait_for(lambda: (run / "config.yaml").exists(), 60, first)
+    started = json.loads((run / LOCK_FILE).read_text())["started"]  # the lock is taken before config.yaml is written
     second = _train(tmp_path, "run.name=l", "run.steps=3")
     out, err = second.communicate(timeout=60)
     assert second.returncode == 2 and out.splitlines()[1:] == []
     assert err.strip().splitlines() == [
         f"megatron-rl: {run} is in use by another megatron-rl job: pid {first.pid} on host {os.uname().nodename} "
-        f"(started {json.loads((run / LOCK_FILE).read_text())['started']}); wait for it to end, or use another "
-        f"run.name"]
+        f"(started {started}); wait for it to end, or use another run.name"]
     out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 3
