@@ -1,11 +1,68 @@
 import os
+import subprocess
 import sys
+from pathlib import Path
 
-import pytest
-import torch
+# Every test runs on the CPU, wherever the suite runs: the tests start CPU worlds (gloo, the CPU layer of
+# megatron_rl.compat), and a process that sees a GPU starts GPU worlds. Hidden here, before anything touches CUDA,
+# for this process and every process it starts; the `gpu` set (test_gpu.py) runs its checks in processes that see
+# the machine's GPUs as the session found them (`gpu_env`).
+SESSION_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import megatron_rl.compat.megatron_core  # noqa: E402,F401 - Megatron-Core as the ranks import it
 
 # Worker modules in this folder must be importable by the fork server's children.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# What the session's ranks import, once, in its one fork server: the job's modules and the test workers'.
+RANK_MODULES = ("megatron_rl.controller.launcher", "megatron_rl.controller.loop", "megatron_rl.controller.job",
+                *sorted(p.stem for p in Path(__file__).parent.glob("*_workers.py")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_fork_server():
+    """The session's fork server, started before the first test with what the ranks import: each rank of each
+    test then starts with torch, Megatron-Core and our modules imported, instead of importing them itself."""
+    from megatron_rl.launch.spawn import start_fork_server
+
+    # The worker modules are found through PYTHONPATH: Python 3.11's fork server takes the parent's sys.path but
+    # imports its preloads before applying it.
+    here = os.path.dirname(__file__)
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                       if p and p != here]])
+    start_fork_server(RANK_MODULES)
+
+
+def gpu_environment() -> dict:
+    """The environment of this session with the GPUs visible as the session found them."""
+    env = dict(os.environ)
+    if SESSION_CUDA_VISIBLE_DEVICES is None:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = SESSION_CUDA_VISIBLE_DEVICES
+    return env
+
+
+@pytest.fixture(scope="session")
+def gpu_env():
+    """For the `gpu` set: the environment of a process that sees this machine's GPUs; the test is skipped, saying
+    why, where there is none (no NVIDIA device, all hidden by CUDA_VISIBLE_DEVICES, or a CPU build of torch)."""
+    if SESSION_CUDA_VISIBLE_DEVICES in ("", "-1"):
+        pytest.skip(f"no GPU: CUDA_VISIBLE_DEVICES={SESSION_CUDA_VISIBLE_DEVICES!r} hides them")
+    if not (os.path.exists("/dev/nvidiactl") or any(n.startswith("nvidia") and n[6:].isdigit()
+                                                    for n in os.listdir("/dev"))):
+        pytest.skip("no GPU: this machine shows no NVIDIA device")
+    env = gpu_environment()
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count(), torch.__version__)"],
+                           capture_output=True, text=True, env=env, timeout=120)
+    count, _, version = probe.stdout.strip().partition(" ")
+    if probe.returncode != 0 or count in ("", "0"):
+        pytest.skip(f"no GPU: torch {version or '?'} sees no CUDA device ({probe.stderr.strip()[-200:] or 'a CPU build?'})")
+    return env
 
 
 @pytest.fixture(scope="session")

@@ -141,3 +141,11 @@ def rank_and_world_worker(rank, world_size):
     import torch.distributed as dist
 
     return dist.get_rank(), dist.get_world_size()
+
+
+def imported_at_start(rank, world_size, names):
+    """Which of `names` this rank had imported when it started (what its fork server preloaded)."""
+    import sys
+
+    return [name in sys.modules for name in names]
+

@@ -1,5 +1,6 @@
 """The CPU layer by itself: what it redirects, and that it does nothing when CUDA is available."""
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -75,3 +76,26 @@ def test_inactive_when_cuda_is_available():
         print("ok")
     """)
     assert out.strip().endswith("ok")
+
+
+def test_megatron_core_is_imported_without_wandb_and_inductor():
+    """`compat/megatron_core.py` (the fork server's and this session's import): Megatron-Core's own wandb logging
+    sees no wandb and its jit fuser is the identity on a machine without CUDA, while torch.compile and wandb stay
+    as they are for everything else."""
+    import sys
+
+    import megatron.core.jit
+    import megatron.core.timers
+
+    import megatron_rl.compat.megatron_core  # noqa: F401
+
+    def f(x):
+        return x
+
+    assert megatron.core.timers.wandb is None
+    assert megatron.core.jit.jit_fuser(f) is f
+    assert torch.compile.__module__.startswith("torch") and sys.modules.get("wandb", 0) is not None
+    if importlib.util.find_spec("wandb") is not None:
+        import wandb
+
+        assert hasattr(wandb, "init")

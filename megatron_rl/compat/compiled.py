@@ -141,7 +141,8 @@ def compiled_graph_counts() -> dict[str, int]:
 
 
 def megatron_swiglu_graph_counts() -> dict[str, int]:
-    """Cached graphs of Megatron-Core's compiled SwiGLU kernels (`bias_activation_fusion`), by function name."""
+    """Cached graphs of Megatron-Core's compiled SwiGLU kernels (`bias_activation_fusion`), by function name: 0 for
+    one that is not compiled (on CPUs Megatron-Core is imported with its jit fuser off, `compat/megatron_core.py`)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from megatron.core.fusions import fused_bias_swiglu as swiglu
@@ -149,9 +150,10 @@ def megatron_swiglu_graph_counts() -> dict[str, int]:
     counts = {}
     for name in ("swiglu", "swiglu_back", "bias_swiglu", "bias_swiglu_back"):
         fn = getattr(swiglu, name, None)
+        if fn is None:
+            continue
         orig = getattr(fn, "_torchdynamo_orig_callable", None)
-        if orig is not None:
-            counts[f"megatron.{name}"] = len(_debug_get_cache_entry_list(orig.__code__))
+        counts[f"megatron.{name}"] = len(_debug_get_cache_entry_list(orig.__code__)) if orig is not None else 0
     return counts
 
 

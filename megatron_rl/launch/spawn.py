@@ -26,17 +26,16 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
-
-import torch.multiprocessing as mp
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl import quiet
 from megatron_rl.parallel import liveness
 
-# Every process that imports this module (the fork server, spawned ranks: the worker function lives here) filters
-# the dependency warnings that say nothing on this machine, before Megatron-Core is imported.
-quiet.install()
-_PRELOAD = ["torch", "megatron_rl.launch.spawn", "megatron.core", "megatron_rl.compat"]
+# What the fork server imports once for all the ranks it forks: torch's dynamo (the CPU layer imports it before it
+# patches torch.cuda, `compat/cpu.py`), then Megatron-Core through the module that leaves out its unused
+# import-time costs (`compat/megatron_core.py`).
+_PRELOAD = ["torch", "torch._dynamo", "megatron_rl.compat.megatron_core", "megatron_rl.launch.spawn",
+            "megatron_rl.compat"]
 
 
 def free_port() -> int:
@@ -127,6 +126,8 @@ def cause_of(exc: BaseException) -> str:
 
 def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s: float, note_signals: bool,
             fn: Callable, args: tuple, queue, beats: Optional[liveness.LocalBeats], beat_s: float) -> None:
+    import megatron_rl.compat.megatron_core  # noqa: F401 - a spawned rank's first import of it (the fork server's did)
+
     _lead_own_group()
     if beats is not None:
         liveness.install(beats.heartbeat(rank, beat_s))
@@ -286,13 +287,38 @@ def start_method(cuda: int) -> str:
     return method
 
 
-def _start_context(cuda: int):
-    """The multiprocessing context of `start_method`."""
+def _start_context(cuda: int, preload: Sequence[str] = ()):
+    """The multiprocessing context of `start_method` (torch's, whose pickler sends tensors). The dependency warnings
+    are filtered first (`quiet.py`): the fork server and the spawned ranks inherit the filters through the
+    environment, before they import Megatron-Core."""
+    import torch.multiprocessing as mp
+
+    quiet.install()
     method = start_method(cuda)
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(_PRELOAD + [m for m in preload if m not in _PRELOAD])
     return ctx
+
+
+def start_fork_server(preload: Sequence[str] = ()) -> None:
+    """Start this process's fork server now, where ranks start from one (CPUs): it imports torch, Megatron-Core and
+    `preload` once, and every rank it forks starts with them imported instead of importing them itself. It imports
+    them in the background: started before this process's own imports and checks, the two overlap.
+
+    A process has one fork server for its life (Python's), and the first start decides what it imports: a later
+    `preload`, and this call where a server already runs, change nothing. Its ranks also see the environment as it
+    was when it started. Where NVIDIA devices are present (ranks are spawned) this does nothing, without importing
+    torch; LaunchError for a bad MEGATRON_RL_START_METHOD."""
+    if quiet.cuda_devices_present() or start_method(0) != "forkserver":
+        return
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    quiet.install()
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        _PRELOAD + [m for m in preload if m not in _PRELOAD])
+    forkserver.ensure_running()
 
 
 class _Ranks:
@@ -379,7 +405,7 @@ def _end_world(ranks: _Ranks, killed: str) -> dict[int, str]:
 def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
               timeout: Optional[float] = 300.0, dist_timeout_s: float = 120.0,
               stop_grace_s: Optional[float] = None, on_signal: Optional[Callable[[int], None]] = None,
-              hang_timeout_s: Optional[float] = None) -> list:
+              hang_timeout_s: Optional[float] = None, preload: Sequence[str] = ()) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return the results in rank order.
 
     `fn` must be importable (a module-level function). `backend`: gloo, nccl, or auto (NCCL when CUDA is present).
@@ -389,13 +415,14 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     then) and kill them that many seconds later if they have not ended. Raises LaunchError when the machine cannot
     host the world, RanksFailed (a RuntimeError) when a rank fails, dies or is killed, TimeoutError past the
     timeout. However it ends, every rank's process group is killed before it returns: nothing a rank started
-    outlives it.
+    outlives it. `preload`: modules the ranks import, imported once by the fork server where this call starts it
+    (`start_fork_server`).
     """
     import torch
 
     cuda = local_gpus()
     backend = resolve_backend(backend, world_size, cuda)
-    ctx = _start_context(cuda)
+    ctx = _start_context(cuda, preload)
     queue = ctx.Queue()
     port = free_port()
     # Not daemonic: ranks may start processes of their own (dist_checkpointing's writer does).
