@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Optional
 
-from megatron_rl.config import CLUSTER_FILES, ConfigError, load_config, validate
+from megatron_rl.config import CLUSTER_FILES, ConfigError, fit_to_devices, given_keys, load_config, validate
 
 PROCESSES_PER_CORE = 4  # reshard-check: a layout pair needing more processes than this per core needs --force
 
@@ -20,8 +20,26 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="dotted overrides applied after the file, e.g. trainer.tp=2 rollout.staleness=2")
 
 
-def _load(args, cluster_files: bool = True) -> tuple:
+def local_gpus() -> int:
+    """The GPUs this machine shows; torch is imported only where NVIDIA devices are present at all."""
+    from megatron_rl import quiet
+
+    if not quiet.cuda_devices_present():
+        return 0
+    from megatron_rl.launch.spawn import local_gpus as count
+
+    return count()
+
+
+def _fitted(args, devices: int):
+    """The configuration of `args`, its layout fitted to `devices` GPUs where the user set none
+    (`config.fit_to_devices`), and the reason ("" when nothing was fitted)."""
     cfg = load_config(args.config, args.overrides)
+    return fit_to_devices(cfg, devices, given_keys(args.config, args.overrides))
+
+
+def _load(args, cluster_files: bool = True, devices: int = 0) -> tuple:
+    cfg, _ = _fitted(args, devices)
     model = validate(cfg, world_size=cfg.run.world_size, cluster_files=cluster_files)
     return cfg, model
 
@@ -40,10 +58,14 @@ def cmd_train(args) -> int:
     # while they run, the local launcher forwards it to them, and a launched rank notes it (launch/signals).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        cfg = load_config(args.config, args.overrides)
         if isinstance(world, LocalWorld):
+            cfg, fit = _fitted(args, local_gpus())
             world = LocalWorld(cfg.world_size_needed)
-        summary = train(cfg, world)
+        else:  # a launched world's GPUs are its ranks
+            from megatron_rl import quiet
+
+            cfg, fit = _fitted(args, world.world_size if quiet.cuda_devices_present() else 0)
+        summary = train(cfg, world, fit)
     except ConfigError as e:
         return report_config_error(world, f"megatron-rl: config error: {e}")
     except RunDirLocked as e:
@@ -107,8 +129,8 @@ def _with_filesystem_rates(cal, text: str):
 
 
 def cmd_world_size(args) -> int:
-    """launch/local.sh: the number of ranks the executors of a config need."""
-    cfg, _ = _load(args)
+    """launch/local.sh: the number of ranks the executors of a config need, fitted to this machine's GPUs."""
+    cfg, _ = _load(args, devices=local_gpus())
     print(cfg.world_size_needed)
     return 0
 
@@ -127,13 +149,16 @@ def cmd_check_world(args) -> int:
 
 
 def cmd_failure_line(args) -> int:
-    """The SLURM recipes, after a failed srun: the one line (on stderr)."""
+    """The SLURM recipes, after srun ended with an error or a stop: the one line (on stderr); exit status
+    `requeue.REQUEUE_EXIT` when the recipe should requeue the job (`controller/requeue.py`)."""
     from pathlib import Path
 
-    from megatron_rl.controller.launcher import srun_failure_line
+    from megatron_rl.controller.requeue import REQUEUE_EXIT, allocation_end
 
-    print(srun_failure_line(Path(args.run_dir), Path(args.torchrun_log), args.rc), file=sys.stderr)
-    return 0
+    line, requeue = allocation_end(Path(args.run_dir), Path(args.torchrun_log), args.rc, args.stopped_for,
+                                   args.requeue, args.job_id)
+    print(line, file=sys.stderr)
+    return REQUEUE_EXIT if requeue else 0
 
 
 def _add_launch_script_parsers(sub) -> None:
@@ -150,11 +175,15 @@ def _add_launch_script_parsers(sub) -> None:
     p.add_argument("run_dir")
     p.add_argument("torchrun_log")
     p.add_argument("rc", type=int)
+    p.add_argument("--stopped-for", help="the stop the batch shell forwarded: timelimit or cancel")
+    p.add_argument("--requeue", action="store_true", help="requeue the job after a stop for the time limit")
+    p.add_argument("--job-id", default="", help="the SLURM job, for the line")
     p.set_defaults(func=cmd_failure_line)
 
 
 def cmd_config(args) -> int:
-    cfg, _ = _load(args)
+    """The resolved configuration, its layout fitted to this machine's GPUs as `train` would fit it."""
+    cfg, _ = _load(args, devices=local_gpus())
     import yaml
 
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
@@ -165,9 +194,10 @@ def cmd_presets(args) -> int:
     from megatron_rl.models.presets import PRESETS
 
     for name, m in PRESETS.items():
-        print(json.dumps({"preset": name, "parameters": m.num_parameters(), "layers": m.num_layers,
-                          "hidden": m.hidden_size, "heads": m.num_attention_heads, "kv_heads": m.num_query_groups,
-                          "vocab": m.vocab_size, "tied": m.tie_word_embeddings}))
+        print(json.dumps({"preset": name, "family": m.family, "parameters": m.num_parameters(),
+                          "layers": m.num_layers, "hidden": m.hidden_size, "heads": m.num_attention_heads,
+                          "kv_heads": m.num_query_groups, "head_dim": m.kv_channels, "vocab": m.vocab_size,
+                          "tied": m.tie_word_embeddings}))
     return 0
 
 
@@ -266,6 +296,8 @@ def _add_plan_parser(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show the libraries' warnings too (as MEGATRON_RL_LIBRARY_WARNINGS=1 does)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run the RL job (built-in default when given no arguments)")
     _add_config_args(p)
@@ -350,8 +382,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: Optional[list[str]] = None
 def main(argv: Optional[list[str]] = None) -> int:
     from megatron_rl import quiet
 
-    quiet.install()
     args = parse_args(build_parser(), argv)
+    if args.verbose:
+        os.environ[quiet.SHOW_ENV] = "1"  # the ranks and workers this process starts inherit it
+    quiet.install()
     try:
         return args.func(args)
     except ConfigError as e:

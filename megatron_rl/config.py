@@ -21,7 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Collection, Literal, Optional, Union
 
 import yaml
 
@@ -225,9 +225,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> JobConfig:
-    """Defaults, then the YAML file (if any), then the dotted overrides, in that order."""
-    cfg = JobConfig()
+def _items(path: Optional[Union[str, Path]], overrides: Optional[list[str]],
+           errors: list[str]) -> list[tuple[str, Any, Optional[str]]]:
+    """(key, value, text as typed) of the YAML file, then of the overrides, in the order they apply; a malformed
+    override is added to `errors` and left out. A file that cannot be read raises (nothing else can be checked)."""
     items: list[tuple[str, Any, Optional[str]]] = []
     if path is not None:
         p = Path(path)
@@ -239,10 +240,67 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
             raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
         # The preset first, so that later model overrides apply on top of it.
         items += [(k, v, None) for k, v in sorted(_flatten(data, str(p)), key=lambda kv: kv[0] != "model.preset")]
-    items += [(*parse_override(o), o.partition("=")[2]) for o in overrides or []]
-    for key, value, text in items:
-        _apply(cfg, key, value, text)
+    for o in overrides or []:
+        try:
+            items.append((*parse_override(o), o.partition("=")[2]))
+        except ConfigError as e:
+            errors.append(str(e))
+    return items
+
+
+def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> JobConfig:
+    """Defaults, then the YAML file (if any), then the dotted overrides, in that order. Every setting that cannot be
+    applied (a wrong type, an unknown key) is named at once, with the range and rule problems of the rest."""
+    cfg, errors = JobConfig(), []
+    for key, value, text in _items(path, overrides, errors):
+        try:
+            _apply(cfg, key, value, text)
+        except ConfigError as e:
+            errors.append(str(e))
+    if errors:
+        _raise(errors + problems(cfg, cluster_files=False)[1])
     return cfg
+
+
+def given_keys(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> set[str]:
+    """The dotted keys the YAML file and the overrides set (`fit_to_devices` leaves a layout the user chose)."""
+    return {key for key, _, _ in _items(path, overrides, [])}
+
+
+LAYOUT_KEYS = ("trainer.tp", "trainer.pp", "trainer.dp", "generator.tp", "generator.pp", "generator.dp",
+               "generator.colocated")
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def fit_to_devices(cfg: JobConfig, devices: int, given: Collection[str] = ()) -> tuple[JobConfig, str]:
+    """The job's layout fitted to the `devices` GPUs it will have, and the reason in a few words ("" when nothing
+    was fitted). Pure: the caller counts the devices.
+
+    Only a layout nobody chose is fitted: when `given` (the keys the user set, `given_keys`) names any of
+    `LAYOUT_KEYS`, the configuration is returned as it is, and a layout that does not fit the machine stays an
+    error. Without GPUs (0) the layout is the one configured, which the CPU runs as it is. Where the configured
+    layout fits, it is kept. Otherwise the largest of these that fits: trainer and generator at TP1 on a GPU each
+    (two ranks: the generator runs ahead while the trainer trains), then both colocated at TP1 on one GPU. A
+    reward-model executor keeps its own ranks in every case."""
+    if devices <= 0 or any(k in LAYOUT_KEYS for k in given):
+        return cfg, ""
+    need = cfg.world_size_needed
+    if need <= devices:
+        return cfg, f"the configured layout uses {need} of {_plural(devices, 'GPU')}"
+    reward_ranks = need - cfg.reward_first_rank
+    single = {"tp": 1, "pp": 1, "dp": 1}
+    for ranks, colocated, words in ((2, False, "trainer and generator at TP1, a GPU each"),
+                                    (1, True, "trainer and generator colocated at TP1")):
+        if ranks + reward_ranks <= devices:
+            fitted = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **single),
+                                         generator=dataclasses.replace(cfg.generator, **single, colocated=colocated))
+            return fitted, (f"fitted to {_plural(devices, 'GPU')}: {words} (the configured layout needs "
+                            f"{_plural(need, 'GPU')}; set trainer.tp/pp/dp and generator.tp/pp/dp/colocated to "
+                            f"choose)")
+    return cfg, ""
 
 
 def _layout_problems(cfg: JobConfig, model: ModelConfig) -> list[str]:
@@ -302,16 +360,9 @@ def _world_problems(cfg: JobConfig, world: int) -> list[str]:
 CLUSTER_FILES = ("the data files", "model.tokenizer", "reward.function's module", "checkpoint.dir")
 
 
-def validate(cfg: JobConfig, world_size: Optional[int] = None, cluster_files: bool = True) -> ModelConfig:
-    """Check that the job can run; raise ConfigError naming every problem found. Returns the resolved model.
-
-    Besides the fields' types and ranges, it checks what the ranks would otherwise find minutes later: the files
-    the job reads exist (data, tokenizer, reward model) and the first record of each data file loads, the reward
-    function imports, and the checkpoint directory can be written. Called once per job, before any process group
-    exists (by the launch, on each rank of a torchrun/srun world); ranks receive the resolved model.
-
-    `cluster_files=False` (`megatron-rl plan`, run on a laptop for a cluster's job) skips the checks of
-    `CLUSTER_FILES`. The model's and the reward model's config files are still read: the plan needs their shapes."""
+def problems(cfg: JobConfig, world_size: Optional[int] = None,
+             cluster_files: bool = True) -> tuple[Optional[ModelConfig], list[str]]:
+    """(the resolved model or None, every problem `validate` would name)."""
     errors: list[str] = []
     try:
         model: Optional[ModelConfig] = cfg.model.resolve()
@@ -328,9 +379,27 @@ def validate(cfg: JobConfig, world_size: Optional[int] = None, cluster_files: bo
     world = world_size if world_size is not None else cfg.run.world_size
     if world is not None and not errors:
         errors += _world_problems(cfg, world)
+    return model, errors
+
+
+def _raise(errors: list[str]) -> None:
     errors = [" ".join(e.splitlines()) for e in errors]
     if len(errors) == 1:
         raise ConfigError(errors[0])
     if errors:
         raise ConfigError(f"{len(errors)} problems: " + "; ".join(errors))
+
+
+def validate(cfg: JobConfig, world_size: Optional[int] = None, cluster_files: bool = True) -> ModelConfig:
+    """Check that the job can run; raise ConfigError naming every problem found. Returns the resolved model.
+
+    Besides the fields' types and ranges, it checks what the ranks would otherwise find minutes later: the files
+    the job reads exist (data, tokenizer, reward model) and the first record of each data file loads, the reward
+    function imports, and the checkpoint directory can be written. Called once per job, before any process group
+    exists (by the launch, on each rank of a torchrun/srun world); ranks receive the resolved model.
+
+    `cluster_files=False` (`megatron-rl plan`, run on a laptop for a cluster's job) skips the checks of
+    `CLUSTER_FILES`. The model's and the reward model's config files are still read: the plan needs their shapes."""
+    model, errors = problems(cfg, world_size, cluster_files)
+    _raise(errors)
     return model

@@ -1,17 +1,19 @@
-"""Silence the warnings of our dependencies that say nothing to a megatron-rl user, in every process we start.
+"""Silence the warnings of our dependencies that say nothing a megatron-rl user can act on, in every process we
+start; what one of them meant is said once, as a fact, in the job's banner (`kernels_text`).
 
-Without these filters a CPU run of `megatron-rl train` shows them around its progress bar:
-- Megatron-Core's "Transformer Engine and Apex are not installed" fallbacks and its CUDA_DEVICE_MAX_CONNECTIONS hint,
-  which cannot apply on a machine without CUDA (with CUDA they stay visible: there a missing transformer-engine
-  is worth knowing);
+Without these filters `megatron-rl train` shows them around its progress bar, several times per rank:
+- Megatron-Core's "Transformer Engine and Apex are not installed" fallbacks and its CUDA_DEVICE_MAX_CONNECTIONS
+  hint (the banner says which of them the job has, and which kernels it uses instead);
 - torch's RMSNorm noting that bf16 activations with Megatron-Core's fp32 norm weights take its unfused path (on
   GPUs `build_gpt_model` replaces those norms with a fused one; on a CPU there is no faster path to take);
-- torch's deprecation of `all_gather_into_tensor` / `reduce_scatter_tensor`, which Megatron-Core's distributed
-  optimizer calls (nothing a user can change);
+- torch's deprecation of `all_gather_into_tensor` / `reduce_scatter_tensor`, `load_state_dict` and ShardedTensor,
+  which Megatron-Core calls (nothing a user can change);
+- torch's NCCL `barrier()` noting that it uses the device of the current context (each rank's own GPU, by design);
 - multiprocessing's resource tracker counting the semaphores of ranks that were killed (a stop past its grace
   time, a failed job), which it then removes itself (its message has a colon: the filter is its first word).
 Filters match the start of each message, so every other warning still shows. They are set in this process and,
 through PYTHONWARNINGS, in every interpreter it starts (spawned ranks, fork servers, reward workers).
+`megatron-rl -v` or MEGATRON_RL_LIBRARY_WARNINGS=1 leaves them all visible.
 """
 
 from __future__ import annotations
@@ -20,25 +22,22 @@ import os
 import re
 import warnings
 
-_ALWAYS = (
+SHOW_ENV = "MEGATRON_RL_LIBRARY_WARNINGS"
+
+FILTERS = (
     ("`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning),
     ("`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning),
     ("resource_tracker", UserWarning),
     # Megatron-Core's checkpoint loads call torch's deprecated ShardedTensor and load_state_dict (on resume).
     ("`load_state_dict` is deprecated", FutureWarning),
     ("Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
-)
-_WITHOUT_CUDA = (
+    ("barrier()", UserWarning),  # "barrier(): using the device under current context" (cut at its colon)
     ("Transformer Engine and Apex are not installed", UserWarning),
     ("Apex is not installed", UserWarning),
     ("Mismatch dtype between input and weight", UserWarning),
     ("When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
      UserWarning),
 )
-
-
-def filters(cuda: bool) -> tuple:
-    return _ALWAYS + (() if cuda else _WITHOUT_CUDA)
 
 
 def cuda_devices_present() -> bool:
@@ -50,11 +49,27 @@ def cuda_devices_present() -> bool:
                                                     for n in os.listdir("/dev"))
 
 
+def kernels_text() -> str:
+    """What the libraries' warnings would have said, as the banner's one fact: the fused kernels a GPU job uses and
+    the optional accelerators that are not installed."""
+    import importlib.util
+
+    missing = [name for name, module in (("Transformer Engine", "transformer_engine"), ("Apex", "apex"))
+               if importlib.util.find_spec(module) is None]
+    text = "fused kernels: torch.compile"
+    if missing:
+        text += f"; {' and '.join(missing)} not installed"
+    return text
+
+
 def install() -> None:
-    """Add the filters to this process and to the environment its children inherit (idempotent). Call it before
-    Megatron-Core is imported: most of these warnings are raised at import time."""
+    """Add the filters to this process and to the environment its children inherit (idempotent; nothing when
+    MEGATRON_RL_LIBRARY_WARNINGS=1). Call it before Megatron-Core is imported: most of these warnings are raised at
+    import time."""
+    if os.environ.get(SHOW_ENV, "") not in ("", "0"):
+        return
     entries = []
-    for message, category in filters(cuda_devices_present()):
+    for message, category in FILTERS:
         warnings.filterwarnings("ignore", message=re.escape(message), category=category)
         entries.append(f"ignore:{message}:{category.__name__}")
     present = [e for e in os.environ.get("PYTHONWARNINGS", "").split(",") if e]

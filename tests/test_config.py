@@ -295,3 +295,81 @@ def test_config_errors_stay_fast_and_import_no_torch():
     out = subprocess.run([sys.executable, "-c", "import sys, megatron_rl.config as c; c.validate(c.JobConfig(), 3); "
                           "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("devices,ranks,trainer_tp,colocated", [(0, 3, 2, False), (1, 1, 1, True),
+                                                                 (2, 2, 1, False), (4, 3, 2, False),
+                                                                 (8, 3, 2, False)])
+def test_the_default_layout_is_fitted_to_the_machines_gpus(devices, ranks, trainer_tp, colocated):
+    """No layout set: the CPU runs the configured one; one GPU colocates both executors at TP1; two run them at TP1
+    a GPU each; three or more keep the configured layout. Whatever is chosen is valid on exactly that many ranks
+    and fits the GPUs."""
+    from megatron_rl.config import fit_to_devices
+
+    cfg, why = fit_to_devices(load_config(), devices, given=set())
+    assert (cfg.world_size_needed, cfg.trainer.tp, cfg.generator.colocated) == (ranks, trainer_tp, colocated)
+    assert devices == 0 or cfg.world_size_needed <= devices
+    validate(cfg, world_size=cfg.world_size_needed)
+    if devices == 0:
+        assert why == ""
+    elif devices < 3:
+        assert why.startswith(f"fitted to {devices} GPU") and "needs 3 GPUs" in why
+    else:
+        assert why == f"the configured layout uses 3 of {devices} GPUs"
+
+
+def test_a_layout_the_user_set_is_never_fitted(tmp_path):
+    """Any layout key, in the file or on the command line, keeps the configuration as written (on one GPU the job
+    then fails in one line, as before); other keys do not count."""
+    from megatron_rl.config import LAYOUT_KEYS, fit_to_devices, given_keys
+
+    f = tmp_path / "job.yaml"
+    f.write_text("generator:\n  colocated: false\nrollout:\n  staleness: 2\n")
+    assert given_keys(f, ["trainer.tp=2", "run.steps=3"]) == {"generator.colocated", "rollout.staleness",
+                                                             "trainer.tp", "run.steps"}
+    for key in LAYOUT_KEYS:
+        cfg, why = fit_to_devices(load_config(), 1, given={key})
+        assert (cfg.world_size_needed, why) == (3, ""), key
+    cfg, why = fit_to_devices(load_config(None, ["run.steps=3"]), 1, given_keys(None, ["run.steps=3"]))
+    assert cfg.world_size_needed == 1 and cfg.run.steps == 3 and why
+
+
+def test_config_and_the_banner_show_the_fitted_layout(monkeypatch, capsys):
+    from megatron_rl import cli
+    from megatron_rl.controller.launcher import LocalWorld, banner
+
+    monkeypatch.setattr(cli, "local_gpus", lambda: 1)
+    assert cli.main(["config"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert (shown["trainer"]["tp"], shown["generator"]["tp"], shown["generator"]["colocated"]) == (1, 1, True)
+    cfg = load_config(None, ["trainer.tp=1", "generator.colocated=true"])
+    line = banner(cfg, validate(cfg, 1), LocalWorld(1), "fitted to 1 GPU: trainer and generator colocated at TP1")
+    assert "\n" not in line and line.endswith(", 1 process (fitted to 1 GPU: trainer and generator colocated at TP1)")
+
+
+def test_every_setting_that_cannot_be_applied_is_named_at_once_with_the_range_problems():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["trainer.lr=abc", "nosuch.key=1", "rollout.staleness=-1", "trainer.tp"])
+    assert str(e.value) == ("4 problems: override 'trainer.tp' must look like section.key=value; trainer.lr='abc' "
+                            "has the wrong type: expected float; unknown section 'nosuch' in 'nosuch.key'; "
+                            "rollout.staleness=-1 must be >= 0")
+
+
+def test_library_warnings_are_filtered_unless_asked_for(monkeypatch):
+    """The dependencies' warnings reach every process through PYTHONWARNINGS; `-v` (MEGATRON_RL_LIBRARY_WARNINGS=1)
+    leaves them visible."""
+    import os
+    import warnings
+
+    from megatron_rl import cli, quiet
+
+    monkeypatch.setenv("PYTHONWARNINGS", "")
+    monkeypatch.setenv(quiet.SHOW_ENV, "")  # restored after the test, whatever `-v` sets
+    with warnings.catch_warnings():
+        quiet.install()
+    assert "ignore:Transformer Engine and Apex are not installed:UserWarning" in os.environ["PYTHONWARNINGS"].split(",")
+    monkeypatch.setenv("PYTHONWARNINGS", "")
+    monkeypatch.setattr(cli, "local_gpus", lambda: 0)
+    with warnings.catch_warnings():
+        assert cli.main(["-v", "config"]) == 0
+    assert os.environ[quiet.SHOW_ENV] == "1" and os.environ["PYTHONWARNINGS"] == ""

@@ -32,13 +32,16 @@ while [[ $# -gt 0 && "$1" == -* ]]; do
 done
 echo "srun nodes=$nodes: $*" >> "$FAKE_SLURM_LOG"
 pids=()
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM  # as srun does, a SIGTERM goes on to every task
 for ((i = 0; i < nodes; i++)); do
     SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURM_NNODES=$nodes SLURM_NTASKS=$nodes SLURM_STEP_ID=0 "$@" &
     pids+=($!)
 done
 rc=0
 while (( ${#pids[@]} )); do
+    done_pid=""
     wait -n -p done_pid "${pids[@]}"; status=$?
+    [[ -n $done_pid ]] || continue  # the forwarded signal ended the wait, not a task
     left=(); for p in "${pids[@]}"; do [[ $p == "$done_pid" ]] || left+=("$p"); done; pids=("${left[@]}")
     if (( status != 0 )); then
         rc=$status
@@ -49,8 +52,10 @@ exit $rc
 """
 
 FAKE_SCONTROL = r"""#!/bin/bash
-# Stand-in for `scontrol show hostnames LIST` (comma-separated host names only).
+# Stand-in for `scontrol show hostnames LIST` (comma-separated host names only) and `scontrol requeue JOBID`
+# (recorded in $FAKE_SLURM_LOG).
 if [[ "$1" == show && "$2" == hostnames ]]; then tr ',' '\n' <<< "$3"; exit 0; fi
+if [[ "$1" == requeue && -n "$2" ]]; then echo "scontrol requeue $2" >> "$FAKE_SLURM_LOG"; exit 0; fi
 echo "fake scontrol: unsupported: $*" >&2
 exit 1
 """
@@ -254,6 +259,19 @@ def test_run_local_without_a_time_limit():
     assert run_local(rank_and_world_worker, 2, timeout=None) == [(0, 2), (1, 2)]
 
 
+def test_a_fork_servers_ranks_start_with_its_preloaded_modules():
+    """The session's fork server (conftest.py) imported the job's modules once: its ranks start with them, and with
+    Megatron-Core, instead of importing them each. A module nobody preloaded is not there."""
+    from megatron_rl.launch.spawn import run_local
+
+    from parallel_workers import imported_at_start
+
+    names = ["megatron.core", "megatron_rl.controller.job", "megatron_rl.controller.loop", "gen_workers",
+             "megatron_rl.evaluation.eval"]
+    for seen in run_local(imported_at_start, 2, names):
+        assert seen == [True, True, True, True, False]
+
+
 def test_train_with_spawned_ranks_as_on_gpu_machines(tmp_path):
     """`megatron-rl train` as a GPU machine starts it (ranks spawned as fresh interpreters, nothing inherited),
     here on the CPU: the config, the job function and its arguments must survive the trip. Its output is the
@@ -270,3 +288,102 @@ def test_train_with_spawned_ranks_as_on_gpu_machines(tmp_path):
     assert "Warning" not in out.stderr, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "spawned" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
+
+
+def _stopped_recipe(slurm_env, tmp_path, signum, name, **env_extra):
+    """The 8B recipe on two simulated nodes with a long run; once it has logged 2 steps, `signum` to the batch
+    shell alone (where SLURM sends its time-limit warning). Returns (the recipe's process, its stdout, its stderr,
+    the run directory, every process it had started by then)."""
+    import signal
+    import time
+
+    import psutil
+
+    env = dict(slurm_env, SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost,localhost", GPUS_PER_NODE="2",
+               PYTHON=sys.executable, **env_extra)
+    run_dir = tmp_path / "ckpt" / name
+    proc = subprocess.Popen(["bash", str(REPO / "launch/slurm/llama3_8b.sbatch"), *TWO_NODES, "run.steps=400",
+                             f"checkpoint.dir={tmp_path / 'ckpt'}", f"run.name={name}"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.5)
+    started = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=240)
+    gone, alive = psutil.wait_procs(started, timeout=30)
+    assert alive == [], [p.cmdline() for p in alive]  # no process is left
+    return proc, out, err, run_dir
+
+
+def _stop_step(out: str, run_dir: Path) -> int:
+    """The step the run stopped after (rank 0's summary), with its checkpoint complete and `latest`."""
+    from megatron_rl.checkpointing.training import verify
+
+    summary = json.loads(out.strip().splitlines()[-1])
+    step = summary["stopped_after_step"]
+    assert summary["stopped_by"] == "SIGTERM" and (run_dir / "latest").read_text().strip() == f"step_{step:08d}"
+    assert verify(run_dir / f"step_{step:08d}", checksums=True)["step"] == step
+    return step
+
+
+def test_the_time_limit_warning_stops_the_run_with_a_checkpoint_and_requeues_it_once(slurm_env, tmp_path):
+    import signal
+
+    proc, out, err, run_dir = _stopped_recipe(slurm_env, tmp_path, signal.SIGUSR1, "limit")
+    step = _stop_step(out, run_dir)
+    assert proc.returncode != 0
+    assert err == (f"megatron-rl: stopped by SIGTERM after step {step}; checkpoint step_{step:08d} saved; the time "
+                   f"limit is near: job 4242 requeued, its next allocation resumes the run\n")
+    asked = (tmp_path / "srun.log").read_text().splitlines()
+    assert [a for a in asked if a.startswith("scontrol")] == ["scontrol requeue 4242"]
+
+
+FAKE_SRUN_STEP = r"""#!/bin/bash
+# Stand-in for srun whose job step only waits for a stop: at SIGTERM it writes the ranks' stop line (or, with
+# FAKE_STEP_FAILS set, a failure) to its stderr, the recipe's torchrun log, and exits 1.
+echo "srun $*" >> "$FAKE_SLURM_LOG"
+trap 'stopped=1' TERM
+touch "$FAKE_SLURM_LOG.started"
+while [[ -z ${stopped:-} ]]; do sleep 0.1; done
+if [[ -n ${FAKE_STEP_FAILS:-} ]]; then
+    echo "RuntimeError: a rank failed while stopping" >&2
+else
+    echo "megatron-rl: stopped by SIGTERM after step 3; checkpoint step_00000003 saved; relaunch to resume" >&2
+fi
+exit 1
+"""
+
+
+@pytest.mark.parametrize("case", ["cancel", "requeue_off", "failed"])
+def test_a_stopped_run_is_not_requeued_when_cancelled_switched_off_or_failed(slurm_env, tmp_path, case):
+    """The recipe's own logic, with a job step that only stops: a cancel (SIGTERM to the batch shell) stops the run
+    and is never requeued; after the time-limit warning, `MEGATRON_RL_REQUEUE=0` turns the requeue off, and a run
+    that fails (no stop with a checkpoint in its log) is never requeued. The recipe stops the job step the same way
+    for a cancel as for the warning, so the checkpoint a real job leaves at the stop is the time-limit test's."""
+    import signal
+    import time
+
+    (tmp_path / "bin" / "srun").write_text(FAKE_SRUN_STEP)
+    env = dict(slurm_env, SLURM_NNODES="2", GPUS_PER_NODE="2", PYTHON=sys.executable,
+               **{"cancel": {}, "requeue_off": {"MEGATRON_RL_REQUEUE": "0"}, "failed": {"FAKE_STEP_FAILS": "1"}}[case])
+    proc = subprocess.Popen(["bash", str(REPO / "launch/slurm/llama3_8b.sbatch"), *TWO_NODES,
+                             f"checkpoint.dir={tmp_path / 'ckpt'}", "run.name=x"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started, deadline = Path(env["FAKE_SLURM_LOG"] + ".started"), time.monotonic() + 120
+    while not started.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM if case == "cancel" else signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    log = tmp_path / "ckpt" / "x" / "torchrun-4242.log"
+    assert err == {"cancel": "megatron-rl: stopped by SIGTERM after step 3; checkpoint step_00000003 saved; "
+                             "cancelled: not requeued (submit the same command to resume)\n",
+                   "requeue_off": "megatron-rl: stopped by SIGTERM after step 3; checkpoint step_00000003 saved; the "
+                                  "time limit is near and requeueing is off (MEGATRON_RL_REQUEUE=0): submit the same "
+                                  "command to resume\n",
+                   "failed": f"megatron-rl: srun exited with code 1 before any rank reported; torchrun's report: "
+                             f"{log}; not requeued\n"}[case]
+    assert not any(a.startswith("scontrol") for a in Path(env["FAKE_SLURM_LOG"]).read_text().splitlines())

@@ -1,4 +1,4 @@
-"""How `megatron-rl train` gets its ranks, and what each rank runs: one path for both kinds of world.
+r"""How `megatron-rl train` gets its ranks, and what each rank runs: one path for both kinds of world.
 
     cli.cmd_train -> train -> _run_local    (this process starts the ranks: launch/spawn.py) -> rank_main -> loop.run
                           \-> _run_launched (this process is one rank of a torchrun/srun world) -> rank_main -> loop.run
@@ -137,6 +137,9 @@ def rank_role(cfg: JobConfig, rank: int) -> str:
 
 FAILURE_LOG = "failure.log"
 
+# What every rank of a job imports (`rank_main`): the local launcher's fork server imports it once for all of them.
+RANK_MODULES = ("megatron_rl.controller.launcher", "megatron_rl.controller.loop", "megatron_rl.controller.job")
+
 
 def _say(text: str) -> None:
     print(f"megatron-rl: {text}", file=sys.stderr, flush=True)
@@ -180,7 +183,7 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
     from megatron_rl.checkpointing.training import storage_fault_line
     from megatron_rl.controller import loop
     from megatron_rl.controller.job import Job
-    from megatron_rl.controller.metrics import GapWatch, open_metrics
+    from megatron_rl.controller.metrics import GapWatch, StuckWatch, open_metrics
 
     t0 = time.perf_counter()
     sft = cfg.trainer.sft_warmup_steps
@@ -198,14 +201,15 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
         if bar is not None:
             bar.write(text, file=sys.stderr)
 
-    gap = GapWatch(cfg.rollout.lag, echo)
+    watches = (GapWatch(cfg.rollout.lag, echo), StuckWatch(model_cfg.vocab_size, echo))
 
     def on_row(row: dict) -> None:
         nonlocal writer
         if writer is None:  # the first row's step is where this run starts: a resumed run drops later rows
             writer = open_metrics(cfg, Path(run_dir), row["step"], echo)
         writer.write(row)
-        gap.see(row)
+        for watch in watches:
+            watch.see(row)
 
     failing = False
     try:
@@ -320,7 +324,7 @@ class LocalWorld:
     source: str = "local"
 
 
-def train(cfg: JobConfig, world: Union[LocalWorld, EnvWorld]) -> Optional[dict]:
+def train(cfg: JobConfig, world: Union[LocalWorld, EnvWorld], fit: str = "") -> Optional[dict]:
     """The one path from a resolved config to `loop.run`, for both worlds.
 
     Validates once, against the world (each rank of a launched world validates for itself, before any collective,
@@ -329,26 +333,45 @@ def train(cfg: JobConfig, world: Union[LocalWorld, EnvWorld]) -> Optional[dict]:
     take the run directory (its lock, its config.yaml), run `rank_main` on every rank and end with the summary
     (`write_summary`) or the failure report (`_failed`). Returns the summary where this process speaks for the job;
     on the other ranks of a launched world, None or the stop (`stopped_by`, `stopped_after_step`, `checkpoint`).
+    `fit`: how the layout was fitted to the machine's GPUs (`config.fit_to_devices`), for the banner.
     Raises ConfigError, RunDirLocked, or JobFailed (its one line)."""
     model_cfg = check_world(cfg, world.world_size)
+    if isinstance(world, LocalWorld):
+        _start_ranks_early()
     if world.rank == 0:
-        print(banner(cfg, model_cfg, world), flush=True)
+        print(banner(cfg, model_cfg, world, fit), flush=True)
     if isinstance(world, EnvWorld):
         return _run_launched(cfg, model_cfg, world)
     return _run_local(cfg, model_cfg, world.world_size)
 
 
-def banner(cfg: JobConfig, model: ModelConfig, world: Union[LocalWorld, EnvWorld]) -> str:
-    """The job in one line, as it starts."""
+def _start_ranks_early() -> None:
+    """The local launcher's fork server, started before this process imports torch and prepares the run: the
+    ranks' imports (`RANK_MODULES`) overlap with both. A bad start method is reported by `_run_local`."""
+    from megatron_rl.launch.spawn import LaunchError, start_fork_server
+
+    try:
+        start_fork_server(RANK_MODULES)
+    except LaunchError:
+        pass
+
+
+def banner(cfg: JobConfig, model: ModelConfig, world: Union[LocalWorld, EnvWorld], fit: str = "") -> str:
+    """The job in one line, as it starts: the layout (and how it was fitted to the machine), the precision, and on
+    GPUs the kernels the job uses, said once here instead of as the libraries' warnings (`quiet.py`)."""
+    from megatron_rl import quiet
     from megatron_rl.models.precision import resolve_dtype_name
 
     t, g = cfg.trainer, cfg.generator
+    kernels = quiet.kernels_text() if quiet.cuda_devices_present() else ""
     return (f"megatron-rl train: model {cfg.model.name} ({model.num_parameters() / 1e6:.1f}M parameters), trainer "
             f"tp={t.tp} pp={t.pp} dp={t.dp}, generator tp={g.tp} pp={g.pp} dp={g.dp}"
             f"{' (colocated)' if g.colocated else ''}, {cfg.rollout.mode} rollouts (staleness {cfg.rollout.lag}), "
             f"trainer {resolve_dtype_name(t.dtype)}, generator {resolve_dtype_name(g.dtype)}"
             f"{f', {g.quantization} generator weights' if g.quantization != 'none' else ''}, {world.world_size} "
-            f"processes{'' if world.source == 'local' else f' started by {world.source}'}")
+            f"process{'es' if world.world_size != 1 else ''}"
+            f"{'' if world.source == 'local' else f' started by {world.source}'}{f' ({fit})' if fit else ''}"
+            f"{f'; {kernels}' if kernels else ''}")
 
 
 def _run_local(cfg: JobConfig, model_cfg: ModelConfig, world_size: int) -> dict:
@@ -371,7 +394,7 @@ def _run_local(cfg: JobConfig, model_cfg: ModelConfig, world_size: int) -> dict:
         # when its heartbeat has been silent for the hang timeout.
         try:
             results = run_local(rank_main, world_size, cfg, model_cfg, str(run_dir), backend=backend, timeout=None,
-                                dist_timeout_s=collective_s, hang_timeout_s=hang_s,
+                                dist_timeout_s=collective_s, hang_timeout_s=hang_s, preload=RANK_MODULES,
                                 stop_grace_s=cfg.run.stop_grace_s,
                                 on_signal=lambda signum: _say_below_bar(
                                     f"{signals.name(signum)}: stopping at the next weight push with a checkpoint "
