@@ -127,26 +127,10 @@ def _set_rng_state(state: dict) -> None:
     tracker.set_states(saved)
 
 
-@contextlib.contextmanager
-def _global_dp_rank_is(group):
-    """Megatron-Core 0.16.1's `LanguageModule.tie_embeddings_and_output_weights_state_dict` (tied embeddings on a
-    last pipeline stage that is not the first) reads the DP rank from the global `parallel_state`, which our
-    executors never initialize (each has its own process groups): the save and load fail with "data parallel group
-    with context parallel combined is not initialized". While a sharded state dict is built, that one call answers
-    from the executor's own group."""
-    from megatron.core import parallel_state
-
-    original = parallel_state.get_data_parallel_rank
-    parallel_state.get_data_parallel_rank = lambda *args, **kwargs: group.rank()
-    try:
-        yield
-    finally:
-        parallel_state.get_data_parallel_rank = original
-
-
 def _model_sharded_state_dict(engine) -> dict:
-    with _global_dp_rank_is(engine.pgs.dp_cp):
-        return engine.model.module.sharded_state_dict(metadata={"dp_cp_group": engine.pgs.dp_cp})
+    from megatron_rl.models.sharding import model_sharded_state_dict
+
+    return model_sharded_state_dict(engine.model.module, engine.pgs.dp_cp)
 
 
 def _spread_replicas(sharded_state_dict: dict, group) -> None:
@@ -182,8 +166,9 @@ def _reference_sharded_state_dict(reference, engine) -> dict:
     unchanged, so what `load` returns goes straight into `reference.load_state_dict`)."""
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
-    with _global_dp_rank_is(engine.pgs.dp_cp):
-        sd = reference.sharded_state_dict(metadata={"dp_cp_group": engine.pgs.dp_cp})
+    from megatron_rl.models.sharding import model_sharded_state_dict
+
+    sd = model_sharded_state_dict(reference, engine.pgs.dp_cp)
     replace_prefix_for_sharding(sd, "", _REFERENCE_PREFIX)
     return sd
 
