@@ -93,8 +93,9 @@ def rank_main(rank, world_size, preset, root, sync):
     import torch
     import torch.distributed as dist
 
-    from megatron_rl.checkpointing.training import TrainCheckpointer, _ensure_optimizer_state
-    from megatron_rl.controller.launcher import freeze_startup_objects
+    from megatron_rl.checkpointing.megatron_state import ensure_optimizer_state
+    from megatron_rl.checkpointing.training import TrainCheckpointer
+    from megatron_rl.controller.rank import freeze_startup_objects
     from megatron_rl.models import build_gpt_model, get_preset
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
     from megatron_rl.training.engine import TrainEngine
@@ -105,7 +106,7 @@ def rank_main(rank, world_size, preset, root, sync):
     g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
     model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", params_dtype=torch.bfloat16)
     engine = TrainEngine.create(model, g.pgs, TrainerSettings(), LRSchedule(lr=1e-5))
-    _ensure_optimizer_state(engine.optimizer)  # Adam moments allocated, as after a step
+    ensure_optimizer_state(engine.optimizer)  # Adam moments allocated, as after a step
     freeze_startup_objects()  # as the job does once its executors exist: a full GC pass does not re-read them
     ck = TrainCheckpointer(root, keep_last=1, async_save=not sync)
     saves = []
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
                    "training goes on")
     args = p.parse_args(argv)
 
-    from megatron_rl.checkpointing.storage import dir_bytes
+    from megatron_rl.checkpointing.layout import dir_bytes
     from megatron_rl.launch.spawn import run_local
 
     root = Path(args.dir) / f"dp{args.dp}"

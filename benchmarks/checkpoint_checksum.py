@@ -34,7 +34,7 @@ from common import emit  # noqa: E402
 def _bench(rank: int, world_size: int, preset: str, rounds: int, root: str) -> dict:
     import torch
 
-    from megatron_rl.checkpointing import training
+    from megatron_rl.checkpointing import megatron_state, training
     from megatron_rl.checkpointing.layout import file_checksum
     from megatron_rl.models import build_gpt_model, get_preset
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
@@ -46,7 +46,7 @@ def _bench(rank: int, world_size: int, preset: str, rounds: int, root: str) -> d
     g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
     model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", seed=0, params_dtype=torch.float32)
     engine = TrainEngine.create(model, g.pgs, TrainerSettings(), LRSchedule())
-    training._ensure_optimizer_state(engine.optimizer)  # Adam moments, as after a step
+    megatron_state.ensure_optimizer_state(engine.optimizer)  # Adam moments, as after a step
 
     real_checksums = training._checksums
     checksum_s: list[float] = []

@@ -45,15 +45,17 @@ def _load(args, cluster_files: bool = True, devices: int = 0) -> tuple:
 
 
 def cmd_train(args) -> int:
-    """The job, on ranks started here or as one rank of a torchrun/srun world (`controller/launcher.py:train`, the
+    """The job, on ranks started here or as one rank of a torchrun/srun world (`controller/train.py:train`, the
     one path for both). This process prints the summary where it speaks for the job; every rank exits with the
     job's code: 0, 128 + a stop signal, 1 for a failure, 2 for a configuration that cannot run."""
-    from megatron_rl.controller.launcher import (JobFailed, LocalWorld, below_bar, env_world, exit_code,
-                                                 report_config_error, resolve_launcher, stopped_line, train)
+    from megatron_rl.controller.summary import exit_code, stopped_line
+    from megatron_rl.controller.train import below_bar, report_config_error, train, world_from
+    from megatron_rl.launch.failures import JobFailed
     from megatron_rl.launch.runlock import RunDirLocked
+    from megatron_rl.launch.world import LocalWorld
 
     # A launched world's rank and size first: then only its rank 0 reports a bad configuration.
-    world = env_world() if resolve_launcher(args.launcher) == "env" else LocalWorld(0)
+    world = world_from(args.launcher)
     # A SIGTERM before or after the ranks run ends this process through its `finally` clauses (the run lock);
     # while they run, the local launcher forwards it to them, and a launched rank notes it (launch/signals).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -137,8 +139,8 @@ def cmd_world_size(args) -> int:
 
 def cmd_check_world(args) -> int:
     """The SLURM recipes, before srun: the config against the world it will get, once; prints the run directory."""
-    from megatron_rl.controller.launcher import check_world, run_dir_of, timeouts
-    from megatron_rl.controller.rundir import check_run_dir
+    from megatron_rl.controller.rundir import check_run_dir, run_dir_of
+    from megatron_rl.controller.train import check_world, timeouts
 
     cfg = load_config(args.config, args.overrides)
     check_world(cfg, args.world_size)
@@ -244,7 +246,8 @@ def cmd_reshard_check(args) -> int:
 def cmd_convert(args) -> int:
     from pathlib import Path
 
-    from megatron_rl.checkpointing.convert import ConversionError, convert
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.checkpointing.layout import ConversionError
 
     return _json_or_one_line_error("convert", ConversionError, lambda: convert(
         Path(args.src), Path(args.dst), args.to, dtype=args.dtype, overwrite=args.overwrite, tp=args.tp, pp=args.pp))

@@ -30,7 +30,8 @@ from megatron_rl.checkpointing.settings import CheckpointSettings
 from megatron_rl.data.settings import DataSettings
 from megatron_rl.inference.settings import GeneratorSettings, RolloutSettings
 from megatron_rl.models.presets import PRESETS, ModelConfig
-from megatron_rl.models.section import ModelSection, divides, model_problems
+from megatron_rl.models.section import ModelSection, model_problems
+from megatron_rl.parallel.layout import layout_problems
 from megatron_rl.rewards.settings import RewardSettings
 from megatron_rl.run_settings import RunSettings
 from megatron_rl.settings import Section
@@ -304,17 +305,15 @@ def fit_to_devices(cfg: JobConfig, devices: int, given: Collection[str] = ()) ->
 
 
 def _layout_problems(cfg: JobConfig, model: ModelConfig) -> list[str]:
-    """Each executor's TP / PP / DP against the model's shape."""
+    """Each executor's TP / PP / DP against the model's shape (`parallel.layout.layout_problems`)."""
     out = []
+    shape_ok = min(model.num_attention_heads, model.num_query_groups, model.num_layers) >= 1  # else model_problems
     for name, sec in (("trainer", cfg.trainer), ("generator", cfg.generator)):
-        bad = [dim for dim in ("tp", "pp", "dp") if getattr(sec, dim) < 1]
-        out += [f"{name}.{dim}={getattr(sec, dim)} must be >= 1" for dim in bad]
-        if bad or min(model.num_attention_heads, model.num_query_groups, model.num_layers) < 1:
-            continue
-        out += divides(f"{name}.tp", sec.tp, "model.num_attention_heads", model.num_attention_heads)
-        out += divides(f"{name}.tp", sec.tp, "model.num_query_groups", model.num_query_groups)
-        out += divides(f"{name}.tp", sec.tp, "model.ffn_hidden_size", model.ffn_hidden_size)
-        out += divides(f"{name}.pp", sec.pp, "model.num_layers", model.num_layers)
+        for p in layout_problems(model, sec.layout):
+            if p.field is None:
+                out.append(f"{name}.{p.dim}={p.size} must be >= 1")
+            elif shape_ok:
+                out.append(f"{name}.{p.dim}={p.size} does not divide model.{p.field}={p.count}")
     return out
 
 
@@ -324,8 +323,8 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
     if r.samples_per_prompt == 1 and a.advantage in ("rloo", "grpo", "group_mean"):
         out.append(f"rollout.samples_per_prompt={r.samples_per_prompt} must be >= 2 for algorithm.advantage="
                    f"{a.advantage!r} (it compares responses to the same prompt)")
-    if model is not None and r.max_prompt_length + r.max_new_tokens > model.max_position_embeddings:
-        out.append(f"rollout.max_prompt_length + rollout.max_new_tokens = {r.max_prompt_length + r.max_new_tokens} "
+    if model is not None and r.context_length > model.max_position_embeddings:
+        out.append(f"rollout.max_prompt_length + rollout.max_new_tokens = {r.context_length} "
                    f"exceeds model.max_position_embeddings={model.max_position_embeddings}")
     try:
         dataset = cfg.data.key

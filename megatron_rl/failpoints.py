@@ -16,12 +16,6 @@ import os
 import signal
 
 
-def active(name: str, tag: str = "") -> bool:
-    """Is the failpoint `name` (or `name:tag`) set? For faults that are not a death: the caller misbehaves on
-    purpose (e.g. `push_skip`: a weight push that leaves one tensor as it was)."""
-    return os.environ.get("MEGATRON_RL_FAILPOINT") in (name, f"{name}:{tag}")
-
-
 def failpoint(name: str, tag: str = "") -> None:
     if os.environ.get("MEGATRON_RL_FAILPOINT") in (name, f"{name}:{tag}"):
         if os.environ.get("MEGATRON_RL_FAILPOINT_ACTION") == "stop":

@@ -61,7 +61,7 @@ def train_save_continue(rank, world_size, layout_kw, state_path, root, steps, as
 def train_save_continue_old_format(rank, world_size, layout_kw, state_path, root, steps):
     """`train_save_continue`, with the optimizer written as main wrote it before the pieces format: Megatron-Core's
     `fully_reshardable` (gathered onto each DP group's rank 0)."""
-    from megatron_rl.checkpointing import training
+    from megatron_rl.checkpointing import megatron_state
 
     def old_format(engine, model_sd, is_loading, with_state=True):
         out = {"scheduler": engine.scheduler.state_dict(),
@@ -72,7 +72,7 @@ def train_save_continue_old_format(rank, world_size, layout_kw, state_path, root
         out["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
         return out
 
-    training._optimizer_sharded_state_dict = old_format
+    megatron_state.sharded_optimizer = old_format
     return train_save_continue(rank, world_size, layout_kw, state_path, root, steps)
 
 

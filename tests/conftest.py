@@ -19,7 +19,7 @@ import megatron_rl.compat.megatron_core  # noqa: E402,F401 - Megatron-Core as th
 sys.path.insert(0, os.path.dirname(__file__))
 
 # What the session's ranks import, once, in its one fork server: the job's modules and the test workers'.
-RANK_MODULES = ("megatron_rl.controller.launcher", "megatron_rl.controller.loop", "megatron_rl.controller.job",
+RANK_MODULES = ("megatron_rl.controller.rank", "megatron_rl.controller.loop", "megatron_rl.controller.job",
                 *sorted(p.stem for p in Path(__file__).parent.glob("*_workers.py")))
 
 

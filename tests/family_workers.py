@@ -84,14 +84,14 @@ def checkpoint_logits_worker(rank, world_size, ckpts, layout_kw, tokens):
     stage's TP rank 0, None elsewhere."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.checkpointing.convert import read_meta
+    from megatron_rl.checkpointing.inspect import read_model
     from megatron_rl.models.sharding import model_sharded_state_dict
     from megatron_rl.training.engine import run_schedule
 
     group = build_topology([ExecutorPlacement("x", ParallelLayout(**layout_kw))])["x"]
     out = []
     for ckpt in ckpts:
-        cfg, _ = read_meta(ckpt)
+        cfg, _ = read_model(ckpt)
         model = build_gpt_model(cfg, group.layout, group.pgs, attention="sdpa", seed=99)
         sharded = model_sharded_state_dict(model, group.pgs.dp_cp)
         model.load_state_dict(dist_checkpointing.load(sharded, str(ckpt / "model")))

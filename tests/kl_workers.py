@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 
 from megatron_rl.algorithms import AIPOSettings
-from megatron_rl.checkpointing.training import CheckpointError, TrainCheckpointer, saved_with_reference
+from megatron_rl.checkpointing.layout import CheckpointError
+from megatron_rl.checkpointing.megatron_state import saved_with_reference
+from megatron_rl.checkpointing.training import TrainCheckpointer
 from megatron_rl.models import build_gpt_model, get_preset
 from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology

@@ -149,3 +149,10 @@ def imported_at_start(rank, world_size, names):
 
     return [name in sys.modules for name in names]
 
+
+def frozen_at_start(rank, world_size):
+    """How many objects this rank started with out of the garbage collector's reach (what its fork server froze)."""
+    import gc
+
+    return gc.get_freeze_count()
+

@@ -25,7 +25,7 @@ def allocated_worker(rank, world_size, cfg, run_dir):
         g = torch.Generator().manual_seed(rank)
         tokens = torch.randint(0, job.model_cfg.vocab_size, (2, 16), generator=g)
         engine.step([{"tokens": tokens, "loss_mask": torch.ones(2, 16)}],
-                    make_lm_loss(job.t.pgs.tp, job.model_cfg.vocab_size))
+                    make_lm_loss(job.trainer_groups.pgs.tp, job.model_cfg.vocab_size))
         ddp = engine.model
         distributed = cfg.trainer.use_distributed_optimizer
         params = (sum(_nbytes(b.param_data) for b in ddp.buffers) if distributed
@@ -41,21 +41,22 @@ def allocated_worker(rank, world_size, cfg, run_dir):
                     if isinstance(v, torch.Tensor) and id(v) not in seen:
                         seen.add(id(v))
                         state += _nbytes(v)
-        out["trainer"] = {"pp": job.t.pp_rank, "dp": job.t.dp_rank, "parameters": params,
+        out["trainer"] = {"pp": job.trainer_groups.pp_rank, "dp": job.trainer_groups.dp_rank, "parameters": params,
                           "gradients": sum(_nbytes(b.grad_data) for b in ddp.buffers), "main_weights": main,
                           "optimizer_state": state}
     if job.generator is not None:
         from megatron_rl.inference.quantized import weight_bytes
 
-        out["generator"] = {"pp": job.g.pp_rank, "weights": weight_bytes(job.generator.model, job.generator.quantized)}
+        out["generator"] = {"pp": job.generator_groups.pp_rank,
+                            "weights": weight_bytes(job.generator.model, job.generator.quantized)}
     if job.model_cfg.num_parameters() > 10_000_000:  # a checkpoint of the small models only (time)
         return out
     engine = job.trainer.engine if job.trainer is not None else None
-    job.ckpt.save(1, engine, layout=job.t.layout, model_cfg=job.model_cfg)
+    job.ckpt.save(1, engine, layout=job.trainer_groups.layout, model_cfg=job.model_cfg)
     job.ckpt.wait()
     if job.trainer is not None:
         out["trainer"]["checkpoint"] = job.ckpt.last_staged_bytes
-        out["trainer"]["tp"] = job.t.tp_rank
+        out["trainer"]["tp"] = job.trainer_groups.tp_rank
     return out
 
 

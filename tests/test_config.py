@@ -336,7 +336,8 @@ def test_a_layout_the_user_set_is_never_fitted(tmp_path):
 
 def test_config_and_the_banner_show_the_fitted_layout(monkeypatch, capsys):
     from megatron_rl import cli
-    from megatron_rl.controller.launcher import LocalWorld, banner
+    from megatron_rl.controller.train import banner
+    from megatron_rl.launch.world import LocalWorld
 
     monkeypatch.setattr(cli, "local_gpus", lambda: 1)
     assert cli.main(["config"]) == 0
@@ -373,3 +374,43 @@ def test_library_warnings_are_filtered_unless_asked_for(monkeypatch):
     with warnings.catch_warnings():
         assert cli.main(["-v", "config"]) == 0
     assert os.environ[quiet.SHOW_ENV] == "1" and os.environ["PYTHONWARNINGS"] == ""
+
+
+def test_one_layout_rule_for_every_caller():
+    """The configuration, DDMA, the converter, `eval` and the reward model each word a layout that cannot hold the
+    model their own way; the rule is one function, `parallel.layout.layout_problems`."""
+    from megatron_rl.models import get_preset
+    from megatron_rl.parallel.layout import LayoutProblem, ParallelLayout, layout_problems
+
+    tiny = get_preset("tiny")  # 4 heads, 2 query groups, 176 MLP channels, 4 layers
+    assert layout_problems(tiny, ParallelLayout(tp=2, pp=2, dp=3)) == []
+    assert layout_problems(tiny, ParallelLayout(tp=4, pp=3)) == [LayoutProblem("tp", 4, "num_query_groups", 2),
+                                                                 LayoutProblem("pp", 3, "num_layers", 4)]
+    assert [str(p) for p in layout_problems(tiny, ParallelLayout(tp=3))] == [
+        "tp=3 does not divide num_attention_heads=4", "tp=3 does not divide num_query_groups=2",
+        "tp=3 does not divide ffn_hidden_size=176"]
+    assert [str(p) for p in layout_problems(tiny, ParallelLayout(tp=0, pp=3, dp=0))] == ["tp=0 must be >= 1",
+                                                                                         "dp=0 must be >= 1"]
+
+
+def test_a_quantized_generator_is_built_with_sdpa_unless_told_otherwise():
+    """The job's executor and `megatron-rl plan` both read `GeneratorSettings.model_attention`."""
+    from megatron_rl.inference.settings import GeneratorSettings
+
+    assert GeneratorSettings().model_attention == "auto"
+    assert GeneratorSettings(quantization="int8").model_attention == "sdpa"
+    assert GeneratorSettings(quantization="fp8", attention="local").model_attention == "local"
+
+
+@pytest.mark.parametrize("prompts, replicas", [(16, 1), (16, 3), (10, 4), (3, 8)])
+def test_a_steps_prompts_split_over_generator_replicas_once_each(prompts, replicas):
+    """`rollout.replica_prompts` is how the generator executors split a step's prompts (and `samples_per_replica`
+    how many KV-cache slots the planner gives a replica): every prompt on exactly one replica, replica 0 holding
+    the most, ceil(prompts / replicas) of them."""
+    cfg = load_config(None, [f"rollout.prompts_per_step={prompts}", "rollout.samples_per_prompt=3"])
+    r = cfg.rollout
+    shares = [r.replica_prompts(i, replicas) for i in range(replicas)]
+    assert sorted(p for s in shares for p in s) == list(range(prompts))
+    assert max(map(len, shares)) == len(shares[0]) == -(-prompts // replicas)
+    assert r.samples_per_replica(replicas) == 3 * -(-prompts // replicas)
+    assert r.context_length == r.max_prompt_length + r.max_new_tokens

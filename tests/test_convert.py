@@ -43,11 +43,11 @@ def converted(hf_dir, tmp_path_factory):
 def _load_model(ckpt, layout_kw):
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.checkpointing.convert import read_meta
+    from megatron_rl.checkpointing.inspect import read_model
     from megatron_rl.models import build_gpt_model
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 
-    cfg, _ = read_meta(ckpt)
+    cfg, _ = read_model(ckpt)
     g = build_topology([ExecutorPlacement("x", ParallelLayout(**layout_kw))])["x"]
     model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", seed=99)
     sd = dist_checkpointing.load(model.sharded_state_dict(metadata={"dp_cp_group": g.pgs.dp_cp}), str(ckpt / "model"))
@@ -114,7 +114,8 @@ def test_checkpoint_logits_match_hf_at_tp2_pp2(hf_dir, converted):
 
 def test_round_trip_to_hf_is_bit_exact_and_carries_the_tokenizer(hf_dir, converted, tmp_path):
     from megatron_rl.checkpointing import load_checkpoint_tokenizer
-    from megatron_rl.checkpointing.convert import convert, read_meta
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.checkpointing.inspect import read_model
     from megatron_rl.models.hf_mapping import model_config_from_hf
 
     (root, _, _), (src, hf) = converted, hf_dir
@@ -134,13 +135,13 @@ def test_round_trip_to_hf_is_bit_exact_and_carries_the_tokenizer(hf_dir, convert
         assert torch.equal(back[k], v), k
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(hf.state_dict())
-    assert model_config_from_hf(back_model.config, name=src.name) == read_meta(root / "tp1")[0]
+    assert model_config_from_hf(back_model.config, name=src.name) == read_model(root / "tp1")[0]
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "back").encode(text) == \
         transformers.AutoTokenizer.from_pretrained(src).encode(text)
 
 
 def test_config_json_is_read_as_transformers_reads_it(hf_dir, tmp_path):
-    from megatron_rl.checkpointing.convert import hf_model_config
+    from megatron_rl.checkpointing.hf_sources import hf_model_config
     from megatron_rl.models.hf_mapping import model_config_from_hf
 
     src, _ = hf_dir
@@ -168,7 +169,8 @@ def _write_gguf_header(path, arch):
 def test_bad_inputs_fail_with_one_line_and_leave_nothing(hf_dir, converted, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from megatron_rl.checkpointing.convert import ConversionError, convert
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.checkpointing.layout import ConversionError
 
     src, _ = hf_dir
     root = converted[0]
@@ -225,7 +227,8 @@ def test_bad_inputs_fail_with_one_line_and_leave_nothing(hf_dir, converted, tmp_
 def test_overwrite_replaces_only_an_empty_dir_or_a_checkpoint(hf_dir, converted, tmp_path):
     """--overwrite used to delete whatever directory it was given; it now refuses, in one line, anything that is not
     empty, a conversion's output or a Hugging Face model, and leaves it as it was."""
-    from megatron_rl.checkpointing.convert import ConversionError, convert
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.checkpointing.layout import ConversionError
     from megatron_rl.checkpointing.layout import CONVERT_FORMAT, LATEST, META, TRAIN_FORMAT
 
     root = converted[0]

@@ -307,7 +307,8 @@ def test_ddma_reshard_keeps_nccls_rules():
 
 
 def test_each_local_rank_gets_its_own_gpu(monkeypatch):
-    from megatron_rl.launch.spawn import LaunchError, bind_device
+    from megatron_rl.launch.spawn import bind_device
+    from megatron_rl.launch.world import LaunchError
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -322,8 +323,9 @@ def test_each_local_rank_gets_its_own_gpu(monkeypatch):
 
 def test_gloo_on_a_gpu_machine_is_refused_in_one_line(monkeypatch):
     from megatron_rl.config import ConfigError, load_config
-    from megatron_rl.controller.launcher import EnvWorld, env_backend
-    from megatron_rl.launch.spawn import LaunchError, job_backend, resolve_backend
+    from megatron_rl.controller.train import env_backend
+    from megatron_rl.launch.spawn import job_backend, resolve_backend
+    from megatron_rl.launch.world import EnvWorld, LaunchError
 
     with pytest.raises(LaunchError, match="run.backend=gloo cannot carry the GPU tensors") as e:
         job_backend("gloo", 3, 8)
@@ -341,20 +343,20 @@ def test_a_cpu_made_checkpoints_rng_states_resume_on_a_gpu(caplog):
     of device are set aside with one warning instead of failing the resume."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    from megatron_rl.checkpointing.training import _rng_state, _set_rng_state
+    from megatron_rl.checkpointing.rng import rng_state, set_rng_state
     from megatron_rl.compat import activate
     from megatron_rl.models.builder import seed_rng_tracker
 
     activate()
     seed_rng_tracker(1234, tp_rank=0)
-    state = _rng_state()
+    state = rng_state()
     here = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
     other = dict(state, tracker={k: torch.zeros(16, dtype=torch.uint8) for k in state["tracker"]})
     with caplog.at_level(logging.WARNING):
-        _set_rng_state(other)
+        set_rng_state(other)
     assert "another kind of device (16 bytes, here 5056)" in caplog.text
     assert all(torch.equal(v, here[k]) for k, v in get_cuda_rng_tracker().get_states().items())
-    _set_rng_state(state)  # the same kind of device: restored as saved
+    set_rng_state(state)  # the same kind of device: restored as saved
 
 
 # -------------------------------------------------------------------------------------------- the job itself

@@ -160,3 +160,16 @@ def test_impossible_pairs_fail_before_planning():
         plan_reshard(cfg, ParallelLayout(), ParallelLayout(tp=8))
     with pytest.raises(ValueError, match="trainer and generator models differ: num_layers 4 vs 8"):
         plan_reshard(cfg, ParallelLayout(), ParallelLayout(), dst_cfg=get_preset("tiny", num_layers=8))
+
+
+def test_a_plan_keeps_what_the_transport_derives_from_it():
+    """Per-rank plans, round schedules and contiguity are computed once per plan, in its `PlanMemo`."""
+    from megatron_rl.ddma.schedule import end_contiguous, schedule
+
+    plan = plan_reshard(get_preset("tiny"), ParallelLayout(tp=2), ParallelLayout(tp=1, dp=2))
+    assert plan.for_rank(2) is plan.for_rank(2) is plan.memo.rank_plans[2]
+    rounds = schedule(plan, 1 << 12)
+    assert schedule(plan, 1 << 12) is rounds is plan.memo.schedules[1 << 12]
+    assert sum(len(r) for r in rounds) >= sum(1 for c in plan.copies if not c.is_local)
+    c = next(c for c in plan.copies if not c.is_local)
+    assert end_contiguous(c, plan, "dst") is plan.memo.contiguous["dst", c]

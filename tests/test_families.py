@@ -42,11 +42,12 @@ def families(tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILY_CONFIGS)
 def test_tp2_conversion_and_back_is_bit_exact_and_carries_the_chat_template(families, family, tmp_path):
-    from megatron_rl.checkpointing.convert import convert, read_meta
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.checkpointing.inspect import read_model
     from megatron_rl.models.hf_mapping import model_config_from_hf
 
     src, model, ckpt = families[family]
-    cfg, meta = read_meta(ckpt)
+    cfg, meta = read_model(ckpt)
     assert cfg.family == family and meta["tokenizer"] == {"type": "hf", "path": "tokenizer"}
     convert(ckpt, tmp_path / "back", "hf", shard_bytes=50_000)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
@@ -113,7 +114,7 @@ SPARSE = {
 
 @pytest.mark.parametrize("name", SPARSE)
 def test_config_json_is_read_as_transformers_reads_it(name, tmp_path):
-    from megatron_rl.checkpointing.convert import hf_model_config
+    from megatron_rl.checkpointing.hf_sources import hf_model_config
     from megatron_rl.models.hf_mapping import model_config_from_hf
 
     (tmp_path / "config.json").write_text(json.dumps(SPARSE[name]))
@@ -142,7 +143,8 @@ REFUSED = {
 
 @pytest.mark.parametrize("name", REFUSED)
 def test_unsupported_features_are_refused_in_one_line_naming_them(name, tmp_path):
-    from megatron_rl.checkpointing.convert import ConversionError, convert
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.checkpointing.layout import ConversionError
 
     raw, message = REFUSED[name]
     (tmp_path / "src").mkdir()

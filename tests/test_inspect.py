@@ -52,11 +52,10 @@ def _du(p):
 def test_conversion_checkpoint_from_metadata_only(ckpt, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_rl.checkpointing.convert import read_meta
-    from megatron_rl.checkpointing.inspect import format_text, inspect_path
+    from megatron_rl.checkpointing.inspect import format_text, inspect_path, read_model
 
     path, _ = ckpt
-    cfg, _ = read_meta(path)
+    cfg, _ = read_model(path)
 
     def no_tensor_reads(*a, **k):
         raise AssertionError("inspect read tensor data")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import ConfigError, load_config, validate
-from megatron_rl.controller.launcher import check_world, env_world, resolve_launcher
+from megatron_rl.controller.train import check_world
+from megatron_rl.launch.world import LaunchError, env_world, resolve_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "launch" / "slurm").glob("*.sbatch"))
@@ -195,9 +196,9 @@ def test_launcher_choice_and_environment(tmp_path, monkeypatch):
                    "SLURM_JOB_NODELIST": "node7,node8"})
     assert (w.rank, w.world_size, w.local_rank, w.master_addr, w.master_port, w.source) == (3, 4, 1, "node7", 29500,
                                                                                             "slurm")
-    with pytest.raises(ConfigError, match="torchrun .* or srun"):
+    with pytest.raises(LaunchError, match="torchrun .* or srun"):
         env_world({})
-    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+    with pytest.raises(LaunchError, match="MASTER_ADDR"):
         env_world({"RANK": "0", "WORLD_SIZE": "2"})
     cfg = load_config(None, ["generator.colocated=true", "generator.tp=2"])
     with pytest.raises(ConfigError, match=r"^executors need 2 ranks \(trainer 2, generator 2 colocated\) but 4 were"):
@@ -207,8 +208,9 @@ def test_launcher_choice_and_environment(tmp_path, monkeypatch):
 def test_backend_and_gpus_per_rank():
     """Where CUDA is present ranks use NCCL with a GPU each; a machine or node with fewer GPUs than ranks fails in
     one line before anything starts (two ranks on one GPU cannot share an NCCL communicator)."""
-    from megatron_rl.controller.launcher import EnvWorld, env_backend
-    from megatron_rl.launch.spawn import LaunchError, resolve_backend
+    from megatron_rl.controller.train import env_backend
+    from megatron_rl.launch.spawn import resolve_backend
+    from megatron_rl.launch.world import EnvWorld
 
     assert resolve_backend("auto", 3, 0) == "gloo"
     assert resolve_backend("auto", 3, 8) == "nccl"
@@ -272,6 +274,21 @@ def test_a_fork_servers_ranks_start_with_its_preloaded_modules():
         assert seen == [True, True, True, True, False]
 
 
+def test_a_fork_servers_ranks_start_with_its_imports_frozen():
+    """The fork server froze what it imported (`launch/preloaded.py`): a rank's first full collection does not
+    re-read torch and Megatron-Core (2-3 s on a loaded machine, before the rank's first heartbeat)."""
+    import gc
+
+    from megatron_rl.launch.spawn import run_local
+
+    from parallel_workers import frozen_at_start
+
+    before = gc.get_freeze_count()
+    frozen = run_local(frozen_at_start, 2)
+    # torch + Megatron-Core + the job's modules: hundreds of thousands of objects (the pytest process froze none)
+    assert before == 0 and all(n > 100_000 for n in frozen), (before, frozen)
+
+
 def test_train_with_spawned_ranks_as_on_gpu_machines(tmp_path):
     """`megatron-rl train` as a GPU machine starts it (ranks spawned as fresh interpreters, nothing inherited),
     here on the CPU: the config, the job function and its arguments must survive the trip. Its output is the
@@ -319,7 +336,7 @@ def _stopped_recipe(slurm_env, tmp_path, signum, name, **env_extra):
 
 def _stop_step(out: str, run_dir: Path) -> int:
     """The step the run stopped after (rank 0's summary), with its checkpoint complete and `latest`."""
-    from megatron_rl.checkpointing.training import verify
+    from megatron_rl.checkpointing.layout import verify
 
     summary = json.loads(out.strip().splitlines()[-1])
     step = summary["stopped_after_step"]

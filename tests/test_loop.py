@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rl.controller import loop
-from megatron_rl.controller.collector import Collector, ModelScores, ScoredRollouts, metrics_row, pack
+from megatron_rl.controller import scoring
+from megatron_rl.controller.collector import Collector, batch_with_advantages, metrics_row, pack
+from megatron_rl.controller.scoring import ModelScores, ScoredRollouts
 from megatron_rl.controller.schedule import (Checkpoint, Generate, PushWeights, Train, generation_version, job_plan,
                                              pull_before_batch, push_after_step, save_after, syncs_needed)
 
@@ -70,10 +72,11 @@ def _rollouts(batch, version, rewards, groups):
 
 def test_collector_packs_replicas_in_order_and_keeps_pending_batches():
     sent = {2: [_rollouts(0, 0, [1.0, 0.0], [1, 1]), _rollouts(1, 0, [0.0, 0.0], [1, 1])]}
-    c = Collector([0, 2], lambda src: sent[src].pop(0), advantage="group_mean", pad_id=0)
+    c = Collector([0, 2], lambda src: sent[src].pop(0))
     c.put(_rollouts(0, 0, [1.0, 1.0], [0, 0]))
     c.put(_rollouts(1, 0, [0.0, 1.0], [0, 0]))
-    batch, parts = c.training_batch(0)
+    parts = c.take(0)
+    batch = batch_with_advantages(parts, pad_id=0, advantage="group_mean")
     # a checkpoint after step 1 at staleness 1 stores batch 1 (received now from rank 2)
     pending = c.pending(1, 1, 4)
     assert list(pending) == [1] and [p["batch"] for p in pending[1]] == [1, 1]
@@ -82,10 +85,9 @@ def test_collector_packs_replicas_in_order_and_keeps_pending_batches():
     # group-mean advantages: prompt 0 all right (0, 0), prompt 1 half right (+0.5, -0.5)
     assert batch.advantages.tolist() == [0.0, 0.0, 0.5, -0.5]
     assert batch.tokens[3].tolist() == [1, 2, 3, 3] and batch.behaviour_logprobs[3].tolist() == [0, 0, -0.5, -0.5]
-    restored = Collector([0, 2], lambda src: pytest.fail("restored batches are not received"),
-                         advantage="group_mean", pad_id=0)
+    restored = Collector([0, 2], lambda src: pytest.fail("restored batches are not received"))
     restored.restore(pending)
-    assert restored.training_batch(1)[1] == c.collect(1)
+    assert restored.take(1) == c.collect(1)
 
 
 def test_collector_adds_reward_model_scores_to_each_replicas_rewards():
@@ -93,19 +95,18 @@ def test_collector_adds_reward_model_scores_to_each_replicas_rewards():
     coefficient, to the verifier's rewards (the held-out reward too)."""
     sent = {2: [_rollouts(0, 0, [0.0, 1.0], [1, 1])],
             5: [ModelScores(0, 0, [0.5, -1.0], [2.0, 4.0], 0.3)], 6: [ModelScores(0, 1, [1.0, 1.0], [], 0.2)]}
-    c = Collector([0, 2], lambda src: sent[src].pop(0), advantage="group_mean", pad_id=0, scorers=[5, 6],
-                  model_coef=0.5)
+    c = Collector([0, 2], lambda src: sent[src].pop(0), scorers=[5, 6], model_coef=0.5)
     c.put(dataclasses.replace(_rollouts(0, 0, [1.0, 0.0], [0, 0]), eval_reward=0.25))
     parts = c.collect(0)
     assert [p.rewards for p in parts] == [[1.25, -0.5], [0.5, 1.5]]
     assert parts[0].eval_reward == 0.25 + 0.5 * 3.0 and parts[1].eval_reward is None
     assert not any(sent.values())  # each message received once
-    batch, parts = c.training_batch(0)
+    parts = c.take(0)
+    batch = batch_with_advantages(parts, pad_id=0, advantage="group_mean")
     row = metrics_row(0, parts, batch, {}, train_s=1.0, recv_s=0.0)
     assert row["time/reward_model_s"] == 0.3 and row["reward"] == (1.25 - 0.5 + 0.5 + 1.5) / 4
     with pytest.raises(RuntimeError, match="reward-model scores of batch 1, replica 0 from rank 5, got batch 0"):
-        wrong = Collector([0], lambda src: ModelScores(0, 0, [1.0], [], 0.1), advantage="group_mean", pad_id=0,
-                          scorers=[5])
+        wrong = Collector([0], lambda src: ModelScores(0, 0, [1.0], [], 0.1), scorers=[5])
         wrong.put(_rollouts(1, 0, [1.0], [0]))
         wrong.collect(1)
 
@@ -139,7 +140,7 @@ class _FakeJob:
                                    checkpoint=SimpleNamespace(save_interval=save_interval))
         self.staleness, self.log, self._resume = s, [], resume
         self.version = None
-        self.collector = Collector([0], lambda src: pytest.fail("one rank"), advantage="group_mean", pad_id=0)
+        self.collector = Collector([0], lambda src: pytest.fail("one rank"))
         self.task = SimpleNamespace(score=lambda problems, texts: [float(len(t) % 2) for t in texts], score_failures=0)
         self.tok = SimpleNamespace(decode=lambda ids: "y" * len(ids))
         job = self
@@ -179,15 +180,18 @@ class _FakeJob:
         self.log.append(("push", version))
         return 0.0
 
+    def score(self, generated, evaluated, *, push_s):
+        return scoring.score(self.task, generated, evaluated, wait_s=push_s)
+
     def send_rollouts(self, rollouts):
         self.collector.put(rollouts)
 
-    def request_scores(self, generated, evaluated):
-        pass
-
-    def training_batch(self, k):
+    def scored_rollouts(self, k):
         self.log.append(("batch", k))
-        return self.collector.training_batch(k)
+        return self.collector.take(k)
+
+    def batch_with_advantages(self, k, parts):
+        return batch_with_advantages(parts, pad_id=0, advantage="group_mean")
 
     def checkpoint(self, version):
         self.log.append(("checkpoint", version))

@@ -1,7 +1,6 @@
 """A weight push that silently leaves a generator shard as it was is caught (issue 27): the fingerprints of both
 ends of every copy of the plan agree when the push arrived, and name the tensor and the ranks when it did not."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -168,10 +167,12 @@ TINY = ["trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "rollout.sam
         "rollout.max_new_tokens=4", "run.steps=4"]
 
 
-def _train(tmp_path, *overrides, env=None):
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *TINY, *overrides,
-                          f"checkpoint.dir={tmp_path}", "run.name=push"],
-                         capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, **(env or {})})
+def _train(tmp_path, *overrides, skip_push=None):
+    """The tiny job through the CLI; `skip_push`: the version of the weight push that leaves one generator tensor
+    as it was (tests/push_workers.py)."""
+    cli = ["-m", "megatron_rl.cli"] if skip_push is None else [str(REPO / "tests" / "push_workers.py"), str(skip_push)]
+    out = subprocess.run([sys.executable, *cli, "train", *TINY, *overrides, f"checkpoint.dir={tmp_path}",
+                          "run.name=push"], capture_output=True, text=True, timeout=300, cwd=REPO)
     return out
 
 
@@ -180,7 +181,7 @@ def test_a_skipped_transfer_stops_the_job_at_the_next_checked_push_in_one_line(t
     # rewards are all 0 (no gradient), so weight decay in fp32 is what makes every update move every weight: a
     # push that carries the same values as the last one is no fault to catch.
     out = _train(tmp_path, "generator.push_check_interval=2", "trainer.weight_decay=0.1", "trainer.dtype=fp32",
-                 "generator.dtype=fp32", env={"MEGATRON_RL_FAILPOINT": "push_skip:2"})
+                 "generator.dtype=fp32", skip_push=2)
     assert out.returncode == 1, out.stderr[-3000:]
     line = [ln for ln in out.stderr.splitlines() if ln.startswith("megatron-rl: rank ")]
     assert len(line) == 1 and "failed: PushMismatch: weight push 2 did not arrive: " in line[0], out.stderr[-3000:]
@@ -189,7 +190,7 @@ def test_a_skipped_transfer_stops_the_job_at_the_next_checked_push_in_one_line(t
 
 
 def test_auto_catches_a_generator_that_kept_its_own_initial_weights(tmp_path):
-    out = _train(tmp_path, env={"MEGATRON_RL_FAILPOINT": "push_skip:0"})  # "auto" checks push 0
+    out = _train(tmp_path, skip_push=0)  # "auto" checks push 0
     assert out.returncode == 1 and "failed: PushMismatch: weight push 0 did not arrive: " in out.stderr, \
         out.stderr[-3000:]
 

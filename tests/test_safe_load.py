@@ -114,7 +114,8 @@ def _one_line(text: str, f: Path) -> None:
 
 def _refused_everywhere(ckpt: Path, f: Path, tmp: Path, capsys) -> None:
     """`inspect`, `eval`, `convert --to hf` and `plan --checkpoint` end in one line naming the file."""
-    from megatron_rl.checkpointing.convert import ConversionError, convert
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.checkpointing.layout import ConversionError
     from megatron_rl.checkpointing.inspect import run as inspect
     from megatron_rl.evaluation import EvalError, EvalSettings, evaluate
     from megatron_rl.planning.checkpoint import ReshardError, checkpoint_report
@@ -202,17 +203,17 @@ def test_a_resumed_job_refuses_in_one_line(saved, tmp_path):
 def test_rng_states_load_without_pickled_code_in_both_formats(tmp_path):
     """The RNG file holds tensors and numbers (torch's weights-only loader reads it as it is); one written before
     that, with numpy's state as an array, still restores numpy's stream."""
-    from megatron_rl.checkpointing.training import _rng_state, _set_rng_state
+    from megatron_rl.checkpointing.rng import rng_state, set_rng_state
 
     np.random.seed(3)
     random.seed(4)
-    torch.save(_rng_state(), tmp_path / "new.pt")
+    torch.save(rng_state(), tmp_path / "new.pt")
     old = dict(torch.load(tmp_path / "new.pt", weights_only=True), numpy=np.random.get_state())
     torch.save(old, tmp_path / "old.pt")
     expected = (np.random.rand(4), random.random(), torch.rand(2))
     for name in ("new.pt", "old.pt"):
         np.random.seed(0)
-        _set_rng_state(safe_load.load_data(tmp_path / name, numpy_arrays=True))
+        set_rng_state(safe_load.load_data(tmp_path / name, numpy_arrays=True))
         assert np.array_equal(np.random.rand(4), expected[0]) and random.random() == expected[1]
         assert torch.equal(torch.rand(2), expected[2])
     with pytest.raises(CheckpointError, match=r"old.pt: holds numpy\.\S+, which"):

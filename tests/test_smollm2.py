@@ -63,7 +63,8 @@ def test_gguf_converts_with_its_tokenizer_and_back_bit_for_bit(hf, tmp_path):
     from safetensors import safe_open
 
     from megatron_rl.checkpointing import load_checkpoint_tokenizer
-    from megatron_rl.checkpointing.convert import convert, gguf_architecture
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.checkpointing.hf_sources import gguf_architecture
 
     path = gguf_path()
     assert gguf_architecture(path) == "llama"

@@ -126,7 +126,8 @@ def test_run_lock_takes_over_a_stale_lock_and_refuses_a_live_one(tmp_path):
 
 
 def test_a_failed_rank_is_named_with_its_cause_not_its_peers_errors():
-    from megatron_rl.launch.spawn import RanksFailed, run_local
+    from megatron_rl.launch.failures import RanksFailed
+    from megatron_rl.launch.spawn import run_local
 
     from stop_workers import rank_1_raises
 
@@ -137,7 +138,8 @@ def test_a_failed_rank_is_named_with_its_cause_not_its_peers_errors():
 
 
 def test_a_killed_rank_is_named():
-    from megatron_rl.launch.spawn import RanksFailed, run_local
+    from megatron_rl.launch.failures import RanksFailed
+    from megatron_rl.launch.spawn import run_local
 
     from stop_workers import rank_1_is_killed
 
@@ -147,7 +149,8 @@ def test_a_killed_rank_is_named():
 
 
 def test_a_hung_rank_is_named_not_the_ranks_that_timed_out_waiting():
-    from megatron_rl.launch.spawn import RanksFailed, run_local
+    from megatron_rl.launch.failures import RanksFailed
+    from megatron_rl.launch.spawn import run_local
 
     from stop_workers import rank_1_hangs
 
@@ -160,21 +163,21 @@ def test_a_hung_rank_is_named_not_the_ranks_that_timed_out_waiting():
 
 def test_the_failure_line_and_log(tmp_path):
     from megatron_rl.config import load_config
-    from megatron_rl.controller.launcher import FAILURE_LOG, _failed
-    from megatron_rl.launch.spawn import RankFailure, RanksFailed
+    from megatron_rl.controller.train import failure_report
+    from megatron_rl.launch.failures import FAILURE_LOG, RankFailure, RanksFailed
 
     cfg = load_config(None, [])
     failures = [RankFailure(2, "FileNotFoundError: data/x.jsonl", "Traceback ...\nFileNotFoundError: data/x.jsonl"),
                 RankFailure(0, "DistBackendError: Connection closed by peer", "Traceback ...")]
-    e = _failed(cfg, tmp_path, RanksFailed(failures, 3))
+    e = failure_report(cfg, tmp_path, RanksFailed(failures, 3))
     assert e.exit_code == 1 and str(e) == (f"megatron-rl: rank 2 (generator) failed: FileNotFoundError: data/x.jsonl;"
                                            f" every rank's traceback: {tmp_path / FAILURE_LOG}")
     log = (tmp_path / FAILURE_LOG).read_text()
     assert "--- rank 2 (generator): FileNotFoundError" in log and "--- rank 0 (trainer): DistBackendError" in log
-    e = _failed(cfg, tmp_path, RanksFailed([RankFailure(1, "died with signal 9 (SIGKILL)", "died with signal 9 "
+    e = failure_report(cfg, tmp_path, RanksFailed([RankFailure(1, "died with signal 9 (SIGKILL)", "died with signal 9 "
                                                                                              "(SIGKILL)")], 3))
     assert str(e).startswith("megatron-rl: rank 1 (trainer) died with signal 9 (SIGKILL); every rank's traceback")
-    e = _failed(cfg, tmp_path, RanksFailed([], 3, signal=signal.SIGINT, killed="twice"))
+    e = failure_report(cfg, tmp_path, RanksFailed([], 3, signal=signal.SIGINT, killed="twice"))
     assert e.exit_code == 130 and str(e) == ("megatron-rl: stopped by SIGINT: ranks killed at a second SIGINT; no "
                                              "checkpoint saved; relaunch to resume")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.checkpointing import storage
+from megatron_rl.checkpointing.layout import dir_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
@@ -75,7 +76,7 @@ def test_a_full_disk_is_one_line_and_the_run_resumes_when_it_grows(small_fs):
     from megatron_rl.controller.job import checkpoint_bytes
 
     cfg = load_config(None, FAST)
-    ratio = checkpoint_bytes(cfg, validate(cfg)) / storage.dir_bytes(run / "step_00000012")
+    ratio = checkpoint_bytes(cfg, validate(cfg)) / dir_bytes(run / "step_00000012")
     assert 0.8 <= ratio <= 1.0, ratio
 
 
@@ -124,7 +125,7 @@ def test_a_read_only_checkpoint_directory_is_named(small_fs):
 
 
 def test_failure_log_goes_to_the_temporary_directory_when_the_run_directory_refuses_it(tmp_path):
-    from megatron_rl.controller.launcher import write_failure_log
+    from megatron_rl.launch.failures import write_failure_log
 
     blocker = tmp_path / "file"
     blocker.write_text("")  # a run directory under a file cannot exist

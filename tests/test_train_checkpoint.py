@@ -44,7 +44,7 @@ def test_state_saved_in_pieces_resumes_at_another_layout(saved_dp2, layout):
     """No rank gathers: every rank writes the boxes of its own ranges, from the copies taken when `save` returned.
     A layout that splits the parameters differently in TP, PP and DP reads them back and takes the same next
     step."""
-    from megatron_rl.checkpointing.training import verify
+    from megatron_rl.checkpointing.layout import verify
 
     ref = saved_dp2[0]
     assert verify(ref["path"])["optimizer_format"] == "model_space_pieces"
@@ -102,7 +102,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, failpoint
     import sys
     from pathlib import Path
 
-    from megatron_rl.checkpointing.training import CheckpointError, TrainCheckpointer, read_latest, verify
+    from megatron_rl.checkpointing.layout import CheckpointError, read_latest, verify
+    from megatron_rl.checkpointing.training import TrainCheckpointer
 
     state = tmp_path / "full.pt"
     torch.save(random_full_state(), state)
@@ -129,7 +130,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, failpoint
 def test_corrupt_latest_is_named_and_fallback_only_when_asked(tmp_path):
     import json
 
-    from megatron_rl.checkpointing.training import META, CheckpointError, TrainCheckpointer
+    from megatron_rl.checkpointing.layout import META, CheckpointError
+    from megatron_rl.checkpointing.training import TrainCheckpointer
 
     root = tmp_path / "run"
     for step in (2, 4):
@@ -175,7 +177,8 @@ def test_flipped_bits_are_named_in_one_line_and_fallback_resumes_from_the_previo
     from pathlib import Path
 
     from megatron_rl.checkpointing.layout import CHECKSUMS, META
-    from megatron_rl.checkpointing.training import CheckpointError, TrainCheckpointer, verify
+    from megatron_rl.checkpointing.layout import CheckpointError, verify
+    from megatron_rl.checkpointing.training import TrainCheckpointer
     from megatron_rl.launch.spawn import run_local
     from ckpt_workers import train_with_two_saves
 
@@ -216,7 +219,7 @@ def test_flipped_bits_are_named_in_one_line_and_fallback_resumes_from_the_previo
 def test_an_update_that_makes_the_weights_non_finite_stops_and_is_never_saved(tmp_path):
     """The issue's `trainer.lr=inf`: loss and gradients finite, the update NaN. The step raises on every rank, a
     save refuses, and the checkpoint on disk holds only finite values."""
-    from megatron_rl.checkpointing.training import read_latest
+    from megatron_rl.checkpointing.layout import read_latest
     from megatron_rl.launch.spawn import run_local
     from ckpt_workers import overflowing_update
 

@@ -21,6 +21,10 @@ Both directions stream; neither holds two copies of the model (measured in docs/
   follows from the model shape). One layer is in memory at a time.
 A training checkpoint (format "megatron-rl/train", or a run root: its `latest`) converts to HF the same way, since
 its `model/` is the same kind of directory.
+
+Here: both directions, the destination's checks (what --overwrite may replace) and the memory accounting; what a
+source holds before any weight is read (its kind, a HF directory's shape and tensor files, a GGUF header, the GGUF
+dequantization) is `hf_sources.py`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import tempfile
 import time
 import warnings
@@ -39,29 +42,21 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.checkpointing.hf_sources import (detect_format, gguf_architecture, gguf_to_safetensors,
+                                                  hf_model_config, hf_tensor_files)
 from megatron_rl.checkpointing.inspect import dist_tensors, is_run_root, model_config, resolve_checkpoint
-from megatron_rl.checkpointing.inspect import read_meta as read_checkpoint_meta
-from megatron_rl.checkpointing.layout import CONVERT_FORMAT, META, MODEL_DIR, TOKENIZER_DIR, TRAIN_FORMAT, InspectError
-from megatron_rl.checkpointing.layout import CheckpointError
+from megatron_rl.checkpointing.layout import (CONVERT_FORMAT, META, MODEL_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
+                                              CheckpointError, ConversionError, InspectError, read_meta, write_meta)
 from megatron_rl.checkpointing import safe_load
-from megatron_rl.checkpointing.safetensors_io import CODE_DTYPES, read_header, write_sharded
+from megatron_rl.checkpointing.safetensors_io import write_sharded
 from megatron_rl.checkpointing.tokenizer import MODEL_TYPE_FILE, TOKENIZER_FILES, save_tokenizer, tokenizer_dir
-from megatron_rl.models.families import hf_config_dict, hf_config_fields, unsupported_feature
-from megatron_rl.models.hf_mapping import (hf_row_blocks, hf_shapes, megatron_names, model_config_from_hf,
-                                           to_hf_tensors)
+from megatron_rl.models.families import hf_config_dict
+from megatron_rl.models.hf_mapping import hf_row_blocks, megatron_names, to_hf_tensors
 from megatron_rl.models.presets import ModelConfig
+from megatron_rl.parallel.layout import ParallelLayout, layout_problems
 
 SHARD_BYTES = 2 * 2**30
 READ_BYTES = 32 * 2**20  # HF -> Megatron reads at most this much of a tensor at a time
-
-
-class ConversionError(ValueError):
-    """A source that cannot be converted; the message is one line."""
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 # ---- memory accounting ---------------------------------------------------------------------------------------
@@ -97,161 +92,6 @@ class MemoryMeter:
 
     def report(self) -> dict:
         return {"base_rss_bytes": self.base, "peak_rss_bytes": self._kib("VmHWM")}
-
-
-# ---- sources -----------------------------------------------------------------------------------------------------
-def detect_format(src: Path) -> str:
-    if src.is_file() and src.suffix == ".gguf":
-        return "gguf"
-    if src.is_dir() and ((src / META).exists() or is_run_root(src)):
-        return "megatron"
-    if src.is_dir() and (src / "config.json").exists():
-        return "hf"
-    raise ConversionError(f"{src}: not a Hugging Face directory (config.json), a GGUF file or a megatron-rl "
-                          f"checkpoint ({META})")
-
-
-_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def gguf_architecture(path: Path) -> Optional[str]:
-    """`general.architecture` from a GGUF header, reading only the key-value section up to that key."""
-
-    def u32(f):
-        return struct.unpack("<I", f.read(4))[0]
-
-    def u64(f):
-        return struct.unpack("<Q", f.read(8))[0]
-
-    def skip(f, vtype):
-        if vtype in _GGUF_SCALAR:
-            f.seek(_GGUF_SCALAR[vtype], 1)
-        elif vtype == 8:
-            f.seek(u64(f), 1)
-        elif vtype == 9:
-            item, count = u32(f), u64(f)
-            if item in _GGUF_SCALAR:
-                f.seek(_GGUF_SCALAR[item] * count, 1)
-            else:
-                for _ in range(count):
-                    skip(f, item)
-        else:
-            raise ValueError(f"unknown GGUF value type {vtype}")
-
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ConversionError(f"{path}: not a GGUF file (bad magic)")
-            if u32(f) < 2:
-                raise ConversionError(f"{path}: GGUF version 1 is not supported")
-            u64(f)  # tensor count
-            for _ in range(u64(f)):
-                key = f.read(u64(f)).decode("utf-8", "replace")
-                vtype = u32(f)
-                if key == "general.architecture" and vtype == 8:
-                    return f.read(u64(f)).decode("utf-8", "replace")
-                skip(f, vtype)
-    except (struct.error, ValueError, OSError) as e:
-        if isinstance(e, ConversionError):
-            raise
-        raise ConversionError(f"{path}: unreadable GGUF header ({_first_line(e)})") from None
-    return None
-
-
-def hf_model_config(src: Path) -> ModelConfig:
-    """ModelConfig of a HF Llama / Qwen2 / Qwen3 / Mistral directory (its config.json, read without importing
-    transformers), refusing other architectures and unsupported features in one line that names them."""
-    from types import SimpleNamespace
-
-    try:
-        raw = json.loads((src / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConversionError(f"{src / 'config.json'}: unreadable ({_first_line(e)})") from None
-    try:
-        problem = unsupported_feature(raw)
-    except ValueError as e:  # an architecture that is not one of the families
-        raise ConversionError(f"{src}: {_first_line(e)}") from None
-    if problem:
-        raise ConversionError(f"{src}: {problem}")
-    try:
-        return model_config_from_hf(SimpleNamespace(**hf_config_fields(raw)), name=src.name)
-    except (ValueError, TypeError, AttributeError) as e:
-        raise ConversionError(f"{src}: unsupported config ({_first_line(e)})") from None
-
-
-def hf_tensor_files(src: Path, cfg: ModelConfig, extra: Optional[dict[str, tuple[int, ...]]] = None,
-                    lm_head: Optional[bool] = None) -> dict[str, str]:
-    """HF tensor name -> safetensors file, after checking every tensor this model needs is there with the right
-    shape (from the file headers only). `extra`: more tensors the checkpoint holds (name -> shape), e.g. a sequence
-    classifier's `score.weight`; `lm_head=False`: a model without the LM head (default: untied models have one)."""
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise ConversionError(f"{src}: no *.safetensors shards")
-    where: dict[str, tuple[Path, str, tuple]] = {}
-    for f in files:
-        try:
-            header = read_header(f)
-        except (ValueError, OSError) as e:
-            raise ConversionError(f"{f}: unreadable safetensors file ({_first_line(e)})") from None
-        for name, (code, shape) in header.items():
-            where[name] = (f, code, shape)
-    expected = {**hf_shapes(cfg, lm_head=not cfg.tie_word_embeddings if lm_head is None else lm_head),
-                **(extra or {})}
-    if "lm_head.weight" in expected and "lm_head.weight" not in where:
-        expected.pop("lm_head.weight")  # untied config without lm_head: the embedding is used (see hf_mapping)
-    for name, shape in expected.items():
-        if name not in where:
-            raise ConversionError(f"{src}: tensor {name} missing from the safetensors files")
-        f, code, got = where[name]
-        if tuple(got) != tuple(shape):
-            raise ConversionError(f"{f.name}: tensor {name} has shape {list(got)}, expected {list(shape)} "
-                                  f"for this config")
-        if code not in CODE_DTYPES or not CODE_DTYPES[code].is_floating_point:
-            raise ConversionError(f"{f.name}: tensor {name} has dtype {code}, expected a floating-point dtype")
-    ignored = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    extra = sorted(n for n in where if n not in expected and n not in ignored and "rotary_emb.inv_freq" not in n)
-    if extra:
-        raise ConversionError(f"{src}: unexpected tensor {extra[0]} ({len(extra)} in all) for a {cfg.family} model "
-                              f"of this config")
-    return {name: str(where[name][0]) for name in expected}
-
-
-def _gguf_to_safetensors(src: Path, out: Path) -> ModelConfig:
-    """Dequantize a GGUF Llama with transformers and write it as one safetensors file in `out`, tensor by
-    tensor, dropping each one after it is written."""
-    arch = gguf_architecture(src)
-    if arch != "llama":
-        raise ConversionError(f"{src}: architecture {arch!r} is not supported (GGUF files: only llama)")
-    import transformers
-
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                                  torch_dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001
-        raise ConversionError(f"{src}: cannot load this GGUF as a Llama model ({_first_line(e)})") from None
-    if getattr(model.config, "model_type", None) != "llama":
-        raise ConversionError(f"{src}: architecture {model.config.model_type!r} is not supported (GGUF files: only "
-                              f"llama)")
-    try:
-        cfg = model_config_from_hf(model.config, name=src.stem)
-    except ValueError as e:
-        raise ConversionError(f"{src}: unsupported config ({_first_line(e)})") from None
-    sd = model.state_dict()
-    del model
-    shapes = hf_shapes(cfg)
-    for name, shape in shapes.items():
-        if tuple(sd[name].shape) != shape:
-            raise ConversionError(f"{src}: tensor {name} has shape {list(sd[name].shape)}, expected {list(shape)}")
-    entries = [(n, sd[n].dtype, s) for n, s in shapes.items()]
-
-    def produce():
-        for n in shapes:
-            yield n, sd.pop(n)
-
-    out.mkdir(parents=True)
-    write_sharded(out, entries, produce(), shard_bytes=2**62)
-    sd.clear()
-    return cfg
 
 
 # ---- HF -> Megatron ----------------------------------------------------------------------------------------------
@@ -342,14 +182,13 @@ def _save_megatron_worker(rank, world_size, cfg: ModelConfig, tp: int, pp: int, 
 
 
 def _check_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
-    if tp < 1 or pp < 1:
+    """The first reason --tp / --pp cannot hold the model (`parallel.layout.layout_problems`), as a ConversionError."""
+    problems = layout_problems(cfg, ParallelLayout(tp, pp))
+    if any(p.field is None for p in problems):
         raise ConversionError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
-    for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups),
-                    ("ffn_hidden_size", cfg.ffn_hidden_size)):
-        if n % tp:
-            raise ConversionError(f"--tp {tp} does not divide {what}={n}")
-    if cfg.num_layers % pp:
-        raise ConversionError(f"--pp {pp} does not divide num_layers={cfg.num_layers}")
+    if problems:
+        p = problems[0]
+        raise ConversionError(f"--{p.dim} {p.size} does not divide {p.field}={p.count}")
 
 
 def _overwrite_problem(dst: Path) -> Optional[str]:
@@ -362,8 +201,8 @@ def _overwrite_problem(dst: Path) -> Optional[str]:
         return None
     if META in names:
         try:
-            fmt = json.loads((dst / META).read_text()).get("format")
-        except (OSError, ValueError, AttributeError):
+            fmt = read_meta(dst, formats=None).get("format")
+        except CheckpointError:
             fmt = None
         if fmt == CONVERT_FORMAT:
             return None
@@ -426,7 +265,7 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
     tmp = _prepare_dst(dst, overwrite)
     try:
         if gguf:
-            cfg = _gguf_to_safetensors(src, tmp / "dequantized")
+            cfg = gguf_to_safetensors(src, tmp / "dequantized")
             _check_layout(cfg, tp, pp)
             files = hf_tensor_files(tmp / "dequantized", cfg)
         source_bytes = sum(os.path.getsize(f) for f in set(files.values()))
@@ -438,7 +277,7 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
         meta = {"format": CONVERT_FORMAT, "dtype": dtype, "source": str(src), "layout": {"tp": tp, "pp": pp, "dp": 1},
                 "model": dataclasses.asdict(cfg), "tokenizer": tokenizer,
                 "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        (tmp / META).write_text(json.dumps(meta, indent=2))
+        write_meta(tmp, meta)
         model_bytes = sum(f.stat().st_size for f in (tmp / MODEL_DIR).iterdir())
         _finish(tmp, dst)
     except BaseException:
@@ -532,7 +371,7 @@ def megatron_to_hf_checkpoint(src: Path, dst: Path, overwrite: bool = False, sha
     meter = MemoryMeter()
     try:
         ckpt = resolve_checkpoint(src)
-        meta = read_checkpoint_meta(ckpt)
+        meta = read_meta(ckpt)
         dist_tensors(ckpt / MODEL_DIR)  # one-line error for a missing or half-written model/
         safe_load.check_checkpoint(ckpt)  # its pickles hold only data, before torch reads them
     except (InspectError, CheckpointError) as e:
@@ -613,8 +452,3 @@ def convert(src: Path, dst: Path, to: str, dtype: str = "float32", overwrite: bo
         raise ConversionError("--tp/--pp apply to --to megatron (reading a Megatron checkpoint needs no layout)")
     return megatron_to_hf_checkpoint(src, dst, overwrite=overwrite, shard_bytes=shard_bytes)
 
-
-def read_meta(src: Path) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, metadata) of a conversion or training checkpoint."""
-    meta = read_checkpoint_meta(Path(src))
-    return model_config(meta), meta

@@ -9,12 +9,11 @@ into `<run dir>/initial_model/`, before it starts the ranks (a relaunch finds it
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable, Optional
 
-from megatron_rl.checkpointing.inspect import model_config, read_meta, resolve_checkpoint
-from megatron_rl.checkpointing.layout import META, MODEL_DIR, InspectError
+from megatron_rl.checkpointing.inspect import model_config, resolve_checkpoint
+from megatron_rl.checkpointing.layout import META, MODEL_DIR, CheckpointError, ConversionError, InspectError, read_meta
 from megatron_rl.checkpointing import safe_load
 from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
 from megatron_rl.models.presets import ModelConfig
@@ -50,8 +49,8 @@ def source_path(spec: str) -> Path:
 
 def source_format(spec: str) -> str:
     """"megatron", "hf" or "gguf"."""
-    # `convert` imports torch: loaded on use, so that reading a job's configuration stays fast.
-    from megatron_rl.checkpointing.convert import ConversionError, detect_format
+    # `hf_sources` imports torch: loaded on use, so that reading a job's configuration stays fast.
+    from megatron_rl.checkpointing.hf_sources import detect_format
 
     try:
         return detect_format(source_path(spec))
@@ -61,7 +60,7 @@ def source_format(spec: str) -> str:
 
 def checkpoint_model_config(spec: str) -> ModelConfig:
     """The model shape a source records (metadata and headers only: no weights are read)."""
-    from megatron_rl.checkpointing.convert import ConversionError, hf_model_config  # torch: see source_format
+    from megatron_rl.checkpointing.hf_sources import hf_model_config  # torch: see source_format
 
     path, fmt = source_path(spec), source_format(spec)
     try:
@@ -72,7 +71,7 @@ def checkpoint_model_config(spec: str) -> ModelConfig:
             return model_config(meta)
         if fmt == "hf":
             return hf_model_config(path)
-    except (ConversionError, InspectError) as e:
+    except (ConversionError, InspectError, CheckpointError) as e:
         raise ValueError(f"model.checkpoint: {e}") from None
     from transformers import AutoConfig
 
@@ -145,7 +144,7 @@ def tokenizer_entry(cfg, tok, ckpt: Optional[Path]) -> Optional[dict]:
         return {"type": "byte"}
     if cfg.model.tokenizer:
         return {"source": cfg.model.tokenizer}
-    entry = json.loads((ckpt / META).read_text()).get("tokenizer") or {}
+    entry = read_meta(ckpt, formats=None).get("tokenizer") or {}
     if entry.get("type") in ("hf", "sentencepiece") and entry.get("path"):
         path = Path(entry["path"])
         return {"source": str(path if path.is_absolute() else ckpt / path)}

@@ -13,6 +13,7 @@ every tensor). A checkpoint missing any of that is reported in one line naming t
 Read beyond metadata, to check them: the files of a checkpoint with checksums (a file whose content changed is
 named in one line), and every pickled file, which may hold only data (`safe_load`: a file that would run code is
 named in one line, and nothing in it runs).
+The metadata, the step directories and `latest` are read through `layout.py`, as training reads them.
 """
 
 from __future__ import annotations
@@ -24,32 +25,16 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from megatron_rl.checkpointing.layout import (CHECKSUM_MISMATCH, CHECKSUMS, DCP_METADATA, FORMATS, LATEST, MANIFEST,
-                                              META, MODEL_DIR, OPTIMIZER_DIR, RL_STATE, RNG_DIR, STEP_PREFIX,
-                                              TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError, InspectError,
-                                              checksum_mismatches, manifest_problems)
-from megatron_rl.checkpointing.layout import read_latest as read_pointer
+from megatron_rl.checkpointing.layout import (CHECKSUMS, DCP_METADATA, LATEST, MANIFEST, META, MODEL_DIR,
+                                              OPTIMIZER_DIR, RL_STATE, RNG_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
+                                              CheckpointError, InspectError, checksum_mismatches, dir_bytes,
+                                              manifest_problems, mismatch_line, read_latest, read_meta, step_dirs)
 from megatron_rl.checkpointing import safe_load
+from megatron_rl.checkpointing.storage import human_bytes
 from megatron_rl.models.presets import ModelConfig
 
 
 # ---- small helpers -----------------------------------------------------------------------------------------------
-def dir_size(p: Path) -> int:
-    if p.is_file():
-        return p.stat().st_size
-    if not p.is_dir():
-        return 0
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # unreachable
-
-
 def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -90,30 +75,23 @@ def dist_tensors(d: Path, what: str = "model") -> list[dict]:
     return out
 
 
-def read_meta(ckpt: Path) -> dict:
-    try:
-        meta = json.loads((ckpt / META).read_text())
-    except OSError as e:
-        raise InspectError(f"{ckpt}: cannot read {META} ({e.strerror})") from None
-    except ValueError as e:
-        raise InspectError(f"{ckpt}: {META} is not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
-        fmt = meta.get("format") if isinstance(meta, dict) else None
-        raise InspectError(f"{ckpt}: unknown checkpoint format {fmt!r} in {META} (expected one of {list(FORMATS)})")
-    return meta
-
-
 def model_config(meta: dict):
     """The ModelConfig recorded in a checkpoint (fields this version does not know are ignored)."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in (meta.get("model") or {}).items() if k in known})
 
 
+def read_model(ckpt: Path) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, metadata) of a conversion or training checkpoint (`layout.read_meta`, `model_config`)."""
+    meta = read_meta(Path(ckpt))
+    return model_config(meta), meta
+
+
 # ---- run roots ---------------------------------------------------------------------------------------------------
 def is_run_root(p: Path) -> bool:
     if not p.is_dir() or (p / META).exists():
         return False
-    return (p / LATEST).is_file() or any(STEP_PREFIX.match(c.name) for c in p.iterdir() if c.is_dir())
+    return (p / LATEST).is_file() or bool(step_dirs(p))
 
 
 def _is_complete(d: Path) -> bool:
@@ -122,28 +100,18 @@ def _is_complete(d: Path) -> bool:
 
 def list_run(root: Path) -> list[dict]:
     """Checkpoint directories of a run root, by step: name, step, status (complete / incomplete), bytes."""
-    rows = []
-    for c in root.iterdir():
-        m = STEP_PREFIX.match(c.name)
-        if not (m and c.is_dir()):
-            continue
-        rows.append({"name": c.name, "step": int(m.group(1)),
-                     "status": "complete" if _is_complete(c) else "incomplete", "bytes": dir_size(c)})
-    return sorted(rows, key=lambda r: (r["step"], r["name"]))
+    return [{"name": c.name, "step": step, "status": "complete" if _is_complete(c) else "incomplete",
+             "bytes": dir_bytes(c)} for step, c in step_dirs(root)]
 
 
-def read_latest(root: Path) -> Optional[str]:
-    """The checkpoint name `ROOT/latest` points at (None without a pointer), by the training checkpointer's own
-    rule; a pointer that names nothing usable is an InspectError."""
+def _latest_name(root: Path) -> Optional[str]:
+    """The checkpoint name `ROOT/latest` points at (None without a pointer: `layout.read_latest`); a pointer that
+    names nothing usable is an InspectError."""
     try:
-        target = read_pointer(root)
+        target = read_latest(root, must_exist=True)
     except CheckpointError as e:
         raise InspectError(str(e)) from None
-    if target is None:
-        return None
-    if not target.is_dir():
-        raise InspectError(f"{root / LATEST}: names {target.name}, which does not exist")
-    return target.name
+    return None if target is None else target.name
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -154,7 +122,7 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / META).is_file():
         return path
     if is_run_root(path):
-        name = read_latest(path)
+        name = _latest_name(path)
         if name is None:
             done = [r for r in list_run(path) if r["status"] == "complete"]
             if not done:
@@ -169,22 +137,24 @@ def resolve_checkpoint(path: Path) -> Path:
 def inspect_checkpoint(ckpt: Path) -> dict:
     """Everything `inspect` reports about one checkpoint directory (raises InspectError when unusable)."""
     ckpt = Path(ckpt)
-    meta = read_meta(ckpt)
+    try:
+        meta = read_meta(ckpt)
+    except CheckpointError as e:
+        raise InspectError(str(e)) from None
     tensors = dist_tensors(ckpt / MODEL_DIR, MODEL_DIR)
     fmt = meta["format"]
     optimizer = None
     if fmt == TRAIN_FORMAT:
         opt = dist_tensors(ckpt / OPTIMIZER_DIR, OPTIMIZER_DIR)
         optimizer = {"tensors": len(opt), "numel": sum(t["numel"] for t in opt),
-                     "bytes": dir_size(ckpt / OPTIMIZER_DIR)}
+                     "bytes": dir_bytes(ckpt / OPTIMIZER_DIR)}
     problems = manifest_problems(ckpt, meta)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise InspectError(f"{ckpt}: corrupt checkpoint: {problems[0]}{more}")
     mismatches = checksum_mismatches(ckpt, meta)
     if mismatches:
-        more = f" (and {len(mismatches) - 1} more files)" if len(mismatches) > 1 else ""
-        raise InspectError(f"{ckpt / mismatches[0]}: {CHECKSUM_MISMATCH}{more}")
+        raise InspectError(mismatch_line(ckpt, mismatches))
     try:
         safe_load.check_checkpoint(ckpt)
     except CheckpointError as e:
@@ -197,13 +167,13 @@ def inspect_checkpoint(ckpt: Path) -> dict:
         checksums = "none recorded"
     cfg = model_config(meta) if meta.get("model") else None
     layout = meta.get("layout")
-    total = dir_size(ckpt)
-    sizes = {"model": dir_size(ckpt / MODEL_DIR)}
+    total = dir_bytes(ckpt)
+    sizes = {"model": dir_bytes(ckpt / MODEL_DIR)}
     if optimizer is not None:
         sizes["optimizer"] = optimizer["bytes"]
     for part, rel in (("rl_state", RL_STATE), ("tokenizer", TOKENIZER_DIR), ("rng", RNG_DIR)):
         if (ckpt / rel).exists():
-            sizes[part] = dir_size(ckpt / rel)
+            sizes[part] = dir_bytes(ckpt / rel)
     sizes["other"] = total - sum(sizes.values())
     sizes["total"] = total
     info = {"kind": "checkpoint", "path": str(ckpt), "format": fmt, "step": meta.get("step"),
@@ -226,7 +196,7 @@ def inspect_path(path: Path) -> dict:
         return inspect_checkpoint(path)
     if is_run_root(path):
         steps = list_run(path)
-        latest = read_latest(path)
+        latest = _latest_name(path)
         shown = resolve_checkpoint(path)
         return {"kind": "run", "path": str(path), "latest": latest, "checkpoints": steps,
                 "checkpoint": inspect_checkpoint(shown)}
@@ -234,7 +204,7 @@ def inspect_path(path: Path) -> dict:
         tensors = dist_tensors(path, path.name)
         return {"kind": "dist_checkpointing", "path": str(path), "format": "torch_dist",
                 "parameters": sum(t["numel"] for t in tensors), "tensors": tensors,
-                "size": {"total": dir_size(path)}}
+                "size": {"total": dir_bytes(path)}}
     raise InspectError(f"{path}: not a megatron-rl checkpoint ({META} missing) nor a run directory "
                        f"({LATEST} and step_* directories missing)")
 

@@ -1,23 +1,30 @@
-"""What a checkpoint looks like on disk: file and directory names, formats, the errors that name a bad one.
+"""What a checkpoint looks like on disk, and the one place that reads and writes it: names, formats, the metadata
+file, the step directories of a run, the `latest` pointer, the manifest check, and the errors that name a bad one.
 
-The one module every other `checkpointing` module reads these from; it imports nothing from the project.
+The one module every other module reads these from (nobody else parses `megatron_rl.json`, lists step directories
+or touches `latest`); it imports nothing from the project.
 
     DIR/megatron_rl.json      META: format (CONVERT_FORMAT or TRAIN_FORMAT), model shape, tokenizer, ... and, in a
                               training checkpoint, its manifest under MANIFEST (every file with its size) and
-                              each file's CRC-32 under CHECKSUMS (absent in checkpoints written before checksums)
+                              each file's CRC-32 under CHECKSUMS (absent in checkpoints written before checksums):
+                              `read_meta`, `write_meta`; `verify` checks a training checkpoint against it
     DIR/model/                MODEL_DIR: Megatron-Core dist_checkpointing (torch_dist), DCP_METADATA inside
     DIR/optimizer/            OPTIMIZER_DIR (training checkpoints)
     DIR/rng/rank_00000.pt     RNG_DIR (training checkpoints)
     DIR/rl_state.pt           RL_STATE (training checkpoints)
     DIR/tokenizer/            TOKENIZER_DIR (when the checkpoint carries its tokenizer's files)
-    ROOT/step_00000042/       a run's checkpoint, named by `step_dir_name`; `*.tmp` names are writes in progress
-    ROOT/latest               LATEST: the name of the newest complete checkpoint
+    ROOT/step_00000042/       a run's checkpoint, named by `step_dir_name` (`list_checkpoints`); `*.tmp` names are
+                              writes in progress or killed (`unfinished_writes`, `remove_unfinished`)
+    ROOT/latest               LATEST: the name of the newest complete checkpoint (`read_latest`; `publish` renames
+                              a finished write and points `latest` at it)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,22 +56,150 @@ class InspectError(ValueError):
     """A path that is not a usable checkpoint; the message is one line naming the path and what is missing."""
 
 
+class ConversionError(ValueError):
+    """A conversion that cannot run (its source, destination or options); the message is one line."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what a one-line error quotes."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+# ---- the metadata file ------------------------------------------------------------------------------------------
+def read_meta(ckpt: Path, formats: Optional[tuple[str, ...]] = FORMATS) -> dict:
+    """The metadata of checkpoint directory `ckpt` (its META). CheckpointError in one line when the file is
+    missing, unreadable, not a JSON object, or (unless `formats` is None) records a format not among `formats`."""
+    path = Path(ckpt) / META
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt}: incomplete checkpoint ({META} missing)") from None
+    except OSError as e:
+        raise CheckpointError(f"{ckpt}: cannot read {META} ({e.strerror})") from None
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt}: {META} is not valid JSON ({e})") from None
+    if formats is not None and (not isinstance(meta, dict) or meta.get("format") not in formats):
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{ckpt}: unknown checkpoint format {fmt!r} in {META} (expected one of "
+                              f"{list(formats)})")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{ckpt}: {META} does not hold a JSON object")
+    return meta
+
+
+def write_meta(ckpt: Path, meta: dict) -> None:
+    """Write checkpoint `ckpt`'s META, flushed to the disk before it returns (it is written last: a checkpoint
+    whose META is complete is complete)."""
+    _fsync_write(Path(ckpt) / META, json.dumps(meta, indent=2))
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- a run's step directories and its `latest` pointer -----------------------------------------------------------
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def read_latest(root: Path) -> Optional[Path]:
-    """The checkpoint `ROOT/latest` names, or None when there is no pointer (it may name a directory that does not
-    exist; that is for the caller to judge)."""
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every directory under `root` named after a step (complete, unfinished `.tmp` writes, anything else that
+    starts with `step_<number>`), as (step, path), by step then name."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_PREFIX.match(p.name)) and p.is_dir()]
+    return sorted(found, key=lambda sp: (sp[0], sp[1].name))
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete-looking checkpoint directories under `root` (`step_<8 digits>`), as (step, path), oldest first."""
+    return [(step, p) for step, p in step_dirs(root) if STEP_DIR.match(p.name)]
+
+
+def unfinished_writes(root: Path) -> list[Path]:
+    """The `step_*.tmp` directories under `root`: saves in progress, or that failed or were killed midway."""
+    return [p for _, p in step_dirs(root) if p.name.endswith(".tmp")]
+
+
+def remove_unfinished(root: Path) -> tuple[list[str], int]:
+    """Delete the `step_*.tmp` directories under `root` (saves that failed or were killed midway: never read; they
+    would hold the space the next save needs); (their names, the bytes they held)."""
+    names, freed = [], 0
+    for p in unfinished_writes(root):
+        freed += dir_bytes(p)
+        shutil.rmtree(p, ignore_errors=True)
+        names.append(p.name)
+    return names, freed
+
+
+def read_latest(root: Path, must_exist: bool = False) -> Optional[Path]:
+    """The checkpoint `ROOT/latest` names, or None when there is no pointer. CheckpointError when the pointer does
+    not name a step directory or, with `must_exist`, names one that does not exist (without, that is for the
+    caller to judge: `verify` says it)."""
     pointer = Path(root) / LATEST
     if not pointer.exists():
         return None
     name = pointer.read_text().strip()
     if not STEP_DIR.match(name):
         raise CheckpointError(f"{pointer}: does not name a checkpoint directory (content {name!r})")
+    if must_exist and not (Path(root) / name).is_dir():
+        raise CheckpointError(f"{pointer}: names {name}, which does not exist")
     return Path(root) / name
 
 
+def publish(tmp: Path, final: Path) -> None:
+    """Complete a save whose files and META are written into `tmp` (`ROOT/step_N.tmp`): rename it to `final`
+    (replacing an earlier checkpoint of the same step, e.g. a resume that repeats it), then point `latest` at it
+    through an atomic replace. Both are flushed to the disk, so `latest` never names a partial write."""
+    final = Path(final)
+    root = final.parent
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer_tmp = root / f"{LATEST}.tmp"
+    _fsync_write(pointer_tmp, final.name + "\n")
+    os.replace(pointer_tmp, root / LATEST)
+    _fsync_dir(root)
+
+
+def rng_file(ckpt: Path, rank: int) -> Path:
+    """Where checkpoint `ckpt` keeps the RNG states of `rank` (`rng.py`)."""
+    return Path(ckpt) / RNG_DIR / f"rank_{rank:05d}.pt"
+
+
+def dir_bytes(path: Path) -> int:
+    """The bytes of the files under `path` (a file: its size; nothing there: 0); a file that vanishes meanwhile
+    counts 0."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+# ---- the manifest: sizes and checksums ---------------------------------------------------------------------------
 def manifest(root: Path) -> dict[str, int]:
     """Every file under `root` (relative path) with its size: what a checkpoint records under MANIFEST."""
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(Path(root).rglob("*")) if p.is_file()}
@@ -119,3 +254,31 @@ def checksum_mismatches(ckpt: Path, meta: dict, files: Optional[list[str]] = Non
     present = [rel for rel in (sorted(sums) if files is None else files) if rel in sums and (Path(ckpt) / rel).is_file()]
     found = file_checksums(Path(ckpt), present)
     return [rel for rel in present if found[rel] != sums[rel]]
+
+
+def mismatch_line(ckpt: Path, mismatches: list[str]) -> str:
+    """The one line naming the files of `checksum_mismatches` (the first by path, and how many more)."""
+    more = f" (and {len(mismatches) - 1} more files)" if len(mismatches) > 1 else ""
+    return f"{Path(ckpt) / mismatches[0]}: {CHECKSUM_MISMATCH}{more}"
+
+
+def verify(path: Path, checksums: bool = False) -> dict:
+    """Check a training checkpoint is complete (every file of the manifest present with its size) and, with
+    `checksums`, unmodified (every file's content matches its checksum; this reads every file); returns its
+    metadata, else raises CheckpointError naming what is wrong in one line."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    if ".tmp" in path.name:
+        raise CheckpointError(f"{path}: incomplete checkpoint (a write that never finished)")
+    meta = read_meta(path, formats=None)
+    if meta.get("format") != TRAIN_FORMAT:
+        raise CheckpointError(f"{path}: not a training checkpoint (format {meta.get('format')!r})")
+    problems = manifest_problems(path, meta)
+    if problems:
+        raise CheckpointError(f"{path}: corrupt checkpoint ({problems[0]})")
+    if checksums:
+        mismatches = checksum_mismatches(path, meta)
+        if mismatches:
+            raise CheckpointError(mismatch_line(path, mismatches))
+    return meta

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_rl.checkpointing.layout import DCP_METADATA, RNG_DIR, CheckpointError
+from megatron_rl.checkpointing.layout import DCP_METADATA, RNG_DIR, CheckpointError, first_line
 
 # What torch's distributed-checkpoint `.metadata` is built from (torch 2.x): the index and its entries, the save
 # plans it keeps (`all_local_plans`), and the path it was saved to (`StorageMeta.checkpoint_id`, a `pathlib` path
@@ -81,7 +81,7 @@ def read_dcp_metadata(d: Path):
     except OSError as e:
         raise CheckpointError(f"{f}: unreadable ({e.strerror or e})") from None
     except Exception as e:  # noqa: BLE001 - a truncated or garbled pickle, reported the same way
-        raise CheckpointError(f"{f}: unreadable ({_first_line(e)})") from None
+        raise CheckpointError(f"{f}: unreadable ({first_line(e)})") from None
     if not isinstance(md, Metadata):
         raise CheckpointError(f"{f}: holds a {type(md).__name__}, not torch's checkpoint metadata")
     return md
@@ -106,7 +106,7 @@ def _refusal(e: BaseException, source) -> str:
     if named:
         return named[0]
     m = re.search(r"WeightsUnpickler error: \s*([^\n]+)", str(e))
-    return f"a pickle torch's weights-only loader refuses ({m.group(1).strip() if m else _first_line(e)})"
+    return f"a pickle torch's weights-only loader refuses ({m.group(1).strip() if m else first_line(e)})"
 
 
 def _pickle_globals(data: bytes) -> list[str]:
@@ -128,10 +128,6 @@ def _pickle_globals(data: bytes) -> list[str]:
     except Exception:  # noqa: BLE001 - a garbled tail: what was read so far
         pass
     return out
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _numpy_arrays() -> list:
@@ -163,7 +159,7 @@ def load_data(source, name: Optional[Path] = None, numpy_arrays: bool = False) -
     except OSError as e:
         raise CheckpointError(f"{where}: unreadable ({e.strerror or e})") from None
     except Exception as e:  # noqa: BLE001 - torch raises several kinds for a garbled file
-        raise CheckpointError(f"{where}: unreadable ({_first_line(e)})") from None
+        raise CheckpointError(f"{where}: unreadable ({first_line(e)})") from None
 
 
 def _check_blobs(d: Path, md) -> None:
@@ -201,7 +197,7 @@ def check_dist_dir(d: Path) -> None:
     try:
         _check_blobs(d, md)
     except (AttributeError, TypeError) as e:  # built from the admitted classes, but not as torch builds them
-        raise CheckpointError(f"{d / DCP_METADATA}: malformed ({_first_line(e)})") from None
+        raise CheckpointError(f"{d / DCP_METADATA}: malformed ({first_line(e)})") from None
     if (d / COMMON).is_file():
         load_data(d / COMMON)
 

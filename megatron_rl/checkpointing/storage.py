@@ -1,12 +1,13 @@
-"""The checkpoint directory's filesystem: what to say when it refuses a save, and what must not outlive a failed one.
+"""The checkpoint directory's filesystem: what to say when it refuses a save, and whether the saves will fit.
 
 A save can fail for the machine's reasons, not the job's: the disk or quota is full, the filesystem went read-only,
 permissions changed, the directory was unmounted or deleted. Megatron-Core's writers report such an error from their
 own processes, as a log record and a `CheckpointException` whose message holds no cause. `diagnose` finds the cause
 (an OSError in the exception's chain, else a small probe write into the directory) and words it in one line with
-what to do. `remove_unfinished` deletes the `step_*.tmp` directories of saves that did not finish, which would
-otherwise hold the space the next save needs. `space_warning` compares a checkpoint's estimated size with the free
-space before the first save.
+what to do; `storage_fault_line` makes that the one line the job ends with, naming the checkpoint kept. (The
+`step_*.tmp` directories of saves that did not finish, which would otherwise hold the space the next save needs, are
+removed by `layout.remove_unfinished`.) `space_warning` compares a checkpoint's estimated size with the free space
+before the first save. `human_bytes` is the package's one way to print a size.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Optional
+
+from megatron_rl.checkpointing.layout import read_latest
 
 _WHAT_TO_DO = {
     errno.ENOSPC: "no space left on the device{free}: free space there, or set checkpoint.dir to a larger "
@@ -31,6 +34,7 @@ _WHAT_TO_DO = {
 
 
 def human_bytes(n: float) -> str:
+    """`n` bytes for a person: "512 B", "1.5 KiB", ... up to TiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -97,26 +101,12 @@ def diagnose(root: Path, exc: BaseException) -> Optional[str]:
     return _WHAT_TO_DO[code].format(free=free)
 
 
-def dir_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def remove_unfinished(root: Path) -> tuple[list[str], int]:
-    """Delete the `step_*.tmp` directories under `root` (saves that failed or were killed midway: never read);
-    (their names, the bytes they held)."""
-    names, freed = [], 0
-    for p in sorted(Path(root).glob("step_*.tmp")):
-        freed += dir_bytes(p)
-        shutil.rmtree(p, ignore_errors=True)
-        names.append(p.name)
-    return names, freed
+def storage_fault_line(root: Path, what: str, problem: str) -> str:
+    """The one line for a storage fault under a run's checkpoint root: what failed, the diagnosis (`diagnose`),
+    and the checkpoint a relaunch resumes from."""
+    latest = read_latest(Path(root))
+    kept = f"the last complete checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved"
+    return f"{root}: {what}: {problem}; {kept}"
 
 
 def estimate_checkpoint_bytes(num_params: int, param_bytes: int, with_reference: bool) -> int:

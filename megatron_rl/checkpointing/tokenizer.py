@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_rl.checkpointing.inspect import resolve_checkpoint
-from megatron_rl.checkpointing.layout import META
+from megatron_rl.checkpointing.layout import META, CheckpointError, read_meta
 from megatron_rl.tokenizers import ByteTokenizer, Tokenizer
 from megatron_rl.tokenizers.hf import HFTokenizer
 from megatron_rl.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
@@ -78,9 +78,9 @@ def load_checkpoint_tokenizer(ckpt_dir: str | Path) -> Tokenizer:
     records none or its files are missing."""
     ckpt = resolve_checkpoint(Path(ckpt_dir))
     try:
-        meta = json.loads((ckpt / META).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{ckpt}: cannot read {META} ({e})") from None
+        meta = read_meta(ckpt, formats=None)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
     entry = meta.get("tokenizer")
     if not entry:
         raise ValueError(f"{ckpt}: {META} records no tokenizer (pass one explicitly, e.g. a HF directory or 'byte')")

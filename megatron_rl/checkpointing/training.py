@@ -9,9 +9,10 @@ Layout of a run's checkpoint root (see checkpoints/README.md):
                                   converted checkpoint, so `convert --to hf`, `eval` and `inspect` read it
         optimizer/                dist_checkpointing of the optimizer in model space (the distributed
                                   optimizer's state per parameter, each rank writing the pieces it owns:
-                                  `optimizer_state`; it loads at any TP/PP/DP), the LR scheduler, the trainer's counters and, in runs with a KL penalty, the frozen
-                                  reference model's weights (keys `reference.*`)
-        rng/rank_00000.pt         per-rank RNG states (restored when the layout is unchanged)
+                                  `optimizer_state`; it loads at any TP/PP/DP), the LR scheduler, the trainer's
+                                  counters and, in runs with a KL penalty, the frozen reference model's weights
+                                  (keys `reference.*`)
+        rng/rank_00000.pt         per-rank RNG states (`rng.py`; restored when the world size is unchanged)
         rl_state.pt               the controller's state: next step, weight version, rollouts of batches that
                                   were generated with weights older than this checkpoint (they cannot be
                                   regenerated after a restart), counters
@@ -26,6 +27,11 @@ A save refuses non-finite state (weights, main parameters, Adam moments) on any 
 computed right after the write by the rank that wrote it (its shards, its RNG file; rank 0 the rest), while the file
 is still in that node's page cache; `find` and `load` check the checksums with the files split over the ranks, so a
 corrupt shard is named in one line and `fallback` can skip it.
+
+Here: `TrainCheckpointer` (save in the background, find, load) and the save's own bookkeeping (writer threads, which
+rank checksums which file). The format itself (names, metadata, manifest, `verify`, `latest`, the step directories,
+removing unfinished writes) is `layout.py`'s; the sharded state dicts handed to Megatron-Core and the workarounds
+around its save and load are `megatron_state.py`'s; the RNG states `rng.py`'s.
 """
 
 from __future__ import annotations
@@ -33,237 +39,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
-import logging
 import os
-import random
 import re
 import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.checkpointing.layout import (CHECKSUM_MISMATCH, CHECKSUMS, LATEST, MANIFEST, META, MODEL_DIR,
-                                              OPTIMIZER_DIR, RL_STATE, RNG_DIR, STEP_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
-                                              CheckpointError, checksum_mismatches, file_checksums, manifest,
-                                              manifest_problems, read_latest, step_dir_name)
-from megatron_rl.checkpointing import background, optimizer_state, safe_load, storage
+from megatron_rl.checkpointing.layout import (CHECKSUMS, LATEST, MANIFEST, MODEL_DIR, OPTIMIZER_DIR, RL_STATE,
+                                              RNG_DIR, TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError,
+                                              checksum_mismatches, file_checksums, list_checkpoints, manifest,
+                                              mismatch_line, publish, read_latest, remove_unfinished, rng_file,
+                                              step_dir_name, verify, write_meta)
+from megatron_rl.checkpointing import background, megatron_state, optimizer_state, rng, safe_load, storage
 from megatron_rl.checkpointing.tokenizer import save_tokenizer
 from megatron_rl.failpoints import failpoint
 
-logger = logging.getLogger(__name__)
-
 # Megatron-Core is imported by the functions that use it: importing this module (the controller does) needs only torch.
 
-# Optimizers other than the distributed one are written by Megatron-Core (each DP group's rank 0 holds the whole
-# state already); the distributed optimizer's state is written in pieces by `optimizer_state`.
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
-# A rank whose weights are smaller than this saves with one writer process (`_save_strategy`).
+# A rank whose weights are smaller than this saves with one writer thread (`_writer_count`).
 ONE_WRITER_BELOW_BYTES = 64 << 20
-
-
-def _fsync_write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _rng_state() -> dict:
-    """Every RNG's state as tensors, numbers and tuples: what `torch.load(weights_only=True)` reads back."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-
-        kind, keys, *rest = np.random.get_state()
-        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), *rest)
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    state["tracker"] = get_cuda_rng_tracker().get_states()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, *rest = state["numpy"]  # keys: a tensor, or an array where the file holds numpy's own state
-        np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    tracker = get_cuda_rng_tracker()
-    saved, current = state["tracker"], tracker.get_states()
-    if any(name in current and saved[name].numel() != current[name].numel() for name in saved):
-        # Saved on another kind of device: a CPU generator's state is 5,056 bytes, a CUDA one's 16. The tracker
-        # keeps the states this run seeded (from the job's seed and TP rank); nothing else depends on them here
-        # (no dropout), so the resumed run trains the same, with one line saying so.
-        logger.warning("the checkpoint's model-parallel RNG states come from another kind of device "
-                       "(%d bytes, here %d); continuing from this run's seeded states",
-                       next(iter(saved.values())).numel(), next(iter(current.values())).numel())
-        return
-    tracker.set_states(saved)
-
-
-def _model_sharded_state_dict(engine) -> dict:
-    from megatron_rl.models.sharding import model_sharded_state_dict
-
-    return model_sharded_state_dict(engine.model.module, engine.pgs.dp_cp)
-
-
-def _spread_replicas(sharded_state_dict: dict, group) -> None:
-    """Decide which DP rank writes each model tensor, so that the weights' writes (and their host copies) are spread
-    over the DP group instead of all falling on DP rank 0, the main replica Megatron-Core picks.
-
-    Every DP rank of a model-parallel shard holds the same tensors, so each computes the same assignment alone, with
-    no communication: the tensors largest first (then by key and offset), each to the least-loaded rank. The owner
-    becomes the main replica (DP coordinate 0 of the replica id), the others not (1). Factories are applied first
-    (SwiGLU's two halves are spread separately)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    size, rank = group.size(), group.rank()
-    apply_factories(sharded_state_dict)
-    if size == 1:
-        return
-    shards = [sh for sh in nested_values(sharded_state_dict)
-              if isinstance(sh, ShardedTensor) and isinstance(sh.replica_id, tuple) and len(sh.replica_id) == 3]
-    shards.sort(key=lambda sh: (-sh.data.numel() * sh.data.element_size(), sh.key, sh.global_offset))
-    loads = [0] * size
-    for sh in shards:
-        owner = min(range(size), key=lambda r: (loads[r], r))
-        loads[owner] += sh.data.numel() * sh.data.element_size()
-        sh.replica_id = (*sh.replica_id[:2], 0 if owner == rank else 1)
-
-
-_REFERENCE_PREFIX = "reference."
-
-
-def _reference_sharded_state_dict(reference, engine) -> dict:
-    """The KL reference model's sharded state: the policy's keys behind `reference.` (the state dict's own keys
-    unchanged, so what `load` returns goes straight into `reference.load_state_dict`)."""
-    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-
-    from megatron_rl.models.sharding import model_sharded_state_dict
-
-    sd = model_sharded_state_dict(reference, engine.pgs.dp_cp)
-    replace_prefix_for_sharding(sd, "", _REFERENCE_PREFIX)
-    return sd
-
-
-def saved_with_reference(path: Path) -> bool:
-    """Does the checkpoint at `path` hold a KL reference model? Reads only the optimizer checkpoint's index, on any
-    rank, so that every rank can check before the collective `load`."""
-    from megatron.core import dist_checkpointing
-
-    index = dist_checkpointing.load_tensors_metadata(str(Path(path) / OPTIMIZER_DIR))
-    return any(k.startswith(_REFERENCE_PREFIX) for k in index)
-
-
-def _ensure_optimizer_state(optimizer) -> None:
-    """A fresh DistributedOptimizer has no Adam state yet, and without apex/TE its `state_dict()` needs the
-    per-parameter `step` that only a real step creates. Megatron-Core's own remedy: one step on zero gradients,
-    whose values the load then overwrites in place."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
-            opt._init_optimizer_states_with_dummy_values()
-
-
-def _unshare_adam_steps(optimizer) -> None:
-    """Megatron-Core's load gives every parameter's torch Adam state the *same* `step` tensor object; torch
-    increments each parameter's step in place, so a shared tensor advances once per parameter per update and
-    the bias correction goes wrong from the first step after a resume. Give each parameter its own copy."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-
-def _has_optimizer_state(optimizer) -> bool:
-    """Has the optimizer taken a step (Adam moments exist)? A job that starts from given weights saves its first
-    checkpoint before any update: there is no optimizer state to save then, and resuming from it starts fresh."""
-    return any(getattr(getattr(o, "optimizer", None), "state", None)
-               for o in getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _optimizer_sharded_state_dict(engine, model_sd: dict, is_loading: bool, with_state: bool = True) -> dict:
-    """The optimizer checkpoint's state dict: scheduler, counters and (once the optimizer has state) the optimizer,
-    the distributed optimizer's per-parameter state in pieces (`optimizer_state`: each rank its own range, no
-    gather; other optimizers as Megatron-Core writes them). The tensors are views of the live state, so the same
-    dict serves a save and a load (`_load_optimizer`)."""
-    out = {
-        "scheduler": engine.scheduler.state_dict(),
-        "engine": {"steps_done": engine.steps_done, "nonfinite_total": engine.nonfinite_total,
-                   "nonfinite_in_a_row": engine.nonfinite_in_a_row},
-    }
-    if not with_state:
-        return out
-    opts = _distributed_optimizers(engine.optimizer)
-    if opts is None:
-        out["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(
-            _OPTIM_METADATA, dp_cp_group=engine.pgs.dp_cp))
-        return out
-    parts = [{**o.state_dict(), "param_state": optimizer_state.sharded_param_state(o, model_sd)} for o in opts]
-    out["optimizer"] = parts[0] if len(parts) == 1 else dict(enumerate(parts))
-    return out
-
-
-def _distributed_optimizers(optimizer) -> Optional[list]:
-    """The DistributedOptimizers behind `optimizer` (a chain or one), or None when it is another kind."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    opts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-    return opts if all(isinstance(o, DistributedOptimizer) for o in opts) else None
-
-
-def _load_optimizer(engine, model_sd: dict, loaded: dict) -> None:
-    """Restore the optimizer from what `dist_checkpointing.load` returned for `_optimizer_sharded_state_dict`:
-    the common state (param groups, the step) through Megatron-Core, then each rank's own range of the
-    per-parameter state (any layout; also checkpoints written in the `fully_reshardable` format, whose keys and
-    shapes are the same)."""
-    opts = _distributed_optimizers(engine.optimizer)
-    if opts is None:
-        engine.optimizer.load_state_dict(loaded)
-        return
-    parts = [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))]
-    for o, part in zip(opts, parts):
-        common = {k: v for k, v in part.items() if k not in ("param_state", "param_state_sharding_type")}
-        o.load_state_dict(common)  # param groups and step; the state tensors keep their storage
-        # The views are built again after that load, in case the inner optimizer replaced its state tensors.
-        optimizer_state.apply(optimizer_state.sharded_param_state(o, model_sd), part["param_state"])
-
-
-def _no_common(common_state_dict: dict) -> dict:
-    return {}
-
-
-def _device() -> Optional[torch.device]:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def _writer_count(engine) -> int:
@@ -280,7 +79,9 @@ def _writer_count(engine) -> int:
 
 def _state_finite_everywhere(engine) -> bool:
     """Collective over the world: is the trainer state of every rank finite (`TrainEngine.state_finite`)?"""
-    bad = torch.zeros(1, device=_device())
+    from megatron_rl.training.engine import current_device  # Megatron-Core: imported on use (see above)
+
+    bad = torch.zeros(1, device=current_device())
     if engine is not None and not engine.state_finite():
         bad.fill_(1.0)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -302,80 +103,6 @@ def _files(tmp: Path) -> list[str]:
     """Every file under `tmp`, relative, sorted (the markers of a background save excluded)."""
     return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*")
                   if p.is_file() and background.MARKERS not in p.relative_to(tmp).parts)
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete-looking checkpoint directories under `root`, oldest first (`*.tmp*` writes excluded)."""
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def verify(path: Path, checksums: bool = False) -> dict:
-    """Check a checkpoint is complete (every file of the manifest present with its size) and, with `checksums`,
-    unmodified (every file's content matches its checksum; this reads every file); returns its metadata, else
-    raises CheckpointError naming what is wrong in one line."""
-    path = Path(path)
-    meta_path = path / META
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory does not exist")
-    if ".tmp" in path.name:
-        raise CheckpointError(f"{path}: incomplete checkpoint (a write that never finished)")
-    if not meta_path.exists():
-        raise CheckpointError(f"{path}: incomplete checkpoint ({META} missing)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{meta_path}: corrupt ({e})") from None
-    if meta.get("format") != TRAIN_FORMAT:
-        raise CheckpointError(f"{path}: not a training checkpoint (format {meta.get('format')!r})")
-    problems = manifest_problems(path, meta)
-    if problems:
-        raise CheckpointError(f"{path}: corrupt checkpoint ({problems[0]})")
-    if checksums:
-        _raise_mismatch(path, checksum_mismatches(path, meta))
-    return meta
-
-
-@contextlib.contextmanager
-def _writer_logs_captured():
-    """Megatron-Core's checkpoint writers log their errors (a full disk, from a writer process) before the save
-    raises a CheckpointException that names none: keep those records off the terminal, for the error's message
-    (failure.log), not the console."""
-    records: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(f"{record.name}: {record.getMessage()}"[:500])
-
-    log = logging.getLogger("megatron.core.dist_checkpointing")
-    handler, propagate = _Keep(logging.ERROR), log.propagate
-    log.addHandler(handler)
-    log.propagate = False
-    try:
-        yield records
-    finally:
-        log.removeHandler(handler)
-        log.propagate = propagate
-
-
-def _raise_mismatch(path: Path, mismatches: list[str]) -> None:
-    if mismatches:
-        more = f" (and {len(mismatches) - 1} more files)" if len(mismatches) > 1 else ""
-        raise CheckpointError(f"{path / mismatches[0]}: {CHECKSUM_MISMATCH}{more}")
-
-
-def storage_fault_line(root: Path, what: str, problem: str) -> str:
-    """The one line for a storage fault under a run's checkpoint root: what failed, the diagnosis
-    (`storage.diagnose`), and the checkpoint a relaunch resumes from."""
-    latest = read_latest(Path(root))
-    kept = f"the last complete checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved"
-    return f"{root}: {what}: {problem}; {kept}"
 
 
 @dataclasses.dataclass
@@ -429,7 +156,7 @@ class TrainCheckpointer:
         self.wait()  # the previous save completes first (and its failure is raised here)
         name = step_dir_name(step)
         try:
-            with _writer_logs_captured() as records:
+            with megatron_state.writer_logs_captured() as records:
                 final = self._save(step, name, engine, reference=reference, layout=layout, model_cfg=model_cfg,
                                    rl_state=rl_state, tokenizer=tokenizer, extra=extra)
         except (KeyboardInterrupt, SystemExit, GeneratorExit):
@@ -446,7 +173,7 @@ class TrainCheckpointer:
         return final
 
     def _not_saved(self, name: str, problem: str) -> str:
-        return storage_fault_line(self.root, f"{name} not saved", problem)
+        return storage.storage_fault_line(self.root, f"{name} not saved", problem)
 
     def _save(self, step: int, name: str, engine, *, reference, layout, model_cfg, rl_state, tokenizer,
               extra) -> Path:
@@ -468,22 +195,23 @@ class TrainCheckpointer:
         # Ranks without trainer state (generators) hold no common state either: skip the cross-rank comparison
         # of common state dicts, which would only report that.
         plan = functools.partial(background.PlannedWrite, thread_count=_writer_count(engine),
-                                 preprocess_common=_no_common)
+                                 preprocess_common=megatron_state.no_common)
         writes = {}
-        model_sd = _model_sharded_state_dict(engine) if engine is not None else {}
+        model_sd = megatron_state.sharded_model(engine) if engine is not None else {}
         if engine is not None:
-            _spread_replicas(model_sd, engine.pgs.dp_cp)
+            megatron_state.spread_replicas(model_sd, engine.pgs.dp_cp)
         staged = self._staging.stage(model_sd)
         writes[MODEL_DIR] = plan(model_sd, tmp / MODEL_DIR)
         failpoint("checkpoint_between_model_and_optimizer", name)
         optim_sd = {}
         if engine is not None:
-            optim_sd = _optimizer_sharded_state_dict(engine, _model_sharded_state_dict(engine), is_loading=False,
-                                                     with_state=_has_optimizer_state(engine.optimizer))
+            optim_sd = megatron_state.sharded_optimizer(
+                engine, megatron_state.sharded_model(engine), is_loading=False,
+                with_state=megatron_state.has_optimizer_state(engine.optimizer))
             if reference is not None:
-                optim_sd["reference"] = _reference_sharded_state_dict(reference, engine)
-                _spread_replicas(optim_sd["reference"], engine.pgs.dp_cp)
-            torch.save(_rng_state(), tmp / RNG_DIR / f"rank_{rank:05d}.pt")
+                optim_sd["reference"] = megatron_state.sharded_reference(reference, engine)
+                megatron_state.spread_replicas(optim_sd["reference"], engine.pgs.dp_cp)
+            torch.save(rng.rng_state(), rng_file(tmp, rank))
         staged += self._staging.stage(optim_sd)
         self.last_staged_bytes = staged
         writes[OPTIMIZER_DIR] = plan(optim_sd, tmp / OPTIMIZER_DIR)
@@ -503,7 +231,8 @@ class TrainCheckpointer:
                           if engine is not None else None),
                 "model": dataclasses.asdict(model_cfg) if model_cfg is not None else None,
                 "tokenizer": tokenizer, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "optimizer_state": _has_optimizer_state(engine.optimizer) if engine is not None else None,
+                "optimizer_state": (megatron_state.has_optimizer_state(engine.optimizer)
+                                    if engine is not None else None),
                 "optimizer_format": optimizer_state.FORMAT,
                 **(extra or {}),
             }
@@ -557,16 +286,9 @@ class TrainCheckpointer:
             checksums.update(file_checksums(tmp, [rel for rel in _files(tmp) if rel not in checksums]))
             meta[MANIFEST] = manifest(tmp)
             meta[CHECKSUMS] = checksums
-            _fsync_write(tmp / META, json.dumps(meta, indent=2))
+            write_meta(tmp, meta)
             failpoint("checkpoint_before_rename", name)
-            if final.exists():  # an earlier run saved this step (e.g. a resume that repeats it): replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            pointer_tmp = self.root / f"{LATEST}.tmp"
-            _fsync_write(pointer_tmp, name + "\n")
-            os.replace(pointer_tmp, self.root / LATEST)
-            _fsync_dir(self.root)
+            publish(tmp, final)
             self._prune(keep=final)
         except BaseException as e:  # noqa: BLE001
             pending.error = self._failure(name, rank, e)
@@ -619,7 +341,7 @@ class TrainCheckpointer:
     def remove_unfinished(self) -> None:
         """Delete the `step_*.tmp` left by saves that failed or were killed (rank 0: before a save, and on resume),
         and say how much space that gave back."""
-        names, freed = storage.remove_unfinished(self.root)
+        names, freed = remove_unfinished(self.root)
         if names and self.log is not None:
             self.log(f"removed {len(names)} unfinished checkpoint write{'s' if len(names) > 1 else ''} "
                      f"({', '.join(names)}): {storage.human_bytes(freed)} freed in {self.root}")
@@ -629,8 +351,7 @@ class TrainCheckpointer:
         for p in complete[: max(len(complete) - self.keep_last, 0)]:
             if p != keep:
                 shutil.rmtree(p, ignore_errors=True)
-        for p in self.root.glob("step_*.tmp"):
-            shutil.rmtree(p, ignore_errors=True)
+        remove_unfinished(self.root)
 
     # ---- find and load ---------------------------------------------------------------------------------------
     def verify(self, path: Path) -> dict:
@@ -651,7 +372,8 @@ class TrainCheckpointer:
             refused = [line for _, part in parts for line in part]
         else:
             mismatches, refused = checksum_mismatches(path, meta, files), safe_load.problems(path, pickled)
-        _raise_mismatch(path, mismatches)
+        if mismatches:
+            raise CheckpointError(mismatch_line(path, mismatches))
         if refused:
             raise CheckpointError(refused[0])
         self._verified.add(path)
@@ -695,35 +417,35 @@ class TrainCheckpointer:
 
         path = Path(path)
         meta = self.verify(path)
-        if reference is not None and not saved_with_reference(path):
+        if reference is not None and not megatron_state.saved_with_reference(path):
             raise CheckpointError(f"{path}: saved without a KL reference model, which this run needs (it was "
                                   f"written by a run with algorithm.kl_coef = 0?)")
         if engine is not None:
             with_state = meta.get("optimizer_state") is not False
             if with_state:
-                _ensure_optimizer_state(engine.optimizer)
-            model_sd = _model_sharded_state_dict(engine)
+                megatron_state.ensure_optimizer_state(engine.optimizer)
+            model_sd = megatron_state.sharded_model(engine)
             state = dist_checkpointing.load(model_sd, str(path / MODEL_DIR))
             engine.model.module.load_state_dict(state)
-            model_sd = _model_sharded_state_dict(engine)
-            optim_sd = _optimizer_sharded_state_dict(engine, model_sd, is_loading=True, with_state=with_state)
+            model_sd = megatron_state.sharded_model(engine)
+            optim_sd = megatron_state.sharded_optimizer(engine, model_sd, is_loading=True, with_state=with_state)
             if reference is not None:
-                optim_sd["reference"] = _reference_sharded_state_dict(reference, engine)
+                optim_sd["reference"] = megatron_state.sharded_reference(reference, engine)
             ostate = dist_checkpointing.load(optim_sd, str(path / OPTIMIZER_DIR))
             if reference is not None:
                 reference.load_state_dict(ostate["reference"])
             if with_state:
-                _load_optimizer(engine, model_sd, ostate["optimizer"])
-                _unshare_adam_steps(engine.optimizer)
+                megatron_state.load_optimizer(engine, model_sd, ostate["optimizer"])
+                megatron_state.unshare_adam_steps(engine.optimizer)
             else:  # saved before the first update: the main parameters are still copies of the old weights
                 engine.optimizer.reload_model_params()
             engine.scheduler.load_state_dict(ostate["scheduler"])
             for k, v in ostate["engine"].items():
                 setattr(engine, k, v)
-            rng = path / RNG_DIR / f"rank_{dist.get_rank():05d}.pt"
+            rng_path = rng_file(path, dist.get_rank())
             same_world = meta.get("world_size") == dist.get_world_size()
-            if same_world and rng.exists():
-                _set_rng_state(safe_load.load_data(rng, numpy_arrays=True))
+            if same_world and rng_path.exists():
+                rng.set_rng_state(safe_load.load_data(rng_path, numpy_arrays=True))
         else:
             dist_checkpointing.load({}, str(path / MODEL_DIR))
             dist_checkpointing.load({}, str(path / OPTIMIZER_DIR))

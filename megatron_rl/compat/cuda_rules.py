@@ -6,8 +6,12 @@ then ships untested: a pinned copy of an expanded view, compiled kernels that re
 sync inside a captured decode step. With ``MEGATRON_RL_CUDA_RULES=1`` (tests: ``pytest --cuda-rules``; see
 tests/README.md) the GPU paths run on the CPU and CUDA's rules are enforced:
 
-1. `gpu_path(t)` is true for CPU tensors too: the compiled fusions, the compiled log-prob chunks, the decode
-   step's static shapes and CUDA-graph path, the generator's pinned copies and lookahead all run.
+1. `gpu_path(t, rules)` is true for CPU tensors too: the compiled fusions, the compiled log-prob chunks, the decode
+   step's static shapes and CUDA-graph path, the generator's pinned copies and lookahead all run. The mode is read
+   from the environment once, where a model or generator is built (`enabled()`), and kept by what it built (the
+   norms, the incremental forward, the generator): the per-layer, per-token paths never read the environment. The
+   trainer's log-prob kernels (`training/logprobs.py`) read it once per chunk of logits (up to 512 MiB each), which
+   costs nothing measurable. A test that switches the mode sets the variable before it builds.
 2. `pin_memory(t)` copies into new memory with `t`'s sizes and strides, as CUDA's does (`at::_pin_memory`), and so
    refuses a tensor whose elements share memory (an expanded view), with CUDA's message.
 3. `CaptureChecker` (a dispatch mode) refuses, inside what would be captured into a CUDA graph, what capture
@@ -39,9 +43,10 @@ def enabled() -> bool:
     return os.environ.get(ENV, "") == "1"
 
 
-def gpu_path(t: torch.Tensor) -> bool:
-    """Take the GPU code path for `t`: a CUDA tensor, or any tensor in the CUDA-rules mode."""
-    return t.is_cuda or enabled()
+def gpu_path(t: torch.Tensor, rules: bool) -> bool:
+    """Take the GPU code path for `t`: a CUDA tensor, or any tensor when `rules` (the CUDA-rules mode, `enabled()`
+    as read when the caller was built)."""
+    return t.is_cuda or rules
 
 
 # ------------------------------------------------------------------------------------------------- pinned copies

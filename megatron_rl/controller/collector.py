@@ -1,10 +1,12 @@
-"""The controller's bookkeeping on rank 0: rollouts in, training batches and metric rows out.
+"""The controller's bookkeeping on rank 0: scored rollouts in, training batches with advantages and metric rows out.
 
-Generator replicas send one `ScoredRollouts` per batch, in batch order. The collector waits for every replica's part
-of batch k, packs the parts into one `RolloutBatch` with advantages, and after the trainer's step turns the step's
-statistics into the row written to metrics.jsonl. Batches generated before a checkpoint but trained after it are
-stored with the checkpoint (`pending`) and handed back on resume (`restore`): they cannot be regenerated, since
-the weights that produced them are gone.
+Generator replicas send one `ScoredRollouts` per batch, in batch order (`controller/scoring.py`). The collector
+waits for every replica's part of batch k (and, with a reward-model executor, adds its scores to each part),
+hands the parts over once (`take`); `batch_with_advantages` packs them into one `RolloutBatch` and computes the
+advantages over the whole batch, and after the trainer's step `metrics_row` turns the step's statistics into the row
+written to metrics.jsonl. Batches generated before a checkpoint but trained after it are stored with the checkpoint
+(`pending`) and handed back on resume (`restore`): they cannot be regenerated, since the weights that produced them
+are gone.
 
 It talks to the world only through the `receive(rank)` function it is given, so it runs in one process in tests.
 """
@@ -12,69 +14,14 @@ It talks to the world only through the `receive(rank)` function it is given, so 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from megatron_rl.algorithms import compute_advantages
+from megatron_rl.controller.scoring import ScoredRollouts, with_model_scores
 from megatron_rl.rollout import RolloutBatch
 from megatron_rl.training.rl_trainer import step_metrics
-
-@dataclass
-class ScoredRollouts:
-    """What a generator replica sends the controller for one batch: its `UnscoredRollouts` (each an
-    `inference.SampledResponse`) with their rewards, as lists. The collector packs every replica's into the step's
-    `RolloutBatch` (tensors, with advantages)."""
-
-    batch: int
-    version: int
-    prompt_ids: list[list[int]]
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    rewards: list[float]
-    group_ids: list[int]
-    texts: list[str]
-    gen_s: float
-    reward_s: float
-    wait_s: float
-    eval_reward: Optional[float] = None
-    reward_failures: int = 0  # responses the reward function could not score (raised, timed out): scored 0.0
-    reward_model_s: Optional[float] = None  # the reward-model executor's time on it, once its scores are added
-
-
-@dataclass
-class ScoreRequest:
-    """What a generator replica's leader sends the reward-model executor for one batch: (prompt, response) texts of
-    its samples and, when the batch is evaluated, of its held-out responses."""
-
-    batch: int
-    replica: int
-    items: list[tuple[str, str]]
-    eval_items: list[tuple[str, str]]
-
-
-@dataclass
-class ModelScores:
-    """The reward-model executor's answer to a `ScoreRequest`, sent to the controller."""
-
-    batch: int
-    replica: int
-    scores: list[float]
-    eval_scores: list[float]
-    seconds: float
-
-
-def with_model_scores(part: ScoredRollouts, scores: ModelScores, coef: float) -> ScoredRollouts:
-    """A replica's rollouts with the reward model's scores added to the verifier's rewards (times `coef`)."""
-    if len(scores.scores) != len(part.rewards):
-        raise RuntimeError(f"batch {part.batch}: {len(scores.scores)} reward-model scores for {len(part.rewards)} "
-                           f"samples")
-    eval_reward = part.eval_reward
-    if eval_reward is not None:
-        eval_reward += coef * sum(scores.eval_scores) / len(scores.eval_scores)
-    return dataclasses.replace(part, rewards=[r + coef * s for r, s in zip(part.rewards, scores.scores)],
-                               eval_reward=eval_reward, reward_model_s=scores.seconds)
 
 
 def pack(rollouts: list[ScoredRollouts], pad_id: int) -> RolloutBatch:
@@ -95,19 +42,26 @@ def pack(rollouts: list[ScoredRollouts], pad_id: int) -> RolloutBatch:
                         logp, rewards, groups, versions)
 
 
+def batch_with_advantages(parts: list[ScoredRollouts], pad_id: int, advantage: str) -> RolloutBatch:
+    """Every replica's scored part of one batch, packed (`pack`), with each sample's advantage computed from the
+    rewards of its prompt's group (`algorithm.advantage`, `algorithms.compute_advantages`): what the trainer learns
+    from."""
+    batch = pack(parts, pad_id)
+    batch.advantages = compute_advantages(batch.rewards, batch.group_ids, advantage)
+    return batch
+
+
 class Collector:
     """leaders: the ranks of the generator replicas' leaders, in replica order (rank 0 among them when it also
     generates: its parts arrive through `put`, the others' through `receive(rank)`). scorers: with a reward-model
     executor, the rank of the reward-model leader that scores each replica's batches; its `ModelScores`, times
     `model_coef`, are added to the replica's rewards."""
 
-    def __init__(self, leaders: list[int], receive: Callable[[int], object], *, advantage: str, pad_id: int,
+    def __init__(self, leaders: list[int], receive: Callable[[int], object], *,
                  scorers: Optional[list[int]] = None, model_coef: float = 1.0):
         self.leaders = list(leaders)
         self.receive = receive
         self.scorers, self.model_coef = scorers, model_coef
-        self.advantage = advantage
-        self.pad_id = pad_id
         self._inbox: dict[int, dict[int, ScoredRollouts]] = {}
         self._restored: dict[int, list[ScoredRollouts]] = {}
 
@@ -116,8 +70,9 @@ class Collector:
         self._inbox.setdefault(rollouts.batch, {})[0] = rollouts
 
     def collect(self, k: int) -> list[ScoredRollouts]:
-        """Every replica's part of batch k (received now unless already here). Each replica sends its batches in
-        order, so the next message from a leader is its oldest unread batch."""
+        """Every replica's part of batch k (received now unless already here), with the reward-model executor's
+        scores added where the job has one. Each replica sends its batches in order, so the next message from a
+        leader is its oldest unread batch."""
         if k in self._restored:
             return self._restored[k]
         have = self._inbox.setdefault(k, {})
@@ -138,14 +93,13 @@ class Collector:
             have[leader] = part
         return [have[leader] for leader in self.leaders]
 
-    def training_batch(self, k: int) -> tuple[RolloutBatch, list[ScoredRollouts]]:
-        """Batch k packed, with advantages; its parts are forgotten (the trainer consumes each batch once)."""
+    def take(self, k: int) -> list[ScoredRollouts]:
+        """Every replica's scored part of batch k (`collect`), then forgotten here: the trainer consumes each batch
+        once."""
         parts = self.collect(k)
         self._inbox.pop(k, None)
         self._restored.pop(k, None)
-        batch = pack(parts, self.pad_id)
-        batch.advantages = compute_advantages(batch.rewards, batch.group_ids, self.advantage)
-        return batch, parts
+        return parts
 
     def pending(self, version: int, staleness: int, num_steps: int) -> dict[int, list[dict]]:
         """For a checkpoint after `version` trainer steps: the batches already generated for later steps (version ..

@@ -5,23 +5,22 @@ builds both. Each class owns its state from its constructor on; the loop (`contr
 
     TrainerExecutor    the policy under Megatron-Core DDP + optimizer, its supervised warm start, the AIPO step
     GeneratorExecutor  the sampling copy of the policy: a batch's rollouts, the held-out responses
-    score()            reward of a replica's rollouts, on its leader (the rank that talks to the controller)
     RewardModelExecutor  a reward model on ranks of its own: scores every replica's responses, for the controller
-    WeightPush         DDMA from trainer shards to generator shards, version by version
+    WeightPush         DDMA from trainer shards to generator shards, version by version, checked every few pushes
+
+What the generator's samples become, and how they are scored, is `controller/scoring.py`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from megatron_rl.config import JobConfig
-from megatron_rl.controller.collector import ModelScores, ScoredRollouts, ScoreRequest
+from megatron_rl.controller.scoring import Evaluated, ModelScores, ScoreRequest, UnscoredRollouts, model_scores
 from megatron_rl.controller.tasks import Task
-from megatron_rl import failpoints
 from megatron_rl.ddma.fingerprint import PushCheck
 from megatron_rl.ddma.sync import WeightSync, parameters_of
 from megatron_rl.ddma.transport import TransportSettings
@@ -71,12 +70,12 @@ def lr_schedule(cfg: JobConfig) -> LRSchedule:
 class TrainerExecutor:
     """One rank of the trainer executor: the policy, its optimizer, the supervised warm start and the AIPO step."""
 
-    def __init__(self, cfg: JobConfig, model_cfg: ModelConfig, t: ExecutorGroups, model: torch.nn.Module,
+    def __init__(self, cfg: JobConfig, model_cfg: ModelConfig, groups: ExecutorGroups, model: torch.nn.Module,
                  task: Task, encode: Callable[[str], list[int]], tokenizer):
-        self.cfg, self.model_cfg, self.t = cfg, model_cfg, t
+        self.cfg, self.model_cfg, self.groups = cfg, model_cfg, groups
         self.task, self.encode, self.tok = task, encode, tokenizer
         settings = RLTrainerSettings(cfg.trainer, cfg.algorithm, lr_schedule(cfg), cfg.rollout.temperature)
-        self.rl = RLTrainer(model, model_cfg, t, settings)
+        self.rl = RLTrainer(model, model_cfg, groups, settings)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -92,12 +91,16 @@ class TrainerExecutor:
         if self.cfg.trainer.sft_warmup_steps > 0:
             self._warm_start(progress)
         if self.cfg.algorithm.kl_coef > 0:
-            self.rl.set_reference(make_reference(self.model, lambda: build_policy(self.cfg, self.model_cfg, self.t)))
+            self._set_reference()
 
     def prepare_resume(self) -> None:
         """Before a checkpoint is loaded: a module for the KL reference's saved weights, when the run has one."""
         if self.cfg.algorithm.kl_coef > 0:
-            self.rl.set_reference(make_reference(self.model, lambda: build_policy(self.cfg, self.model_cfg, self.t)))
+            self._set_reference()
+
+    def _set_reference(self) -> None:
+        """The KL reference: a frozen copy of the policy as it is now (`training/reference.py`)."""
+        self.rl.set_reference(make_reference(self.model, lambda: build_policy(self.cfg, self.model_cfg, self.groups)))
 
     @property
     def reference(self) -> Optional[torch.nn.Module]:
@@ -108,7 +111,7 @@ class TrainerExecutor:
         problems: a random tiny model never sees a reward. Then RL's schedule starts: trainer.lr after
         trainer.lr_warmup_steps of linear warm-up."""
         steps = self.cfg.trainer.sft_warmup_steps
-        loss_fn = make_lm_loss(self.t.pgs.tp, self.model_cfg.vocab_size)
+        loss_fn = make_lm_loss(self.groups.pgs.tp, self.model_cfg.vocab_size)
         for step in range(steps):
             metrics = self.engine.step([self._demonstration_batch(step)], loss_fn)
             progress("warm-start", step + 1, steps, f"warm-start loss {metrics['loss']:.3f}")
@@ -118,8 +121,8 @@ class TrainerExecutor:
         """This DP rank's share of warm-start step `step`: the demonstrations' prompt and answer tokens, right-padded,
         with the loss on the answer (and its end-of-sequence token). Each tensor is built from padded lists in one
         call: per-row copies cost a tensor operation per row, a share of the step to notice on a CPU."""
-        bs, dp = SFT_BATCH_SIZE, self.t.layout.dp
-        mine = self.task.demonstrations(step, bs * dp)[self.t.dp_rank * bs:(self.t.dp_rank + 1) * bs]
+        bs, dp = SFT_BATCH_SIZE, self.groups.layout.dp
+        mine = self.task.demonstrations(step, bs * dp)[self.groups.dp_rank * bs:(self.groups.dp_rank + 1) * bs]
         enc = [(self.encode(prompt), self.tok.encode(answer) + [self.tok.eos_id]) for prompt, answer in mine]
         width = max(len(a) + len(b) for a, b in enc)
         toks = torch.tensor([a + b + [self.tok.pad_id] * (width - len(a) - len(b)) for a, b in enc], dtype=torch.long)
@@ -132,59 +135,35 @@ class TrainerExecutor:
         return self.rl.step(batch)
 
 
-@dataclass
-class UnscoredRollouts:
-    """A replica's samples of one batch, on its leader, before they are scored (`score` makes them the
-    `ScoredRollouts` the controller receives)."""
-
-    batch: int
-    version: int
-    problems: list  # the task's records, one per sample
-    groups: list[int]  # the index of each sample's prompt in the batch
-    outputs: list  # SampledResponse per sample
-    texts: list[str]  # the decoded responses
-    gen_s: float
-
-
-@dataclass
-class Evaluated:
-    """A replica's responses to the held-out problems, on its leader."""
-
-    problems: list
-    texts: list[str]
-
-
 class GeneratorExecutor:
     """One rank of the generator executor. Replica d (of generator.dp) samples prompts d, d + dp, ... of each
     batch; its TP ranks (and pipeline stages) sample together and its leader (tp rank 0 of the first stage) gets
     the outputs."""
 
-    def __init__(self, cfg: JobConfig, model_cfg: ModelConfig, g: ExecutorGroups, task: Task, tokenizer,
+    def __init__(self, cfg: JobConfig, model_cfg: ModelConfig, groups: ExecutorGroups, task: Task, tokenizer,
                  encode: Callable[[str], list[int]]):
-        self.cfg, self.g, self.task, self.tok, self.encode = cfg, g, task, tokenizer, encode
+        self.cfg, self.groups, self.task, self.tok, self.encode = cfg, groups, task, tokenizer, encode
         self.stop_ids = tuple(sorted(tokenizer.stop_ids))
-        attention = cfg.generator.attention
         quantized = cfg.generator.quantization != "none"
-        if quantized and attention == "auto":
-            attention = "sdpa"  # 8-bit layers are Megatron-Core's own linears, not transformer-engine's
-        build = dict(attention=attention, seed=cfg.run.seed + 1, params_dtype=resolve_dtype(cfg.generator.dtype))
+        build = dict(attention=cfg.generator.model_attention, seed=cfg.run.seed + 1,
+                     params_dtype=resolve_dtype(cfg.generator.dtype))
         self.quantized: dict = {}  # local name -> quant.QuantizedWeight (int8 or fp8)
         if quantized:
             from megatron_rl.inference.quantized import build_quantized_generator
 
             # Never holds the full-precision matrices; DDMA writes every weight before the first sample.
-            self.model, self.quantized = build_quantized_generator(cfg.generator.quantization, model_cfg, g.layout,
-                                                                   g.pgs, **build)
+            self.model, self.quantized = build_quantized_generator(cfg.generator.quantization, model_cfg,
+                                                                   groups.layout, groups.pgs, **build)
         else:
-            self.model = build_gpt_model(model_cfg, g.layout, g.pgs, **build)
-        self.generator = Generator(self.model, model_cfg.vocab_size, g.pgs.tp,
+            self.model = build_gpt_model(model_cfg, groups.layout, groups.pgs, **build)
+        self.generator = Generator(self.model, model_cfg.vocab_size, groups.pgs.tp,
                                    max_batch_size=cfg.generator.max_batch_size,
-                                   max_len=cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens,
-                                   tokenizer=tokenizer, pp_group=g.pgs.pp)
+                                   max_len=cfg.rollout.context_length,
+                                   tokenizer=tokenizer, pp_group=groups.pgs.pp)
 
     @property
     def is_leader(self) -> bool:
-        return self.g.tp_rank == 0 and self.g.pp_rank == 0  # Job.leaders: local rank (0, 0, d)
+        return self.groups.tp_rank == 0 and self.groups.pp_rank == 0  # Job.leaders: local rank (0, 0, d)
 
     def weights(self) -> dict:
         """What DDMA writes into: the parameters, with the 8-bit buffers (written in place) where quantized."""
@@ -202,7 +181,7 @@ class GeneratorExecutor:
         r = self.cfg.rollout
         per, n = r.prompts_per_step, r.samples_per_prompt
         problems = self.task.train_batch(batch, per)
-        mine = list(range(per))[self.g.dp_rank::self.g.layout.dp]
+        mine = r.replica_prompts(self.groups.dp_rank, self.groups.layout.dp)
         t0 = time.perf_counter()
         reqs = [GenerationRequest(self.encode(self.task.prompt_text(problems[i])),
                                   self._sampling(rollout_seed(self.cfg.run.seed, batch, i), n)) for i in mine]
@@ -212,7 +191,7 @@ class GeneratorExecutor:
             return None
         groups = [mine[j // n] for j in range(len(outs))]
         return UnscoredRollouts(batch, version, [problems[i] for i in groups], groups, outs,
-                         [self.tok.decode(o.token_ids) for o in outs], gen_s)
+                                [self.tok.decode(o.token_ids) for o in outs], gen_s)
 
     def evaluate(self) -> Optional[Evaluated]:
         """Responses to the held-out problems, sampled as in training (every replica sees the same set and holds
@@ -227,32 +206,6 @@ class GeneratorExecutor:
         return Evaluated([problems[j // n] for j in range(len(outs))], [self.tok.decode(o.token_ids) for o in outs])
 
 
-def score(task: Task, gen: UnscoredRollouts, evaluated: Optional[Evaluated], *, wait_s: float) -> ScoredRollouts:
-    """The reward of each sample (the task's verifier or reward function) and the mean held-out reward, in the
-    message for the controller."""
-    t0 = time.perf_counter()
-    rewards = task.score(gen.problems, gen.texts)
-    failures = task.score_failures  # read before the held-out responses are scored
-    eval_reward = None
-    if evaluated is not None:
-        eval_scores = task.score(evaluated.problems, evaluated.texts)
-        eval_reward = sum(eval_scores) / len(eval_scores)
-    reward_s = time.perf_counter() - t0
-    return ScoredRollouts(gen.batch, gen.version, [o.prompt_ids for o in gen.outputs],
-                          [o.token_ids for o in gen.outputs], [o.logprobs for o in gen.outputs], rewards, gen.groups,
-                          gen.texts[:4], gen.gen_s, reward_s,
-                    wait_s, eval_reward, reward_failures=failures)
-
-
-def score_request(task: Task, replica: int, gen: UnscoredRollouts, evaluated: Optional[Evaluated]) -> ScoreRequest:
-    """What replica `replica`'s leader sends the reward-model executor: each sample's prompt and response text."""
-    def items(problems, texts):
-        return [(task.prompt_text(p), t) for p, t in zip(problems, texts)]
-
-    return ScoreRequest(gen.batch, replica, items(gen.problems, gen.texts),
-                        items(evaluated.problems, evaluated.texts) if evaluated is not None else [])
-
-
 class RewardModelExecutor:
     """One rank of the reward-model executor (`reward.executor`): a Llama-family sequence classifier under TP.
     Replica r of dp scores the batches of generator replicas r, r + dp, ...: its leader receives each replica's
@@ -261,10 +214,12 @@ class RewardModelExecutor:
 
     def __init__(self, cfg: JobConfig, r: ExecutorGroups, generator_leaders: list[int],
                  receive: Callable[[int], ScoreRequest], send: Callable[[ModelScores], None]):
-        from megatron_rl.rewards.sequence_classifier import ParallelRewardModel
+        from megatron_rl.rewards.sequence_classifier import (SCORING_BATCH_SIZE, SCORING_MAX_LENGTH,
+                                                             ParallelRewardModel)
 
         self.model = ParallelRewardModel(cfg.reward.model, r.layout, r.pgs,
-                                         params_dtype=resolve_dtype(cfg.generator.dtype))
+                                         params_dtype=resolve_dtype(cfg.generator.dtype),
+                                         batch_size=SCORING_BATCH_SIZE, max_length=SCORING_MAX_LENGTH)
         self.is_leader = r.tp_rank == 0
         dp = r.layout.dp
         self.replicas = list(range(len(generator_leaders)))[r.dp_rank::dp]
@@ -278,13 +233,10 @@ class RewardModelExecutor:
             if req is not None and (req.batch, req.replica) != (batch, replica):
                 raise RuntimeError(f"expected batch {batch} of generator replica {replica} from rank {src}, got "
                                    f"batch {req.batch} of replica {req.replica}")
-            t0 = time.perf_counter()
-            items = [(p, r, None) for p, r in req.items + req.eval_items] if req is not None else None
-            scores = self.model.score(items)
+            scores = model_scores(self.model, req)  # every TP rank; the leader's answer
             failpoint("reward_model_batch", str(batch))
-            if self.is_leader:
-                n = len(req.items)
-                self.send(ModelScores(batch, replica, scores[:n], scores[n:], time.perf_counter() - t0))
+            if scores is not None:
+                self.send(scores)
 
 
 class WeightPush:
@@ -304,13 +256,13 @@ class WeightPush:
         src_model = trainer.model if trainer is not None else None
         dst_model = generator.weights() if generator is not None else None
         src, dst = parameters_of(src_model), parameters_of(dst_model)  # the same tensors, by name (for the check)
-        kept = None
-        if dst is not None and failpoints.active("push_skip", str(version)):  # tests: one tensor does not arrive
-            name = next(n for n, v in dst.items() if isinstance(v, torch.Tensor))
-            kept = (name, dst[name].detach().clone())
-        self.sync.sync(trainer_model=src_model, generator_model=dst_model,
-                       step=version if trainer is not None else None)
-        if kept is not None:
-            dst[kept[0]].data.copy_(kept[1])
+        self.transfer(version, src_model, dst_model)
         self.check.after_push(src, dst, version, time.perf_counter() - t0)  # every few pushes: a collective
         return time.perf_counter() - t0
+
+    def transfer(self, version: int, src_model: Optional[torch.nn.Module], dst_model) -> None:
+        """The DDMA copies of version `version` from this rank's trainer shard (`src_model`, None on a rank
+        without one) into its generator shard (`dst_model`: the model, or `GeneratorExecutor.weights()`; None
+        likewise). Collective over both executors' ranks."""
+        self.sync.sync(trainer_model=src_model, generator_model=dst_model,
+                       step=version if src_model is not None else None)

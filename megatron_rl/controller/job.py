@@ -2,9 +2,10 @@
 
 One torch.distributed world: trainer ranks [0, T), generator ranks [T, T + G) (or the same ranks when colocated),
 then the reward-model executor's ranks, if the job has one. Rank 0 is also the controller (`Collector`): it receives
-rollouts, computes advantages, hands batches to the trainer ranks and writes the metrics. Control messages are small
-pickled objects over gloo groups; weights move with DDMA. The order in which all this happens is the loop's
-(`controller/loop.py`); this class only builds and provides the pieces.
+scored rollouts, computes advantages, hands batches to the trainer ranks and writes the metrics. Control messages are
+small pickled objects over gloo groups (`controller/scoring.py` defines those of scoring); weights move with DDMA.
+The order in which all this happens is the loop's (`controller/loop.py`); this class only builds and provides the
+pieces.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpointing import initial
-from megatron_rl.checkpointing.training import (CheckpointError, TrainCheckpointer, saved_with_reference,
-                                                step_dir_name, verify)
+from megatron_rl.checkpointing.layout import CheckpointError, step_dir_name, verify
+from megatron_rl.checkpointing.megatron_state import saved_with_reference
+from megatron_rl.checkpointing.training import TrainCheckpointer
 from megatron_rl.config import JobConfig
 from megatron_rl.controller.channels import Outbox, recv_object
 from megatron_rl.launch import signals
-from megatron_rl.controller.collector import Collector, ScoredRollouts
-from megatron_rl.controller.executors import (Evaluated, GeneratorExecutor, RewardModelExecutor, TrainerExecutor,
-                                               UnscoredRollouts, WeightPush, build_policy, score_request)
+from megatron_rl.controller.collector import Collector, batch_with_advantages
+from megatron_rl.controller.executors import (GeneratorExecutor, RewardModelExecutor, TrainerExecutor, WeightPush,
+                                               build_policy)
+from megatron_rl.controller import scoring
+from megatron_rl.controller.scoring import Evaluated, ScoredRollouts, UnscoredRollouts
 from megatron_rl.controller.tasks import build_task
 from megatron_rl.failpoints import failpoint
 from megatron_rl.models import ModelConfig
@@ -62,20 +66,28 @@ class Job:
         self.cfg, self.model_cfg, self.run_dir = cfg, model_cfg, run_dir
         self.echo = echo or (lambda text: None)
         self.rank = dist.get_rank()
-        self.staleness = cfg.rollout.lag
+        self.staleness = cfg.rollout.effective_staleness
         topo = build_topology(placements(cfg))
-        self.t, self.g, self.r = topo["trainer"], topo["generator"], topo.get("reward")
+        self.trainer_groups, self.generator_groups = topo["trainer"], topo["generator"]
+        self.reward_groups = topo.get("reward")
         # Generator replica leaders (tp rank 0) talk to the controller (rank 0), and replica d's to the leader of
         # reward-model replica d % dp (`scorers`), if the job has that executor.
-        gl = self.g.layout
-        self.leaders = [self.g.placement.first_rank + gl.local_rank(0, 0, d) for d in range(gl.dp)]
+        g, r = self.generator_groups, self.reward_groups
+        self.leaders = [g.placement.first_rank + g.layout.local_rank(0, 0, d) for d in range(g.layout.dp)]
         self.scorers = None
-        if self.r is not None:
-            rl = self.r.layout
-            self.scorers = [self.r.placement.first_rank + rl.local_rank(0, 0, d % rl.dp) for d in range(gl.dp)]
-        self.trainer_group = new_group(list(self.t.placement.ranks), backend="gloo")
+        if r is not None:
+            self.scorers = [r.placement.first_rank + r.layout.local_rank(0, 0, d % r.layout.dp)
+                            for d in range(g.layout.dp)]
+        self.trainer_group = new_group(list(self.trainer_groups.placement.ranks), backend="gloo")
         self.control_group = new_group(sorted({0, *self.leaders, *(self.scorers or [])}), backend="gloo")
         self.world_group = new_group(backend="gloo")  # small control collectives over every rank
+        # Non-blocking sends: replica leaders' and reward-model ranks' messages to the controller (`outbox`), and a
+        # replica leader's requests to its reward-model leader (`scorer_outbox`).
+        sends_to_controller = self.rank != 0 and (self.rank in self.leaders or (r is not None and r.is_member))
+        self.outbox = Outbox(0, self.control_group) if sends_to_controller else None
+        self.scorer_outbox = None
+        if self.scorers is not None and self.rank in self.leaders:
+            self.scorer_outbox = Outbox(self.scorers[self.leaders.index(self.rank)], self.control_group)
         self.stop_signal = 0  # the signal that stopped the run (`stop_requested`), 0 while it runs
         self.saved_version: Optional[int] = None  # the newest state saved or resumed from
         self.space_checked = False  # the checkpoint directory's free space, checked before the first save
@@ -94,31 +106,26 @@ class Job:
         self.collector = None
         if self.rank == 0:
             self.collector = Collector(self.leaders, lambda src: recv_object(src, self.control_group),
-                                       advantage=cfg.algorithm.advantage, pad_id=self.tok.pad_id,
                                        scorers=self.scorers, model_coef=cfg.reward.model_coef)
-        sends_to_controller = self.rank != 0 and (self.rank in self.leaders or self.reward_model is not None)
-        self.outbox = Outbox(0, self.control_group) if sends_to_controller else None
-        self.scorer_outbox = None  # a replica leader's requests to its reward-model leader
-        if self.scorers is not None and self.rank in self.leaders:
-            self.scorer_outbox = Outbox(self.scorers[self.leaders.index(self.rank)], self.control_group)
 
     def _build_executors(self) -> None:
         cfg, m = self.cfg, self.model_cfg
-        policy = build_policy(cfg, m, self.t) if self.t.is_member else None
+        t, g, r = self.trainer_groups, self.generator_groups, self.reward_groups
+        policy = build_policy(cfg, m, t) if t.is_member else None
         if self.initial is not None and self.resume_from is None:
             # Before the optimizer exists: its main parameters start as copies of these weights. (A run that
             # resumes restores its own weights instead.) Every rank takes part; generators get the weights by DDMA.
-            initial.load_weights(policy, self.initial, self.t.pgs.dp_cp if policy is not None else None)
+            initial.load_weights(policy, self.initial, t.pgs.dp_cp if policy is not None else None)
         self.trainer = self.generator = self.reward_model = None
-        if self.t.is_member:
-            self.trainer = TrainerExecutor(cfg, m, self.t, policy, self.task, self.encode, self.tok)
-        if self.g.is_member:
-            self.generator = GeneratorExecutor(cfg, m, self.g, self.task, self.tok, self.encode)
-        if self.r is not None and self.r.is_member:
-            self.reward_model = RewardModelExecutor(cfg, self.r, self.leaders,
+        if t.is_member:
+            self.trainer = TrainerExecutor(cfg, m, t, policy, self.task, self.encode, self.tok)
+        if g.is_member:
+            self.generator = GeneratorExecutor(cfg, m, g, self.task, self.tok, self.encode)
+        if r is not None and r.is_member:
+            self.reward_model = RewardModelExecutor(cfg, r, self.leaders,
                                                     lambda src: recv_object(src, self.control_group),
-                                                    lambda scores: self.outbox.send(scores))
-        self.push = WeightPush(cfg, m, self.t, self.g)
+                                                    self.outbox.send)
+        self.push = WeightPush(cfg, m, t, g)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_bos=self.tok.bos_id is not None)
@@ -130,24 +137,37 @@ class Job:
             return 0.0
         return self.push(version, self.trainer, self.generator)
 
+    # ---- scoring and advantages (`controller/scoring.py`, `controller/collector.py`) -----------------------------
+    def score(self, generated: UnscoredRollouts, evaluated: Optional[Evaluated], *, push_s: float) -> ScoredRollouts:
+        """A replica leader's samples scored: the task's verifier here (`scoring.score`) and, with a reward-model
+        executor, their texts sent to it (non-blocking; its scores reach the controller on their own, which adds
+        them in `Collector.collect`). `push_s`: this rank's time at the weight push before the batch."""
+        scored = scoring.score(self.task, generated, evaluated, wait_s=push_s)
+        if self.scorer_outbox is not None:
+            replica = self.leaders.index(self.rank)
+            self.scorer_outbox.send(scoring.score_request(self.task, replica, generated, evaluated))
+        return scored
+
     def send_rollouts(self, rollouts: ScoredRollouts) -> None:
-        """A replica leader's batch to the controller (non-blocking: the generator runs ahead)."""
+        """A replica leader's scored batch to the controller (non-blocking: the generator runs ahead)."""
         if self.collector is not None:
             self.collector.put(rollouts)
         else:
             self.outbox.send(rollouts)
 
-    def request_scores(self, generated: UnscoredRollouts, evaluated: Optional[Evaluated]) -> None:
-        """A replica leader's responses to its reward-model leader (non-blocking), if the job has that executor."""
-        if self.scorer_outbox is not None:
-            self.scorer_outbox.send(score_request(self.task, self.leaders.index(self.rank), generated, evaluated))
+    def scored_rollouts(self, k: int) -> Optional[list[ScoredRollouts]]:
+        """The controller (rank 0): every replica's scored rollouts of batch k, received now if need be, with the
+        reward model's scores added (`Collector.take`). None on other ranks."""
+        return self.collector.take(k) if self.collector is not None else None
 
-    def training_batch(self, k: int) -> tuple[RolloutBatch, list[ScoredRollouts]]:
-        """Trainer ranks: batch k, packed with advantages by the controller and broadcast to every trainer rank."""
-        msg = list(self.collector.training_batch(k)) if self.collector is not None else [None, None]
+    def batch_with_advantages(self, k: int, parts: Optional[list[ScoredRollouts]]) -> RolloutBatch:
+        """Trainer ranks: batch k, packed from `parts` with its advantages computed on rank 0
+        (`collector.batch_with_advantages`, `algorithm.advantage`) and broadcast to every trainer rank."""
+        msg = [batch_with_advantages(parts, self.tok.pad_id, self.cfg.algorithm.advantage)
+               if parts is not None else None]
         dist.broadcast_object_list(msg, src=0, group=self.trainer_group)
         failpoint("train_step", str(k))
-        return msg[0], msg[1]
+        return msg[0]
 
     def stop_requested(self) -> bool:
         """Collective over the world: has any rank received SIGTERM or SIGINT (`launch/signals.py`)? Sets
@@ -195,8 +215,8 @@ class Job:
                         "nonfinite_total": engine.nonfinite_total if engine is not None else 0}
         reference = self.trainer.reference if self.trainer is not None else None
         self._checkpoint_done()  # the previous save first
-        self.ckpt.save(version, engine, reference=reference, layout=self.t.layout, model_cfg=self.model_cfg,
-                       rl_state=rl_state,
+        self.ckpt.save(version, engine, reference=reference, layout=self.trainer_groups.layout,
+                       model_cfg=self.model_cfg, rl_state=rl_state,
                        tokenizer=initial.tokenizer_entry(self.cfg, self.tok, self.initial),
                        extra={"run": self.cfg.run.name, "mode": self.cfg.rollout.mode, "staleness": self.staleness})
         self.saved_version = version
@@ -206,7 +226,7 @@ class Job:
     def _check_space(self) -> None:
         """Warn once, before the first save, when the checkpoint directory cannot hold the checkpoints it must."""
         from megatron_rl.checkpointing import storage
-        from megatron_rl.checkpointing.training import list_checkpoints
+        from megatron_rl.checkpointing.layout import list_checkpoints
 
         warning = storage.space_warning(self.ckpt.root, checkpoint_bytes(self.cfg, self.model_cfg),
                                         self.cfg.checkpoint.keep_last, len(list_checkpoints(self.ckpt.root)))

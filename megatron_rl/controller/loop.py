@@ -6,14 +6,16 @@ One RL step, as LlamaRL draws it:
 
 `schedule.job_plan` writes the whole run down as one ordered list of actions (which batch is generated with which
 weight version, when weights move, when a checkpoint is taken). Every rank walks that same list and does the part
-its roles give it: generator ranks generate and score, trainer ranks train, both take part in weight pushes, all in
-checkpoints; a reward-model executor's ranks score each batch as its replicas send it. A colocated rank does
-everything, one action after the other; with separate executors the generator runs up to `rollout.staleness` batches
-ahead of the trainer, held back only by the weight pushes it needs, and AIPO corrects for the lag.
+its roles give it: generator ranks generate and score, trainer ranks train on the scored batch with its advantages,
+both take part in weight pushes, all in checkpoints; a reward-model executor's ranks score each batch as its replicas
+send it (`controller/scoring.py`). A colocated rank does everything, one action after the other; with separate
+executors the generator runs up to `rollout.staleness` batches ahead of the trainer, held back only by the weight
+pushes it needs, and AIPO corrects for the lag.
 
 A SIGTERM or SIGINT ends the run at the next weight push, where every rank is: all save the state there (the
 trainer has taken `version` steps; the generator has produced exactly the batches the checkpoint keeps as pending)
-and leave the loop (`launch/signals.py`).
+and leave the loop (`launch/signals.py`). `heartbeat.doing(label)` names each action, so that a rank that hangs is
+reported in it (`parallel/liveness.py`).
 """
 
 from __future__ import annotations
@@ -22,22 +24,23 @@ import time
 from typing import Callable, Optional
 
 from megatron_rl.controller.collector import metrics_row
-from megatron_rl.controller.executors import score
 from megatron_rl.controller.job import Job
 from megatron_rl.controller.schedule import Checkpoint, Generate, PushWeights, Train, job_plan
 from megatron_rl.failpoints import failpoint
-from megatron_rl.parallel.liveness import doing
+from megatron_rl.parallel.liveness import Heartbeat
 
 Progress = Callable[[str, int, int, str], None]  # (phase, steps done, steps in the phase, text)
 
 
-def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable[[dict], None]] = None) -> list[dict]:
+def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable[[dict], None]] = None,
+        heartbeat: Optional[Heartbeat] = None) -> list[dict]:
     """Run (or resume) the job on this rank. `progress(phase, done, total, text)` after every warm-start and RL
-    step (phase "warm-start" or "rl"); `on_row(row)` with each step's metrics as soon as they exist (rank 0).
-    Returns rank 0's rows."""
+    step (phase "warm-start" or "rl"); `on_row(row)` with each step's metrics as soon as they exist (rank 0);
+    `heartbeat`: this rank's, where the launcher watches it. Returns rank 0's rows."""
     cfg = job.cfg
     n = cfg.run.steps
     progress = progress or (lambda *a: None)
+    doing = heartbeat.doing if heartbeat is not None else (lambda label: None)
     t_start = time.perf_counter()
     doing("checkpoint load")
     resumed = job.resume()
@@ -50,7 +53,7 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
                     eval_interval=cfg.run.eval_interval, fresh=resumed is None)
 
     rows: list[dict] = []
-    wait_s = 0.0  # how long the generator waited for the weights of its next batch
+    push_s = 0.0  # this rank's time at the last weight push: the stop check (which waits for every rank) and the push
     for action in plan:
         doing(str(action))  # what the line names if this rank hangs here (parallel/liveness.py)
         job.raise_if_checkpoint_failed()  # a save that failed in the background ends the job now, in one line
@@ -59,16 +62,15 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
             if job.stop_requested():  # SIGTERM / SIGINT on any rank: every rank takes part here, so all stop here
                 job.checkpoint(action.version)
                 break
-            wait_s = time.perf_counter() - t0 + job.push_weights(action.version)
+            push_s = time.perf_counter() - t0 + job.push_weights(action.version)
 
         elif isinstance(action, Generate) and job.generator is not None:
             failpoint("generate", str(action.batch))
             generated = job.generator.generate(action.batch, action.version)
             evaluated = job.generator.evaluate() if action.evaluate else None
-            if generated is not None:  # the replica's leader scores its samples and sends them on
-                job.send_rollouts(score(job.task, generated, evaluated, wait_s=wait_s))
-                job.request_scores(generated, evaluated)
-            wait_s = 0.0
+            if generated is not None:  # the replica's leader scores its samples and sends them to the controller
+                job.send_rollouts(job.score(generated, evaluated, push_s=push_s))
+            push_s = 0.0
 
         elif isinstance(action, Generate) and job.reward_model is not None:
             job.reward_model.serve(action.batch)
@@ -76,7 +78,8 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
         elif isinstance(action, Train) and job.trainer is not None:
             k = action.step
             t0 = time.perf_counter()
-            batch, parts = job.training_batch(k)  # rollouts of batch k, with advantages
+            parts = job.scored_rollouts(k)  # the controller's: every replica's scored rollouts (None elsewhere)
+            batch = job.batch_with_advantages(k, parts)  # packed, advantages computed, on every trainer rank
             recv_s = time.perf_counter() - t0
             stats = job.trainer.step(batch)
             train_s = time.perf_counter() - t0 - recv_s

@@ -20,10 +20,13 @@ so a run that fails after the warning is never requeued (it would fail again, al
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from megatron_rl.controller.launcher import srun_failure_line
+from megatron_rl.config import load_config
+from megatron_rl.controller.rank import rank_role
+from megatron_rl.launch.failures import srun_failure_line
 from megatron_rl.launch.signals import STOPPED_WITH_CHECKPOINT
 
 REQUEUE_ENV = "MEGATRON_RL_REQUEUE"  # "0": a stop before the time limit is not requeued (read by the recipes)
@@ -42,6 +45,11 @@ def stop_in_log(torchrun_log: Path) -> Optional[str]:
     return None
 
 
+def _role(run_dir: Path, rank: int) -> str:
+    """A rank's role in the run, from the config.yaml in its run directory (for the line; it may raise)."""
+    return rank_role(load_config(run_dir / "config.yaml", []), rank)
+
+
 def allocation_end(run_dir: Path, torchrun_log: Path, rc: int, stopped_for: Optional[str], requeue: bool,
                    job_id: str) -> tuple[str, bool]:
     """(the recipe's one line, whether to requeue the job) when srun ended with `rc` != 0, after the batch shell
@@ -50,7 +58,7 @@ def allocation_end(run_dir: Path, torchrun_log: Path, rc: int, stopped_for: Opti
         raise ValueError(f"--stopped-for {stopped_for!r} is not one of {', '.join(REASONS)}")
     stop = stop_in_log(Path(torchrun_log)) if stopped_for else None
     if stop is None:
-        line = srun_failure_line(Path(run_dir), Path(torchrun_log), rc)
+        line = srun_failure_line(Path(run_dir), Path(torchrun_log), rc, partial(_role, Path(run_dir)))
         return line + ("; not requeued" if stopped_for == "timelimit" else ""), False
     if stopped_for == "cancel":
         return f"{stop}; cancelled: not requeued (submit the same command to resume)", False

@@ -1,4 +1,5 @@
-"""A run directory that already holds a run, checked against the job about to use it, before anything is written.
+"""A job's run directory: where it is (`run_dir_of`), the run it already holds checked against the job about to use
+it before anything is written (`check_run_dir`), and its preparation for the job (`prepare_run_dir`).
 
 A run directory (`checkpoint.dir/run.name`) holds one run. Launching the same job again resumes it (after a crash,
 or with a larger run.steps to extend it), and a relaunch may change how the run executes, never what it trains:
@@ -25,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from megatron_rl.checkpointing.layout import STEP_DIR
+from megatron_rl.checkpointing.layout import list_checkpoints
 from megatron_rl.config import ConfigError, JobConfig
 from megatron_rl.models.presets import PRESETS
 
@@ -80,18 +81,11 @@ def changed_fields(saved: dict, cfg: JobConfig) -> list[str]:
     return changed
 
 
-def checkpoints(run_dir: Path) -> list[str]:
-    """The names of the complete-looking checkpoint directories in `run_dir`, oldest first."""
-    if not run_dir.is_dir():
-        return []
-    return sorted(p.name for p in run_dir.iterdir() if STEP_DIR.match(p.name) and p.is_dir())
-
-
 def check_run_dir(cfg: JobConfig, run_dir: Path) -> None:
     """Raise ConfigError (one line) when the job would mix with the run that `run_dir` holds: a resume that changes
     what the run trains on, or `checkpoint.resume=false` where checkpoints exist. Reads only; call it before
     anything is written into `run_dir`. A directory without checkpoints is never refused (nothing to resume)."""
-    steps = checkpoints(run_dir)
+    steps = [p.name for _, p in list_checkpoints(run_dir)]  # complete-looking checkpoints, oldest first
     if not steps:
         return
     if not cfg.checkpoint.resume:
@@ -113,3 +107,20 @@ def check_run_dir(cfg: JobConfig, run_dir: Path) -> None:
         raise ConfigError(f"{run_dir} holds a run trained with other settings: {', '.join(changed)}; a resume may "
                           f"change the layouts, steps and intervals, not what the run trains on: use a new run.name, "
                           f"or the run's own settings")
+
+
+def run_dir_of(cfg: JobConfig) -> Path:
+    return Path(cfg.checkpoint.dir) / cfg.run.name
+
+
+def prepare_run_dir(cfg: JobConfig) -> Path:
+    """The run directory (both launchers): checked against the run it holds (`check_run_dir`), created, the
+    resolved config written (metrics.jsonl is left to the job's metrics writer, which starts it afresh or keeps the
+    rows before a resumed step)."""
+    run_dir = run_dir_of(cfg)
+    check_run_dir(cfg, run_dir)  # a resume that would change what the run trains on is refused here
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "config.yaml.tmp"  # written whole, then renamed: other ranks may read it
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tmp.replace(run_dir / "config.yaml")
+    return run_dir

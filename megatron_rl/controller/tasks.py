@@ -161,7 +161,8 @@ class DatasetTask(Task):
         return self.heldout
 
     def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
-        return self.reward.score([(self.prompt_text(rec), resp, rec.reference) for rec, resp in zip(records, responses)])
+        return self.reward.score([(self.prompt_text(rec), resp, rec.reference)
+                                  for rec, resp in zip(records, responses)])
 
     @property
     def score_failures(self) -> int:

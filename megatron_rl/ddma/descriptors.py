@@ -28,7 +28,7 @@ from functools import lru_cache
 from typing import Optional
 
 from megatron_rl.models.presets import ModelConfig, pad_vocab
-from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.parallel.layout import ParallelLayout, layout_problems
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -127,18 +127,21 @@ class LocalParam:
                       s * chunk) for s in range(stride))
 
 
+# How `check_layout` words each model dimension of `parallel.layout.SPLIT_DIMS` (filled with its value).
+_DIM_WORDS = {"num_attention_heads": "the attention heads ({})", "num_query_groups": "the query groups ({})",
+              "ffn_hidden_size": "the FFN hidden size ({})", "num_layers": "the {} layers"}
+
+
 def check_layout(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, role: str = "executor") -> None:
-    """Raise ValueError (one line) if `layout` cannot hold this model, before any process group or transfer."""
+    """Raise ValueError (one line) if `layout` cannot hold this model (`parallel.layout.layout_problems`, and query
+    groups that do not divide the heads), before any process group or transfer."""
     m = ModelShape.of(cfg)
     problems = []
     if m.num_attention_heads % m.num_query_groups:
         problems.append(f"{m.num_attention_heads} heads are not divisible by {m.num_query_groups} query groups")
-    for what, n in (("attention heads", m.num_attention_heads), ("query groups", m.num_query_groups),
-                    ("FFN hidden size", m.ffn_hidden_size)):
-        if n % layout.tp:
-            problems.append(f"tp={layout.tp} does not divide the {what} ({n})")
-    if m.num_layers % layout.pp:
-        problems.append(f"pp={layout.pp} does not divide the {m.num_layers} layers")
+    for p in layout_problems(m, layout):
+        problems.append(str(p) if p.field is None
+                        else f"{p.dim}={p.size} does not divide {_DIM_WORDS[p.field].format(p.count)}")
     if problems:
         raise ValueError(f"{role} layout {layout} cannot hold the model: " + "; ".join(problems))
 

@@ -15,12 +15,8 @@ from typing import Mapping
 
 import torch
 
-from megatron_rl.ddma.planner import Box, ReshardPlan
+from megatron_rl.ddma.planner import ReshardPlan, box_view
 from megatron_rl.ddma.wide_copy import wide_views
-
-
-def _view(t: torch.Tensor, box: Box) -> torch.Tensor:
-    return t[tuple(slice(a, b) for a, b in box)]
 
 
 class InProcessReshard:
@@ -33,7 +29,8 @@ class InProcessReshard:
     def __init__(self, plan: ReshardPlan, src: Mapping[int, Mapping[str, torch.Tensor]],
                  dst: Mapping[int, Mapping[str, torch.Tensor]], wide: bool = True):
         self.plan = plan
-        pairs = [(_view(dst[c.dst_rank][c.dst_param], c.dst_box), _view(src[c.src_rank][c.src_param], c.src_box))
+        pairs = [(box_view(dst[c.dst_rank][c.dst_param], c.dst_box),
+                  box_view(src[c.src_rank][c.src_param], c.src_box))
                  for c in plan.copies]
         self.bytes = sum(d.numel() * d.element_size() for d, _ in pairs)
         if wide:  # wide=False: copies in the parameters' dtype (benchmarks/ddma.py compares the two)
@@ -44,7 +41,7 @@ class InProcessReshard:
             self.wide_copies = 0
         self._dst = [d for d, _ in pairs]
         self._src = [s for _, s in pairs]
-        self._zero = [_view(dst[z.rank][z.param], z.box) for z in plan.zero_fills]
+        self._zero = [box_view(dst[z.rank][z.param], z.box) for z in plan.zero_fills]
 
     @torch.no_grad()
     def run(self) -> None:

@@ -1,7 +1,9 @@
 """DDMA planner: which slice of which trainer rank goes to which slice of which generator rank.
 
 A pure function of the two executors (model shape, layout, first global rank), so every rank computes the same
-plan without talking to anyone, and plans are cached. For each parameter that a destination rank holds:
+plan without talking to anyone, and plans are cached; each plan keeps what the transport derives from it every
+step in its `PlanMemo`. `box_view` is the one way a `Box` is cut out of a tensor. For each parameter that a
+destination rank holds:
 
 - along the partition dim, the destination's blocks are intersected with every source TP rank's blocks in the
   logical coordinates of the padded tensor (Megatron's strided split makes these blocks; intersecting intervals is
@@ -53,6 +55,11 @@ def box_numel(box: Box) -> int:
     for a, b in box:
         n *= b - a
     return n
+
+
+def box_view(t, box: Box):
+    """The slice `box` of tensor `t` (a view: writing it writes `t`)."""
+    return t[tuple(slice(a, b) for a, b in box)]
 
 
 @dataclass(frozen=True)
@@ -134,26 +141,46 @@ class RankPlan:
         return tuple(sorted({c.dst_rank for c in self.sends} | {c.src_rank for c in self.recvs}))
 
 
+@dataclass
+class PlanMemo:
+    """What is derived from one `ReshardPlan` and kept with it, computed on first use: a sync runs every step, and
+    working these out again each time would cost about as much as moving a small model.
+
+    rank_plans: global rank -> its `RankPlan` (`ReshardPlan.for_rank`).
+    schedules: bucket size in elements -> the transport's rounds (`ddma.schedule.schedule`).
+    contiguous: ("src" or "dst", copy) -> whether that end's box is contiguous in its local tensor
+        (`ddma.schedule.end_contiguous`).
+
+    Every entry is a pure function of the plan and its key: the same on every rank, so sharing it is safe, and a
+    plan is shared by everyone in the process who asks for it (`plan_reshard` caches plans).
+    """
+
+    rank_plans: dict[int, RankPlan] = field(default_factory=dict)
+    schedules: dict[int, tuple] = field(default_factory=dict)
+    contiguous: dict[tuple[str, Copy], bool] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, eq=False)
 class ReshardPlan:
-    """Every copy and zero-fill of one sync, for all ranks (identical on every rank)."""
+    """Every copy and zero-fill of one sync, for all ranks (identical on every rank), and its `memo`."""
 
     src: Endpoint
     dst: Endpoint
     copies: tuple[Copy, ...]
     zero_fills: tuple[ZeroFill, ...]
-    _per_rank: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    memo: PlanMemo = field(default_factory=PlanMemo, init=False, repr=False, compare=False)
 
     def for_rank(self, rank: int) -> RankPlan:
-        if rank not in self._per_rank:
-            self._per_rank[rank] = RankPlan(
+        plans = self.memo.rank_plans
+        if rank not in plans:
+            plans[rank] = RankPlan(
                 rank,
                 sends=tuple(c for c in self.copies if c.src_rank == rank and not c.is_local),
                 recvs=tuple(c for c in self.copies if c.dst_rank == rank and not c.is_local),
                 local=tuple(c for c in self.copies if c.src_rank == rank and c.is_local),
                 zero_fills=tuple(z for z in self.zero_fills if z.rank == rank),
             )
-        return self._per_rank[rank]
+        return plans[rank]
 
     @property
     def network_elements(self) -> int:
@@ -298,8 +325,8 @@ def plan_reshard(
     `dst_first_rank` defaults to the rank after the source's last (disjoint executors); equal first ranks mean
     colocated executors. `dst_cfg` (default: `src_cfg`) may differ only in its vocabulary padding rule. Raises
     ValueError with one line when the two cannot match (different architectures, a TP that does not divide the
-    heads, query groups or FFN size, a PP that does not divide the layers). Cached: the same arguments return the
-    same plan object.
+    heads, query groups or FFN size, a PP that does not divide the layers). Cached for the process (the last 32
+    argument sets): the same arguments return the same plan object, and with it the same `PlanMemo`.
     """
     src_shape = ModelShape.of(src_cfg)
     dst_shape = ModelShape.of(dst_cfg if dst_cfg is not None else src_cfg)

@@ -2,7 +2,7 @@
 
 Every participating rank runs `execute_plan` with the same plan and settings:
 
-1. Handshake: one small message (`Handshake`) each way between every pair of ranks that exchange weights,
+1. Handshake (`ddma.handshake`): one small message each way between every pair of ranks that exchange weights,
    carrying readiness (a rank whose parameters do not fit the plan says so, and its peers raise instead of waiting
    for slices that will never come), the trainer step (generator ranks learn it here), and the dtypes of the
    parameters at both ends of every slice.
@@ -17,11 +17,11 @@ Every participating rank runs `execute_plan` with the same plan and settings:
    slice contiguous at one end travels alone, sent from the source storage or received into the destination
    storage, so only its other end is copied through the arena.
 
-The round schedule is a deterministic function of (plan, bucket size, wire dtype), computed identically on every
-rank, and it counts every network slice (direct ones too), so which slices a pair moves directly (a fact both ends
-of that pair know after the handshake) never changes anyone's rounds. A rank therefore holds at most one bucket of
-staging (or one row of a weight, if a single row is larger) besides its parameters: it never materializes a full
-tensor, let alone the full model. Messages between a pair are told apart by tag (NCCL orders them per pair anyway).
+The round schedule (`ddma.schedule`) is a deterministic function of (plan, bucket size, wire dtype), computed
+identically on every rank and kept in the plan's memo, and it counts every network slice (direct ones too), so
+which slices a pair moves directly (a fact both ends of that pair know after the handshake) never changes anyone's
+rounds. A rank therefore holds at most one bucket of staging (or one row of a weight, if a single row is larger)
+besides its parameters: it never materializes a full tensor, let alone the full model. Messages between a pair are told apart by tag (NCCL orders them per pair anyway).
 """
 
 from __future__ import annotations
@@ -34,16 +34,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.ddma.descriptors import logical_params
-from megatron_rl.ddma.planner import Box, Copy, ReshardPlan, RankPlan, box_numel
+from megatron_rl.ddma.handshake import Handshake, check_and_agree, slice_dtypes
+from megatron_rl.ddma.planner import Box, Copy, RankPlan, ReshardPlan, box_view
 from megatron_rl.ddma.quant import QuantizedWeight, is_quantized, weight_format
+from megatron_rl.ddma.schedule import by_peer, copy_contiguous, end_contiguous, schedule
 from megatron_rl.ddma.wide_copy import copy_slice
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
-
-# dtype codes exchanged in the handshake (index in this tuple); the order is part of the wire format.
-WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
-               torch.int32, torch.int64)
 _ALIGN = 16  # bytes: every slice in a message starts on this boundary, so it can be viewed as any dtype
 _SCHEDULE_ITEMSIZE = 4  # native mode plans buckets as if every element had this size (fp32; bf16 uses half)
 
@@ -70,7 +68,7 @@ class TransportSettings:
     quantize_vocab: bool = False
 
     def bucket_elements(self) -> int:
-        item = _SCHEDULE_ITEMSIZE if self.wire_dtype is None else _itemsize(self.wire_dtype)
+        item = _SCHEDULE_ITEMSIZE if self.wire_dtype is None else self.wire_dtype.itemsize
         n = self.bucket_bytes // item
         if n < 1:
             raise ValueError(f"bucket_bytes={self.bucket_bytes} is smaller than one element")
@@ -93,16 +91,8 @@ class TransferStats:
     bytes_scales: int = 0  # row maxima sent ahead of quantize-on-receive
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def _view(t: torch.Tensor, box: Box) -> torch.Tensor:
-    return t[tuple(slice(a, b) for a, b in box)]
 
 
 def _write(target, box: Box, values: torch.Tensor) -> None:
@@ -110,236 +100,20 @@ def _write(target, box: Box, values: torch.Tensor) -> None:
     if isinstance(target, QuantizedWeight):
         target.write(box, values)
     else:
-        copy_slice(_view(target, box), values)
+        copy_slice(box_view(target, box), values)
 
 
 def _zero(target, box: Box) -> None:
     if isinstance(target, QuantizedWeight):
         target.zero(box)
     else:
-        _view(target, box).zero_()
-
-
-def _split_to_fit(c: Copy, limit: int) -> list[Copy]:
-    """Cut a copy into dim-0 slices of at most `limit` elements (one row at least)."""
-    n = c.numel
-    if n <= limit:
-        return [c]
-    (d0, d1), (s0, _) = c.dst_box[0], c.src_box[0]
-    rows = d1 - d0
-    row = n // rows
-    step = max(1, limit // row)
-    out = []
-    for lo in range(0, rows, step):
-        hi = min(lo + step, rows)
-        out.append(Copy(c.name, c.src_rank, c.dst_rank, c.src_param, c.dst_param,
-                        ((s0 + lo, s0 + hi),) + c.src_box[1:], ((d0 + lo, d0 + hi),) + c.dst_box[1:]))
-    return out
-
-
-def schedule(plan: ReshardPlan, bucket_elements: int) -> tuple[tuple[tuple[Copy, Copy], ...], ...]:
-    """Network copies grouped into rounds as (plan copy, slice of it) pairs; per rank and round, sent + received
-    elements <= bucket (first fit). A slice that alone exceeds the bucket (a single row larger than it) gets a round
-    of its own on its two ranks. Cached on the plan."""
-    key = ("schedule", bucket_elements)
-    cached = plan._per_rank.get(key)
-    if cached is not None:
-        return cached
-    rounds: list[list[tuple[Copy, Copy]]] = []
-    used: list[dict[int, int]] = []
-    first_open: dict[int, int] = {}  # per rank: rounds before this one are full for it (first-fit shortcut)
-    for big in plan.copies:
-        if big.is_local:
-            continue
-        for c in _split_to_fit(big, bucket_elements):
-            n = c.numel
-            i = max(first_open.get(c.src_rank, 0), first_open.get(c.dst_rank, 0))
-            while i < len(rounds):
-                u = used[i]
-                us, ud = u.get(c.src_rank, 0), u.get(c.dst_rank, 0)
-                if (us == 0 or us + n <= bucket_elements) and (ud == 0 or ud + n <= bucket_elements):
-                    break
-                i += 1
-            if i == len(rounds):
-                rounds.append([])
-                used.append({})
-            rounds[i].append((big, c))
-            for r in (c.src_rank, c.dst_rank):
-                used[i][r] = used[i].get(r, 0) + n
-                if used[i][r] >= bucket_elements and first_open.get(r, 0) == i:
-                    first_open[r] = i + 1
-    result = tuple(tuple(r) for r in rounds)
-    plan._per_rank[key] = result
-    return result
+        box_view(target, box).zero_()
 
 
 def _quantized_names(plan: ReshardPlan, settings: TransportSettings) -> frozenset[str]:
     """Logical names of the parameters the destination holds quantized under these settings."""
     return frozenset(p.name for p in logical_params(plan.dst.model)
                      if is_quantized(p, settings.quantize, settings.quantize_vocab))
-
-
-def _check_params(rp: RankPlan, src_params: Optional[Mapping[str, torch.Tensor]],
-                  dst_params: Optional[Mapping[str, torch.Tensor]], quantized: frozenset[str] = frozenset(),
-                  fmt: Optional[type[QuantizedWeight]] = None) -> None:
-    """Every parameter the plan touches on this rank must exist and be large enough (before any message); the
-    `quantized` ones must be `fmt` weights, the others tensors."""
-
-    def need(params, role, name, box):
-        if params is None:
-            raise ValueError(f"rank {rp.rank}: the plan uses this rank as {role} but no {role} parameters "
-                             f"were given")
-        if name not in params:
-            raise ValueError(f"rank {rp.rank}: {role} model has no parameter {name!r} (a different model "
-                             f"or layout than the plan's?)")
-        shape = tuple(params[name].shape)
-        if len(shape) != len(box) or any(b > s for (_, b), s in zip(box, shape)):
-            raise ValueError(f"rank {rp.rank}: {role} parameter {name!r} has shape {shape}, too small for "
-                             f"slice {box} (a different model or layout than the plan's?)")
-
-    for c in rp.sends + rp.local:
-        need(src_params, "source", c.src_param, c.src_box)
-        if src_params[c.src_param].dtype not in WIRE_DTYPES:
-            raise ValueError(f"rank {rp.rank}: source parameter {c.src_param!r} has dtype "
-                             f"{src_params[c.src_param].dtype}, which DDMA cannot send")
-    for c in rp.recvs + rp.local:
-        need(dst_params, "destination", c.dst_param, c.dst_box)
-        target = dst_params[c.dst_param]
-        if (c.name in quantized) != isinstance(target, QuantizedWeight) or (c.name in quantized
-                                                                            and type(target) is not fmt):
-            want = f"a {fmt.__name__} (quantize={fmt.FORMAT!r})" if c.name in quantized else "a tensor"
-            raise ValueError(f"rank {rp.rank}: destination parameter {c.dst_param!r} must be {want}")
-    for z in rp.zero_fills:
-        need(dst_params, "destination", z.param, z.box)
-
-
-class PeerCheckFailed(RuntimeError):
-    """A peer rank reported that its parameters do not match the plan; nothing was transferred."""
-
-
-_NOT_A_TENSOR = -2  # dtype code of a destination that is not a plain tensor (a QuantizedWeight)
-_UNKNOWN = -1  # dtype code sent by a rank whose parameters failed the check, and the step code of "no step"
-
-
-@dataclass(frozen=True)
-class Handshake:
-    """What a rank tells one peer before any weight moves.
-
-    ok: this rank's parameters fit the plan (if not, the peer raises PeerCheckFailed instead of waiting for
-        slices that will never come).
-    step: the trainer step being synced (None on generator ranks, which learn it from this message).
-    src_dtypes: the dtype code (index in WIRE_DTYPES) of each distinct source parameter this rank sends to the
-        peer, in plan order (`_params_to`).
-    dst_dtypes: the dtype code of each distinct destination parameter this rank receives from the peer, in plan
-        order (`_params_from`); `_NOT_A_TENSOR` for a QuantizedWeight.
-
-    With both messages of a pair, each end knows the dtypes at both ends of every slice the pair moves, which
-    decides how the slice travels. On the wire: one int64 tensor [ok, step or -1, *src_dtypes, *dst_dtypes]; the
-    receiver knows both lengths from the plan.
-    """
-
-    ok: bool
-    step: Optional[int]
-    src_dtypes: tuple[int, ...]
-    dst_dtypes: tuple[int, ...]
-
-    @staticmethod
-    def numel(n_src: int, n_dst: int) -> int:
-        return 2 + n_src + n_dst
-
-    def to_tensor(self, device) -> torch.Tensor:
-        step = _UNKNOWN if self.step is None else int(self.step)
-        return torch.tensor([int(self.ok), step, *self.src_dtypes, *self.dst_dtypes], dtype=torch.int64,
-                            device=device)
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor, n_src: int, n_dst: int) -> "Handshake":
-        v = t.tolist()
-        if len(v) != cls.numel(n_src, n_dst):
-            raise ValueError(f"a handshake of {len(v)} values, expected {cls.numel(n_src, n_dst)}")
-        return cls(ok=v[0] == 1, step=None if v[1] == _UNKNOWN else v[1], src_dtypes=tuple(v[2:2 + n_src]),
-                   dst_dtypes=tuple(v[2 + n_src:]))
-
-
-def _dtype_code(target) -> int:
-    if not isinstance(target, torch.Tensor) or target.dtype not in WIRE_DTYPES:
-        return _NOT_A_TENSOR
-    return WIRE_DTYPES.index(target.dtype)
-
-
-def _params_to(rp: RankPlan, peer: int, attr: str = "src_param") -> list[str]:
-    """Distinct parameters (source names, or destination names) of the copies this rank sends to `peer`."""
-    return list(dict.fromkeys(getattr(c, attr) for c in rp.sends if c.dst_rank == peer))
-
-
-def _params_from(rp: RankPlan, peer: int, attr: str) -> list[str]:
-    """Distinct parameters of the copies this rank receives from `peer` (the peer's `_params_to`, same order)."""
-    return list(dict.fromkeys(getattr(c, attr) for c in rp.recvs if c.src_rank == peer))
-
-
-def _handshake(rp: RankPlan, ok: bool, step: Optional[int], src_params, dst_params,
-               device) -> dict[int, Handshake]:
-    """Send this rank's Handshake to every peer and return theirs (all messages in one batch)."""
-    ops, theirs = [], {}
-    for p in rp.peers:
-        mine = Handshake(ok, step,
-                         tuple(_dtype_code(src_params[n]) if ok else _UNKNOWN for n in _params_to(rp, p)),
-                         tuple(_dtype_code(dst_params[n]) if ok else _UNKNOWN
-                               for n in _params_from(rp, p, "dst_param")))
-        # The peer's message lists what it sends to us, then what it receives from us.
-        n_src, n_dst = len(_params_from(rp, p, "src_param")), len(_params_to(rp, p, "dst_param"))
-        theirs[p] = (torch.empty(Handshake.numel(n_src, n_dst), dtype=torch.int64, device=device), n_src, n_dst)
-        ops += [dist.P2POp(dist.isend, mine.to_tensor(device), p), dist.P2POp(dist.irecv, theirs[p][0], p)]
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    return {p: Handshake.from_tensor(t, n_src, n_dst) for p, (t, n_src, n_dst) in theirs.items()}
-
-
-def _check_and_agree(plan: ReshardPlan, rp: RankPlan, step: Optional[int], src_params, dst_params,
-                     quantized: frozenset[str], device,
-                     fmt: Optional[type[QuantizedWeight]] = None) -> tuple[dict[int, Handshake], Optional[int]]:
-    """Phase 1: check this rank's parameters against the plan, exchange handshakes, and agree on the step.
-
-    The check's verdict travels in the handshake before this rank raises it, so a mismatch anywhere stops every
-    rank it concerns (ValueError here, PeerCheckFailed at its peers) instead of leaving a peer waiting. Returns the
-    peers' handshakes and the trainer step (this rank's, or the one its trainer peers sent).
-    """
-    error: Optional[ValueError] = None
-    try:
-        _check_params(rp, src_params, dst_params, quantized, fmt)
-    except ValueError as e:
-        error = e
-    received = _handshake(rp, error is None, step, src_params, dst_params, device)
-    if error is not None:
-        raise error
-    failed = [p for p, h in received.items() if not h.ok]
-    if failed:
-        raise PeerCheckFailed(f"rank {rp.rank}: peer ranks {failed} failed their pre-transfer check; no weights "
-                              f"were moved")
-    steps = {h.step for p, h in received.items() if p in plan.src.ranks} | ({step} if step is not None else set())
-    if len(steps) > 1:
-        raise RuntimeError(f"rank {rp.rank}: trainer ranks disagree on the step being synced: "
-                           f"{sorted(steps, key=lambda s: -1 if s is None else s)}")
-    return received, (steps.pop() if steps else None)
-
-
-def _slice_dtypes(rp: RankPlan, received: Mapping[int, Handshake], src_params, dst_params):
-    """Both dtypes of every slice this rank sends or receives: {(src rank, src param): dtype} and
-    {(dst rank, dst param): dtype or None (a QuantizedWeight)}, from the peers' handshakes and this rank's own
-    parameters."""
-    src_dtype: dict[tuple[int, str], Optional[torch.dtype]] = {}
-    dst_dtype: dict[tuple[int, str], Optional[torch.dtype]] = {}
-    for p, h in received.items():
-        for name, code in zip(_params_from(rp, p, "src_param"), h.src_dtypes):
-            src_dtype[p, name] = WIRE_DTYPES[code]
-        for name, code in zip(_params_to(rp, p, "dst_param"), h.dst_dtypes):
-            dst_dtype[p, name] = None if code == _NOT_A_TENSOR else WIRE_DTYPES[code]
-    for name, t in (src_params or {}).items():
-        src_dtype[rp.rank, name] = t.dtype
-    for name, t in (dst_params or {}).items():
-        dst_dtype[rp.rank, name] = t.dtype if _dtype_code(t) != _NOT_A_TENSOR else None
-    return src_dtype, dst_dtype
 
 
 class _RankTransfer:
@@ -356,7 +130,7 @@ class _RankTransfer:
         self.src_params, self.dst_params = src_params, dst_params
         self.quantized, self.stats, self.device = quantized, stats, device
         self.wire = settings.wire_dtype
-        self.src_dtype, self.dst_dtype = _slice_dtypes(rp, received, src_params, dst_params)
+        self.src_dtype, self.dst_dtype = slice_dtypes(rp, received, src_params, dst_params)
 
     # ---- how a slice travels ------------------------------------------------------------------------------------
     def wire_of(self, c: Copy) -> torch.dtype:
@@ -364,34 +138,34 @@ class _RankTransfer:
 
     def nbytes(self, c: Copy) -> int:
         """Bytes of a slice on the wire, rounded up so that the next slice of a packed message is aligned."""
-        return _aligned(c.numel * _itemsize(self.wire_of(c)))
+        return _aligned(c.numel * self.wire_of(c).itemsize)
 
     def _same_dtype(self, c: Copy) -> bool:
         return self.dst_dtype[c.dst_rank, c.dst_param] == self.src_dtype[c.src_rank, c.src_param]
 
     def direct(self, c: Copy) -> bool:
         """Moves storage to storage: no cast, no quantization, contiguous at both ends (decided on the plan copy)."""
-        return (self.wire is None and c.name not in self.quantized and _is_contiguous(c, self.plan)
+        return (self.wire is None and c.name not in self.quantized and copy_contiguous(c, self.plan)
                 and self._same_dtype(c))
 
     # A staged slice with one contiguous end still saves that end's copy: it travels as a message of its own, sent
     # straight from the source storage or received straight into the destination storage (the TP column slices
     # of row-parallel weights are whole source shards going into strided destination columns, or the reverse).
     def from_storage(self, c: Copy) -> bool:
-        return self.wire is None and _end_contiguous(c, self.plan, "src")
+        return self.wire is None and end_contiguous(c, self.plan, "src")
 
     def into_storage(self, c: Copy) -> bool:
-        return (self.wire is None and c.name not in self.quantized and _end_contiguous(c, self.plan, "dst")
+        return (self.wire is None and c.name not in self.quantized and end_contiguous(c, self.plan, "dst")
                 and self._same_dtype(c))
 
     def alone(self, c: Copy) -> bool:
         return self.from_storage(c) or self.into_storage(c)
 
     def src_view(self, c: Copy) -> torch.Tensor:
-        return _view(self.src_params[c.src_param], c.src_box)
+        return box_view(self.src_params[c.src_param], c.src_box)
 
     def dst_view(self, c: Copy) -> torch.Tensor:
-        return _view(self.dst_params[c.dst_param], c.dst_box)
+        return box_view(self.dst_params[c.dst_param], c.dst_box)
 
     # ---- phases -------------------------------------------------------------------------------------------------
     def local_copies(self) -> None:
@@ -410,14 +184,14 @@ class _RankTransfer:
         """Phase 2: every direct slice as one message from source storage into destination storage (tags 1, 2, ...
         per pair, in plan order), all in one batch; the local copies run while the messages fly."""
         stats, ops = self.stats, []
-        for peer, copies in _by_peer([c for c in self.rp.sends if self.direct(c)], "dst_rank"):
+        for peer, copies in by_peer([c for c in self.rp.sends if self.direct(c)], "dst_rank"):
             for tag, c in enumerate(copies, start=1):
                 ops.append(dist.P2POp(dist.isend, self.src_view(c), peer, tag=tag))
-                stats.bytes_sent += c.numel * _itemsize(self.wire_of(c))
-        for peer, copies in _by_peer([c for c in self.rp.recvs if self.direct(c)], "src_rank"):
+                stats.bytes_sent += c.numel * self.wire_of(c).itemsize
+        for peer, copies in by_peer([c for c in self.rp.recvs if self.direct(c)], "src_rank"):
             for tag, c in enumerate(copies, start=1):
                 ops.append(dist.P2POp(dist.irecv, self.dst_view(c), peer, tag=tag))
-                stats.bytes_received += c.numel * _itemsize(self.wire_of(c))
+                stats.bytes_received += c.numel * self.wire_of(c).itemsize
         stats.messages_sent += sum(1 for op in ops if op.op is dist.isend)
         reqs = dist.batch_isend_irecv(ops) if ops else []
         self.local_copies()
@@ -447,7 +221,7 @@ class _RankTransfer:
     def _slot(self, arena: torch.Tensor, pos: int, c: Copy) -> torch.Tensor:
         """The slice `c` staged at byte `pos` of the arena, as a tensor of its wire dtype and shape."""
         dt = self.wire_of(c)
-        return arena[pos:pos + c.numel * _itemsize(dt)].view(dt).view(c.shape)
+        return arena[pos:pos + c.numel * dt.itemsize].view(dt).view(c.shape)
 
     def _messages(self, arena: torch.Tensor, copies: list[Copy], at_storage, storage_view,
                   offset: int) -> tuple[list, int]:
@@ -474,7 +248,7 @@ class _RankTransfer:
         """One staged round: pack what is sent, exchange every message of the round in one batch, unpack what
         arrived into the destination parameters (cast, or quantized, on the way)."""
         stats, ops, unpack, offset = self.stats, [], [], 0
-        for peer, copies in _by_peer(sends, "dst_rank"):
+        for peer, copies in by_peer(sends, "dst_rank"):
             out, offset = self._messages(arena, copies, self.from_storage, self.src_view, offset)
             for tag, buf, staged in out:
                 for pos, c in staged:
@@ -482,7 +256,7 @@ class _RankTransfer:
                 ops.append(dist.P2POp(dist.isend, buf, peer, tag=tag))
                 stats.bytes_sent += buf.numel() * buf.element_size()
             stats.messages_sent += len(out)
-        for peer, copies in _by_peer(recvs, "src_rank"):
+        for peer, copies in by_peer(recvs, "src_rank"):
             out, offset = self._messages(arena, copies, self.into_storage, self.dst_view, offset)
             for tag, buf, staged in out:
                 unpack.extend(staged)
@@ -521,7 +295,7 @@ def execute_plan(
     any_params = dst_params or src_params
     device = next(iter(any_params.values())).device if any_params else torch.device("cpu")
     fmt = weight_format(settings.quantize) if settings.quantize else None
-    received, agreed_step = _check_and_agree(plan, rp, step, src_params, dst_params, quantized, device, fmt)
+    received, agreed_step = check_and_agree(plan, rp, step, src_params, dst_params, quantized, device, fmt)
     stats = TransferStats(step=agreed_step)
     if not (rp.sends or rp.recvs or rp.local or rp.zero_fills):
         return stats
@@ -545,7 +319,7 @@ def _exchange_scales(rp: RankPlan, src_params, dst_params, quantized: frozenset[
     """
 
     def rowmax(c: Copy) -> torch.Tensor:
-        values = _view(src_params[c.src_param], c.src_box)
+        values = box_view(src_params[c.src_param], c.src_box)
         if wire is not None:
             values = values.to(wire)
         return values.to(torch.float32).abs().amax(dim=1)
@@ -561,11 +335,11 @@ def _exchange_scales(rp: RankPlan, src_params, dst_params, quantized: frozenset[
         if c.name in quantized:
             fold(c, rowmax(c))
     ops, incoming, sent = [], [], 0
-    for peer, copies in _by_peer([c for c in rp.sends if c.name in quantized], "dst_rank"):
+    for peer, copies in by_peer([c for c in rp.sends if c.name in quantized], "dst_rank"):
         buf = torch.cat([rowmax(c) for c in copies])
         ops.append(dist.P2POp(dist.isend, buf, peer))
         sent += buf.numel() * buf.element_size()
-    for peer, copies in _by_peer([c for c in rp.recvs if c.name in quantized], "src_rank"):
+    for peer, copies in by_peer([c for c in rp.recvs if c.name in quantized], "src_rank"):
         buf = torch.empty(sum(c.dst_box[0][1] - c.dst_box[0][0] for c in copies), device=device)
         ops.append(dist.P2POp(dist.irecv, buf, peer))
         incoming.append((buf, copies))
@@ -593,57 +367,13 @@ def _staging(workspace: Optional[dict], nbytes: int, device: torch.device) -> to
     return buf
 
 
-def _is_contiguous(c: Copy, plan: ReshardPlan) -> bool:
-    """Whether both boxes of a copy are contiguous in their row-major local tensors (a pure function of the plan:
-    both ends of a message get the same answer)."""
-    return _end_contiguous(c, plan, "src") and _end_contiguous(c, plan, "dst")
-
-
-def _end_contiguous(c: Copy, plan: ReshardPlan, end: str) -> bool:
-    """Whether one end's box ("src" or "dst") of a copy (or of a row slice of one) is contiguous in its local
-    tensor; pure, like `_is_contiguous`."""
-    key = ("contiguous", end, c)
-    hit = plan._per_rank.get(key)
-    if hit is None:
-        endpoint, rank, name, box = ((plan.src, c.src_rank, c.src_param, c.src_box) if end == "src"
-                                     else (plan.dst, c.dst_rank, c.dst_param, c.dst_box))
-        hit = plan._per_rank[key] = _box_contiguous(box, _local_shape(endpoint, rank, name))
-    return hit
-
-
-def _local_shape(endpoint, rank: int, name: str) -> tuple[int, ...]:
-    for lp in endpoint.params(rank):
-        if lp.local_name == name:
-            return lp.local_shape
-    raise KeyError(f"rank {rank} holds no parameter {name!r}")
-
-
-def _box_contiguous(box: Box, shape: tuple[int, ...]) -> bool:
-    """A box is contiguous when, after its first dim with more than one element, every dim is whole."""
-    started = False
-    for (a, b), n in zip(box, shape):
-        if started and (a, b) != (0, n):
-            return False
-        if b - a > 1:
-            started = True
-    return True
-
-
-def _by_peer(copies: list[Copy], attr: str) -> list[tuple[int, list[Copy]]]:
-    """Copies grouped by peer rank, peers ascending, plan order kept inside each group (both ends agree)."""
-    groups: dict[int, list[Copy]] = {}
-    for c in copies:
-        groups.setdefault(getattr(c, attr), []).append(c)
-    return sorted(groups.items())
-
-
 def staging_bound(plan: ReshardPlan, rank: int, settings: TransportSettings) -> int:
     """Bytes of staging memory `execute_plan` will use on `rank` with these settings."""
-    item = torch.empty((), dtype=settings.wire_dtype).element_size()
+    item = (settings.wire_dtype or torch.get_default_dtype()).itemsize
     best = 0
     for pairs in schedule(plan, settings.bucket_elements()):
         best = max(best, sum(c.numel for _, c in pairs if rank in (c.src_rank, c.dst_rank)))
     return best * item
 
 
-__all__ = ["TransportSettings", "TransferStats", "execute_plan", "schedule", "staging_bound", "box_numel"]
+__all__ = ["TransportSettings", "TransferStats", "execute_plan", "staging_bound"]

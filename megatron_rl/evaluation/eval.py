@@ -30,10 +30,11 @@ from typing import Optional, Union
 from megatron_rl.checkpointing import load_checkpoint_tokenizer
 from megatron_rl.checkpointing.inspect import resolve_checkpoint as resolve
 from megatron_rl.checkpointing import safe_load
-from megatron_rl.checkpointing.layout import META, MODEL_DIR, CheckpointError, InspectError
+from megatron_rl.checkpointing.layout import META, MODEL_DIR, CheckpointError, InspectError, read_meta
 from megatron_rl.data import ChatPromptBuilder, DataError, default_data_dir, load_prompt_dataset, registry
 from megatron_rl.data.datasets import DATA_DIR_ENV
 from megatron_rl.models.presets import ModelConfig
+from megatron_rl.parallel.layout import ParallelLayout, layout_problems
 from megatron_rl.rewards import get_reward_fn
 from megatron_rl.tokenizers import load_tokenizer
 
@@ -72,9 +73,9 @@ def resolve_checkpoint(path: Union[str, Path]) -> Path:
 def read_checkpoint_meta(ckpt: Path):
     """(ModelConfig, meta dict) of a checkpoint directory."""
     try:
-        meta = json.loads((ckpt / META).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EvalError(f"{ckpt / META}: unreadable ({e})") from None
+        meta = read_meta(ckpt, formats=None)
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
     if not isinstance(meta.get("model"), dict):
         raise EvalError(f"{ckpt / META} records no model shape ('model')")
     try:
@@ -195,12 +196,10 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
                         ("--pp", s.pp)):
         if value < 1:
             raise EvalError(f"{name}={value} must be >= 1")
-    for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups),
-                    ("ffn_hidden_size", cfg.ffn_hidden_size)):
-        if n % s.tp:
-            raise EvalError(f"--tp={s.tp} does not divide the model's {what}={n}")
-    if cfg.num_layers % s.pp:
-        raise EvalError(f"--pp={s.pp} does not divide the model's num_layers={cfg.num_layers}")
+    problems = layout_problems(cfg, ParallelLayout(s.tp, s.pp))  # the sizes are >= 1 here: only divisibility
+    if problems:
+        p = problems[0]
+        raise EvalError(f"--{p.dim}={p.size} does not divide the model's {p.field}={p.count}")
     dtype = _dtype_of(meta)
     compute = _compute_dtype(s.dtype, dtype)
     tok = checkpoint_tokenizer(ckpt, s.tokenizer)
@@ -212,7 +211,8 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
     prompts = [encode_prompt(tok, t) for t in texts]
     max_len = min(cfg.max_position_embeddings, max(len(p) for p in prompts) + s.max_new_tokens)
 
-    from megatron_rl.launch.spawn import LaunchError, run_local  # imports torch: after the argument checks
+    from megatron_rl.launch.spawn import run_local  # imports torch: after the argument checks
+    from megatron_rl.launch.world import LaunchError
 
     try:
         safe_load.check_checkpoint(ckpt)  # its pickles hold only data, before the ranks load them

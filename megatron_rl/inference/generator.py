@@ -58,14 +58,14 @@ class _Seq:
     finish: Optional[str] = None
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _to_device(t: torch.Tensor, device: torch.device, cuda_rules_on: bool) -> torch.Tensor:
     """A host tensor on `device` without waiting for the device's queued work (a pageable copy to a GPU
     synchronizes the stream, which would stall behind a step launched ahead).
 
     The pinned copy has `t`'s strides, so `t` is made contiguous first: CUDA refuses to pin a tensor whose elements
-    share memory, such as the expanded position grid of a prefill. In the CUDA-rules mode the same path runs on
-    the CPU, with `cuda_rules.pin_memory` refusing what CUDA refuses."""
-    if device.type != "cuda" and not cuda_rules.enabled():
+    share memory, such as the expanded position grid of a prefill. In the CUDA-rules mode (`cuda_rules_on`) the same
+    path runs on the CPU, with `cuda_rules.pin_memory` refusing what CUDA refuses."""
+    if device.type != "cuda" and not cuda_rules_on:
         return t.to(device)
     return cuda_rules.pin_memory(t.contiguous()).to(device, non_blocking=True)
 
@@ -105,7 +105,8 @@ class _DecodeStep:
     def _body(self):
         # A captured graph needs a fixed shape: the whole cache. Eagerly, attention reads up to the furthest
         # position of any slot (on a CPU reading it back costs nothing).
-        kv_len = self.cache.max_len if cuda_rules.gpu_path(self.positions) else int(self.positions.max()) + 1
+        gpu = cuda_rules.gpu_path(self.positions, self.gen.cuda_rules_on)
+        kv_len = self.cache.max_len if gpu else int(self.positions.max()) + 1
         logits = self.gen.forward(self.tokens[:, None], self.positions[:, None], self.slots, self.cache,
                                   kv_len=kv_len, all_slots=True)
         full = self.gen._full_logits(logits[:, 0])
@@ -120,14 +121,14 @@ class _DecodeStep:
         """Point the given slots at newly admitted sequences (their last prompt token, position, parameters)."""
         if not seqs:
             return
-        dev = self.tokens.device
-        idx = _to_device(torch.tensor([s.slot for s in seqs]), dev)
+        dev, rules = self.tokens.device, self.gen.cuda_rules_on
+        idx = _to_device(torch.tensor([s.slot for s in seqs]), dev, rules)
         for buf, values in ((self.tokens, [s.prompt[-1] for s in seqs]),
                             (self.positions, [len(s.prompt) - 1 for s in seqs]),
                             (self.steps, [0] * len(seqs)), (self.seeds, [s.seed for s in seqs]),
                             (self.temperature, [s.params.temperature for s in seqs]),
                             (self.top_p, [s.params.top_p for s in seqs]), (self.top_k, [s.params.top_k for s in seqs])):
-            buf.index_copy_(0, idx, _to_device(torch.tensor(values, dtype=buf.dtype), dev))
+            buf.index_copy_(0, idx, _to_device(torch.tensor(values, dtype=buf.dtype), dev, rules))
 
     def _capture(self):
         self.top_p.fill_(1.0)
@@ -162,7 +163,8 @@ class Generator:
     """Batched sampling for one generator replica (all of its ranks call `generate` with the same requests).
 
     With a `pp_group` of more than one stage, `model` is this rank's stage and decoding is pipelined
-    (`megatron_rl.inference.pipeline`); every rank returns the outputs."""
+    (`megatron_rl.inference.pipeline`); every rank returns the outputs. The CUDA-rules test mode
+    (`compat/cuda_rules.py`) is read once, here, and kept as `cuda_rules_on`."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, tp_group, max_batch_size: int = 64,
                  max_len: Optional[int] = None, tokenizer=None, cuda_graphs: Optional[bool] = None,
@@ -176,13 +178,14 @@ class Generator:
         self.max_batch_size = max_batch_size
         self.max_len = max_len or model.max_sequence_length
         self.tokenizer = tokenizer
-        self.forward = IncrementalForward(model, tp_group)
+        self.cuda_rules_on = cuda_rules.enabled()
+        self.forward = IncrementalForward(model, tp_group, self.cuda_rules_on)
         self.pipeline = None
         if pp_group is not None and pp_group.size() > 1:
             self.pipeline = PipelinedDecode(self.forward, pp_group, self._full_logits, self._stopped)
         elif not (model.pre_process and model.post_process):
             raise ValueError("the model is one pipeline stage: the generator needs its pp_group")
-        gpu = torch.cuda.is_available() or cuda_rules.enabled()
+        gpu = torch.cuda.is_available() or self.cuda_rules_on
         self.cuda_graphs = gpu if cuda_graphs is None else cuda_graphs
         # Launch step t + 1 before reading step t's tokens (on by default with CUDA, where it hides the host's
         # bookkeeping behind the GPU's work; on a CPU there is nothing to overlap). A sequence that ends at step t
@@ -284,8 +287,9 @@ class Generator:
         pos = torch.arange(width).expand(len(prefill), width)
         slots = torch.tensor([s.slot for s in prefill])
         # kv_len given: no device-to-host read, so a step launched ahead keeps running meanwhile.
-        self.forward(_to_device(toks, device), _to_device(pos, device), _to_device(slots, device), cache,
-                     kv_len=width, logits=False)
+        rules = self.cuda_rules_on
+        self.forward(_to_device(toks, device, rules), _to_device(pos, device, rules), _to_device(slots, device, rules),
+                     cache, kv_len=width, logits=False)
 
     def _run(self, pending: list[_Seq], cache, device) -> None:
         filtering = any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in pending)
@@ -294,7 +298,7 @@ class Generator:
             return self.pipeline.run(pending, cache, device, filtering, noise)
         key = (filtering, noise)
         if key not in self._steps:
-            use_graph = self.cuda_graphs and (device.type == "cuda" or cuda_rules.enabled())
+            use_graph = self.cuda_graphs and (device.type == "cuda" or self.cuda_rules_on)
             self._steps[key] = _DecodeStep(self, cache, device, filtering, noise, use_graph)
         step = self._steps[key]
         # Two host buffers (pinned on GPUs) for the tokens and log-probs of consecutive steps: step t's are read

@@ -63,11 +63,13 @@ class KVCache:
 
 class IncrementalForward:
     """Runs chunks of tokens for chosen cache slots through the model (one pipeline stage of it) and returns
-    vocab-parallel logits (last stage) or the stage's output activations (the other stages)."""
+    vocab-parallel logits (last stage) or the stage's output activations (the other stages). `cuda_rules_on`: CPU
+    tensors take the GPU paths (the CUDA-rules test mode, `compat/cuda_rules.py`, read by whoever builds this)."""
 
-    def __init__(self, model: torch.nn.Module, tp_group):
+    def __init__(self, model: torch.nn.Module, tp_group, cuda_rules_on: bool = False):
         self.model = model
         self.tp_group = tp_group
+        self.cuda_rules_on = cuda_rules_on
         cfg = model.config
         tp = tp_group.size()
         self.heads = cfg.num_attention_heads // tp
@@ -87,8 +89,12 @@ class IncrementalForward:
                          for lin in (m.self_attention.linear_qkv, m.self_attention.linear_proj, m.mlp.linear_fc1,
                                      m.mlp.linear_fc2))
         fusions = getattr(model, "megatron_rl_fusions", frozenset())
-        self._rotate = apply_rope if "rope" in fusions else _apply_rotary_pos_emb_bshd
+        self._rotate = self._fused_rope if "rope" in fusions else _apply_rotary_pos_emb_bshd
         self._qk_norm = bool(cfg.qk_layernorm)
+
+    def _fused_rope(self, t: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """The model's RoPE fusion (`models/fused.py: apply_rope`), compiled on the GPU path."""
+        return apply_rope(t, angles, compiled=cuda_rules.gpu_path(t, self.cuda_rules_on))
 
     def allocate_cache(self, slots: int, max_len: int) -> KVCache:
         device = next(self.model.parameters()).device
@@ -108,7 +114,7 @@ class IncrementalForward:
         column-parallel one). On CPUs, Megatron-Core's local linears are called as the matmul they are plus the
         row-parallel all-reduce: their autograd-function wrapper is a cost comparable to a decode-sized matmul's
         (docs/benchmarks.md, "A real LLM learns on a CPU")."""
-        if not self._lean or cuda_rules.gpu_path(x) or getattr(module, "gather_output", False):
+        if not self._lean or cuda_rules.gpu_path(x, self.cuda_rules_on) or getattr(module, "gather_output", False):
             return module(x)[0]
         out = F.linear(x, module.weight, module.bias if not module.skip_bias_add else None)
         if isinstance(module, RowParallelLinear) and self.tp_group.size() > 1:
@@ -123,8 +129,8 @@ class IncrementalForward:
         step then fell back to eager decoding); `masked_fill` does the same arithmetic without a host sync."""
         emb = self.model.embedding
         words, config = emb.word_embeddings, emb.config
-        if (self.tp_group.size() == 1 or not cuda_rules.gpu_path(tokens) or emb.add_position_embedding
-                or config.sequence_parallel or config.fp32_residual_connection):
+        if (self.tp_group.size() == 1 or not cuda_rules.gpu_path(tokens, self.cuda_rules_on)
+                or emb.add_position_embedding or config.sequence_parallel or config.fp32_residual_connection):
             return emb(input_ids=tokens, position_ids=positions)
         local = tokens - words.vocab_start_index
         outside = (local < 0) | (local >= words.num_embeddings_per_partition)
@@ -134,7 +140,7 @@ class IncrementalForward:
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU MLP: through `_linear` on CPUs (Megatron-Core's gated MLP: silu(first half) * second half)."""
-        if not self._lean or cuda_rules.gpu_path(x) or not mlp.config.gated_linear_unit:
+        if not self._lean or cuda_rules.gpu_path(x, self.cuda_rules_on) or not mlp.config.gated_linear_unit:
             return mlp(x)[0]
         gate, up = torch.chunk(self._linear(mlp.linear_fc1, x), 2, dim=-1)
         return self._linear(mlp.linear_fc2, F.silu(gate) * up)
@@ -148,7 +154,7 @@ class IncrementalForward:
         the query length and attention is written out (softmax in fp32)."""
         b, heads, s, d = q.shape
         g = keys.shape[1]
-        if cuda_rules.gpu_path(q):
+        if cuda_rules.gpu_path(q, self.cuda_rules_on):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, scale=self.scale,
                                                  enable_gqa=g != heads)
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
@@ -186,8 +192,9 @@ class IncrementalForward:
         elif hidden is None:
             raise ValueError("a pipeline stage after the first needs the previous stage's output (hidden)")
         # On CPUs the rotation's cos/sin are computed once per forward, not twice per layer.
+        gpu = cuda_rules.gpu_path(positions, self.cuda_rules_on)
         rope = None
-        if self._lean and not cuda_rules.gpu_path(positions) and self._rotate is _apply_rotary_pos_emb_bshd:
+        if self._lean and not gpu and self._rotate is _apply_rotary_pos_emb_bshd:
             rope = (angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype))
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
         for i, layer in enumerate(self.layers):

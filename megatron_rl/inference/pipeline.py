@@ -176,7 +176,7 @@ class PipelinedDecode:
         # Pipelined decoding is eager; in the CUDA-rules mode the stage's decode step is still held to what a CUDA
         # graph capture allows, so that it stays capturable.
         capturable = (cuda_rules.CaptureChecker("the pipelined decode step") if device.type != "cuda"
-                      and cuda_rules.enabled() else contextlib.nullcontext())
+                      and self.forward.cuda_rules_on else contextlib.nullcontext())
         with capturable:
             out = fwd(work.tokens[:, None], work.positions[:, None], torch.arange(b, device=device), cache,
                       kv_len=work.kv_len, all_slots=True, hidden=received.decode if received is not None else None)

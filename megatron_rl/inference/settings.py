@@ -32,6 +32,15 @@ class GeneratorSettings(Section):
     def layout(self) -> ParallelLayout:
         return ParallelLayout(self.tp, self.pp, self.dp)
 
+    @property
+    def model_attention(self) -> str:
+        """The attention the generator's model is built with (by the job's executor and by `megatron-rl plan`):
+        `attention`, except that "auto" is "sdpa" for a quantized generator, whose 8-bit layers are Megatron-Core's
+        own linears, not transformer-engine's."""
+        if self.quantization != "none" and self.attention == "auto":
+            return "sdpa"
+        return self.attention
+
     def rules(self, path: str) -> list[str]:
         if self.quantization != "none" and self.attention == "te":
             return [f"{path}.quantization={self.quantization!r} needs Megatron-Core's own linear layers: set "
@@ -56,6 +65,23 @@ class RolloutSettings(Section):
     top_k: int = ranged(0, ">= 0", "(0 disables it)")
 
     @property
-    def lag(self) -> int:
-        """How many weight versions the generator may run ahead: `staleness` when async, 0 when sync."""
+    def context_length(self) -> int:
+        """The longest sequence a generator holds: a prompt cut to `max_prompt_length` plus `max_new_tokens` (its
+        KV cache's length; the model's `max_position_embeddings` must cover it)."""
+        return self.max_prompt_length + self.max_new_tokens
+
+    def replica_prompts(self, replica: int, replicas: int) -> list[int]:
+        """Which of a step's `prompts_per_step` prompts generator replica `replica` of `replicas` samples: every
+        `replicas`-th, from its own index, so replica 0 holds the most (`samples_per_replica`)."""
+        return list(range(self.prompts_per_step))[replica::replicas]
+
+    def samples_per_replica(self, replicas: int) -> int:
+        """The most samples a generator replica draws in one step (replica 0's): what its KV-cache slots hold."""
+        return len(self.replica_prompts(0, replicas)) * self.samples_per_prompt
+
+    @property
+    def effective_staleness(self) -> int:
+        """How many weight versions the generator may run ahead of the trainer, as the job runs it: `staleness` in
+        async mode, 0 in sync mode, whatever `staleness` is set to there (the setting counts only when async). The
+        job (its schedule, the batches a checkpoint keeps, its banner and summary) reads this, never `staleness`."""
         return self.staleness if self.mode == "async" else 0

@@ -11,6 +11,10 @@ workers): a terminal's Ctrl-C reaches only this process, which decides what the 
 ends all it started. With `stop_grace_s`, SIGTERM and SIGINT are forwarded to the ranks, which note them
 (`launch/signals.py`) and stop at their next consistent point; past the grace time, or at a second SIGINT, the
 ranks' groups are killed.
+
+However the ranks end, `run_local` returns every rank's result or raises `RanksFailed` with every rank that failed,
+the likely cause first (`launch/failures.py`, which also words the report). A rank learns where it meets the
+others from `launch/world.py: set_rendezvous_env`, as a rank of a torchrun/srun world does.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl import quiet
+from megatron_rl.launch.failures import (HUNG, KILLED_AFTER, RankFailure, RanksFailed, cause_of, death, is_peer_error,
+                                         likely_cause_first)
+from megatron_rl.launch.world import LaunchError, set_rendezvous_env
 from megatron_rl.parallel import liveness
 
 # What the fork server imports once for all the ranks it forks: torch's dynamo (the CPU layer imports it before it
@@ -36,6 +42,7 @@ from megatron_rl.parallel import liveness
 # import-time costs (`compat/megatron_core.py`).
 _PRELOAD = ["torch", "torch._dynamo", "megatron_rl.compat.megatron_core", "megatron_rl.launch.spawn",
             "megatron_rl.compat"]
+_FREEZE = "megatron_rl.launch.preloaded"  # imported last: gc.freeze() of everything preloaded
 
 
 def free_port() -> int:
@@ -49,10 +56,6 @@ def local_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-class LaunchError(RuntimeError):
-    """The local machine cannot host the requested world (one line, before any process starts)."""
 
 
 def resolve_backend(backend: str, world_size: int, cuda_devices: int) -> str:
@@ -118,19 +121,12 @@ def _lead_own_group() -> None:
         pass
 
 
-def cause_of(exc: BaseException) -> str:
-    """One line for an exception: its type and the first line of its message."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
 def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s: float, note_signals: bool,
             fn: Callable, args: tuple, queue, beats: Optional[liveness.LocalBeats], beat_s: float) -> None:
     import megatron_rl.compat.megatron_core  # noqa: F401 - a spawned rank's first import of it (the fork server's did)
 
     _lead_own_group()
-    if beats is not None:
-        liveness.install(beats.heartbeat(rank, beat_s))
+    heartbeat = beats.heartbeat(rank, beat_s).start() if beats is not None else None
     if note_signals:
         from megatron_rl.launch import signals
 
@@ -140,14 +136,13 @@ def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s:
 
     from megatron_rl.compat import activate
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    set_rendezvous_env("127.0.0.1", port, rank, world_size, rank)
     torch.set_num_threads(1)
     try:
         bind_device(rank)
         activate()
         init_process_group(backend, rank, world_size, dist_timeout_s)
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args, **({"heartbeat": heartbeat} if heartbeat is not None else {}))
         # Serialize by value: tensors put on a queue are shared through file descriptors that die with this
         # process, which may exit before the parent reads them.
         buf = io.BytesIO()
@@ -158,67 +153,6 @@ def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """How one rank ended without a result: `cause` in one line ("ValueError: ...", "died with signal 9"), and
-    `report`, its full traceback (or the cause)."""
-
-    rank: int
-    cause: str
-    report: str
-
-
-# Errors a rank gets because a peer failed: they name the victim, not the cause.
-_PEER_ERRORS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                "Timed out", "NCCL",
-                # torch's checkpoint save failed, and the rank could not say why: the rank that found the cause (a
-                # full disk: `checkpointing/storage.py`) raises CheckpointError, and it names the fault
-                "CheckpointException ranks:")
-
-
-class RanksFailed(RuntimeError):
-    """Ranks of a `run_local` world ended without a result. `failures`: the likely cause first (a rank that died
-    without a word, else the first to report an error that is not a peer's failure), then the others in the order
-    they were found. `signal`: the stop signal the launcher had forwarded (0 for none); `killed`: why the launcher
-    killed the ranks ("grace": the grace time was over; "twice": a second SIGINT), "" when it did not."""
-
-    def __init__(self, failures: list[RankFailure], world_size: int, signal: int = 0, killed: str = ""):
-        self.failures, self.world_size, self.signal, self.killed = failures, world_size, signal, killed
-        text = "\n".join(f"--- rank {f.rank} ---\n{f.report}" for f in sorted(failures, key=lambda f: f.rank))
-        super().__init__(f"{len(failures)} of {world_size} ranks failed:\n{text}")
-
-    @property
-    def first(self) -> RankFailure:
-        return self.failures[0]
-
-
-def is_peer_error(cause: str) -> bool:
-    return any(marker in cause for marker in _PEER_ERRORS)
-
-
-def _order(failures: list[RankFailure]) -> list[RankFailure]:
-    def rank_of(f: RankFailure) -> int:
-        if f.cause == _KILLED_AFTER:  # the launcher ended it because another rank had failed
-            return 3
-        if f.report == f.cause:  # ended without reporting: killed, hung, or the interpreter died
-            return 0
-        return 2 if is_peer_error(f.cause) else 1
-
-    return sorted(failures, key=rank_of)  # stable: the order found within each class
-
-
-_KILLED_AFTER = "killed by the launcher after another rank failed"
-_HUNG = "hung: still running when the other ranks gave up waiting for it"
-
-
-def _death(proc) -> str:
-    code = proc.exitcode
-    if code is not None and code < 0:
-        return f"died with signal {-code} ({signal.Signals(-code).name})" if -code in signal.valid_signals() \
-            else f"died with signal {-code}"
-    return f"exited with code {code} without a result"
 
 
 def _end_all(procs) -> None:
@@ -287,6 +221,12 @@ def start_method(cuda: int) -> str:
     return method
 
 
+def _preload_list(preload: Sequence[str]) -> list[str]:
+    """What the fork server imports: torch and the launcher's own modules, then `preload`, then `preloaded` (which
+    freezes them all out of the garbage collector's reach: see its docstring)."""
+    return _PRELOAD + [m for m in preload if m not in _PRELOAD] + [_FREEZE]
+
+
 def _start_context(cuda: int, preload: Sequence[str] = ()):
     """The multiprocessing context of `start_method` (torch's, whose pickler sends tensors). The dependency warnings
     are filtered first (`quiet.py`): the fork server and the spawned ranks inherit the filters through the
@@ -297,7 +237,7 @@ def _start_context(cuda: int, preload: Sequence[str] = ()):
     method = start_method(cuda)
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD + [m for m in preload if m not in _PRELOAD])
+        ctx.set_forkserver_preload(_preload_list(preload))
     return ctx
 
 
@@ -316,8 +256,7 @@ def start_fork_server(preload: Sequence[str] = ()) -> None:
     from multiprocessing import forkserver
 
     quiet.install()
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        _PRELOAD + [m for m in preload if m not in _PRELOAD])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_preload_list(preload))
     forkserver.ensure_running()
 
 
@@ -372,7 +311,7 @@ def _wait(ranks: _Ranks, forward: Optional["_Forwarder"], deadline: Optional[flo
             ranks.take(*ranks.queue.get(timeout=min(remaining, 1.0)))
         except queue_mod.Empty:
             for r in ranks.dead():
-                ranks.failures[r] = RankFailure(r, _death(ranks.procs[r]), _death(ranks.procs[r]))
+                ranks.failures[r] = RankFailure(r, death(ranks.procs[r].exitcode), death(ranks.procs[r].exitcode))
             if beats is not None and not ranks.failures:
                 running = [r for r in ranks.open() if ranks.procs[r].exitcode is None]
                 for r, silent in beats.silent(running, started, hang_timeout_s):
@@ -394,9 +333,9 @@ def _end_world(ranks: _Ranks, killed: str) -> dict[int, str]:
     for p in procs:
         if p.pid is not None:
             p.join(timeout=5 if not failures and not killed else 0.1)
-    died_alone = {r: _death(procs[r]) for r in ranks.dead()}  # before the launcher ends the rest
+    died_alone = {r: death(procs[r].exitcode) for r in ranks.dead()}  # before the launcher ends the rest
     if failures and all(is_peer_error(f.cause) for f in failures.values()):
-        died_alone.update({r: _HUNG for r, p in enumerate(procs)
+        died_alone.update({r: HUNG for r, p in enumerate(procs)
                            if p.pid is not None and p.exitcode is None and r not in ranks.results})
     _end_all(procs)
     return died_alone
@@ -411,7 +350,9 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     `fn` must be importable (a module-level function). `backend`: gloo, nccl, or auto (NCCL when CUDA is present).
     `timeout`: seconds for the whole run, None for no limit; `dist_timeout_s`: the process group's timeout for one
     collective or message. `hang_timeout_s`: a rank whose heartbeat (`parallel/liveness.py`) has not moved for that
-    long is hung, and the world is ended (None: not watched). `stop_grace_s`: forward SIGTERM and SIGINT to the ranks (`on_signal(signum)` is called
+    long is hung, and the world is ended (None: not watched); in a watched world `fn` is also given its rank's
+    started `liveness.Heartbeat` as `heartbeat=` (its `doing(label)` names the action a hang is reported in).
+    `stop_grace_s`: forward SIGTERM and SIGINT to the ranks (`on_signal(signum)` is called
     then) and kill them that many seconds later if they have not ended. Raises LaunchError when the machine cannot
     host the world, RanksFailed (a RuntimeError) when a rank fails, dies or is killed, TimeoutError past the
     timeout. However it ends, every rank's process group is killed before it returns: nothing a rank started
@@ -446,8 +387,9 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     if ranks.failures or killed:
         ranks.drain()
         for r in ranks.dead():
-            cause = "killed" if killed else died_alone.get(r, _KILLED_AFTER)
+            cause = "killed" if killed else died_alone.get(r, KILLED_AFTER)
             ranks.failures[r] = RankFailure(r, cause, cause)
-        raise RanksFailed(_order(list(ranks.failures.values())), world_size, signal=forward.signal, killed=killed)
+        raise RanksFailed(likely_cause_first(list(ranks.failures.values())), world_size, signal=forward.signal,
+                          killed=killed)
     results = ranks.results
     return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]

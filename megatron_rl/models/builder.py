@@ -154,7 +154,7 @@ def build_gpt_model(
     overrides = dict(config_overrides or {})
     if "rope" in fused:
         # Megatron-Core's own RoPE switch; without transformer-engine its kernel slot is filled with ours.
-        register_rope_fusion()
+        register_rope_fusion(cuda_rules.enabled())
         overrides.setdefault("apply_rope_fusion", True)
     config = transformer_config(model, layout, params_dtype=params_dtype, **overrides)
     if not config.apply_rope_fusion:

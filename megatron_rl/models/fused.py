@@ -23,8 +23,9 @@ The compiled kernel keeps the products in fp32 and rounds once, so in bf16 it ma
 (which rounds after every operation) by one unit in the last place; in fp32 the two agree to rounding.
 
 CPU tensors always take the plain arithmetic, bit-identical to torch's and Megatron's unfused functions (compiling
-costs more than it saves on a CPU, and the test suite compares CPU runs against references at 1e-5);
-`build_gpt_model` enables these only on GPUs unless asked to.
+costs more than it saves on a CPU, and the test suite compares CPU runs against references at 1e-5), except in the
+CUDA-rules test mode (`compat/cuda_rules.py`), read once when the norm is built or the RoPE slot filled;
+`build_gpt_model` enables these only on GPUs (or in that mode) unless asked to.
 
 How they are wired in (`megatron_rl.models.builder`):
 
@@ -35,11 +36,13 @@ How they are wired in (`megatron_rl.models.builder`):
 * RoPE: Megatron-Core's own switch, `TransformerConfig.apply_rope_fusion`, routes `apply_rotary_pos_emb` to
   `rope_utils.fused_apply_rotary_pos_emb`, which Megatron imports from transformer-engine and leaves `None`
   without it (and then refuses the flag). `register_rope_fusion` fills that slot with `fused_apply_rotary_pos_emb`
-  below when it is empty; models built without the flag are unaffected.
+  below (bound to the CUDA-rules mode of the model being built) when it is empty or holds ours; models built
+  without the flag are unaffected.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Optional, Union
 
 import torch
@@ -95,7 +98,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, impl: 
     "math" (`rms_norm_math` as is; the default otherwise) or "torch" (torch's fused kernel where it has one, the
     weight cast to x's dtype for it)."""
     if impl is None:
-        impl = "compiled" if cuda_rules.gpu_path(x) else "math"
+        impl = "compiled" if x.is_cuda else "math"
     if impl == "torch":
         w = weight if weight is None or weight.dtype == x.dtype else weight.to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), w, eps)
@@ -108,7 +111,8 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, impl: 
 
 class FusedRMSNorm(torch.nn.RMSNorm):
     """Drop-in for the norm `WrappedTorchNorm` builds (`torch.nn.RMSNorm(hidden_size, eps)`) with a compiled forward
-    (and backward) for CUDA inputs. Takes Megatron-Core's norm constructor arguments."""
+    (and backward) for CUDA inputs, and for CPU inputs in the CUDA-rules mode it was built in. Takes Megatron-Core's
+    norm constructor arguments."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                  zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
@@ -119,10 +123,11 @@ class FusedRMSNorm(torch.nn.RMSNorm):
             raise ValueError("FusedRMSNorm supports neither zero-centered gamma, sequence parallelism nor "
                              "memory-efficient layer norm")
         super().__init__(hidden_size, eps=eps)
+        self.cuda_rules_on = cuda_rules.enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return rms_norm(x, self.weight, eps)
+        return rms_norm(x, self.weight, eps, "compiled" if cuda_rules.gpu_path(x, self.cuda_rules_on) else "math")
 
 
 # -------------------------------------------------------------------------------------------------------- RoPE
@@ -152,27 +157,33 @@ _rope_compiled = CompiledKernel(rope_math, "fused.rope", lambda t, freqs: (freqs
 def apply_rope(t: torch.Tensor, freqs: torch.Tensor, compiled: Optional[bool] = None) -> torch.Tensor:
     """`rope_math`, compiled for CUDA tensors (or as `compiled` says)."""
     if compiled is None:
-        compiled = cuda_rules.gpu_path(t)
+        compiled = t.is_cuda
     return (_rope_compiled if compiled else rope_math)(t, freqs)
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
-                               interleaved: bool = False) -> torch.Tensor:
-    """The signature Megatron-Core calls its (transformer-engine) fused RoPE with, for [s, b, heads, d] inputs."""
+                               interleaved: bool = False, *, cuda_rules_on: bool = False) -> torch.Tensor:
+    """The signature Megatron-Core calls its (transformer-engine) fused RoPE with, for [s, b, heads, d] inputs;
+    `cuda_rules_on` is bound by `register_rope_fusion`."""
     if interleaved:
         from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
-    return apply_rope(t, freqs)
+    return apply_rope(t, freqs, compiled=cuda_rules.gpu_path(t, cuda_rules_on))
 
 
-def register_rope_fusion() -> bool:
-    """Make Megatron-Core's `apply_rope_fusion` path available without transformer-engine: fill its empty
-    `fused_apply_rotary_pos_emb` slot with ours. Returns whether the slot now holds a fused RoPE (ours or TE's).
-    Packed sequences (the THD slot) stay unsupported; this project does not pack sequences."""
+def register_rope_fusion(cuda_rules_on: bool) -> bool:
+    """Make Megatron-Core's `apply_rope_fusion` path available without transformer-engine: fill its
+    `fused_apply_rotary_pos_emb` slot, when empty or holding ours, with ours bound to `cuda_rules_on` (the CUDA-rules
+    mode of the model being built: the slot is Megatron-Core's, one per process). Returns whether the slot now
+    holds a fused RoPE (ours or TE's). Packed sequences (the THD slot) stay unsupported; this project does not pack
+    sequences."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    if rope_utils.fused_apply_rotary_pos_emb is None:
-        rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+    slot = rope_utils.fused_apply_rotary_pos_emb
+    ours = isinstance(slot, functools.partial) and slot.func is fused_apply_rotary_pos_emb
+    if slot is None or ours:
+        rope_utils.fused_apply_rotary_pos_emb = functools.partial(fused_apply_rotary_pos_emb,
+                                                                  cuda_rules_on=cuda_rules_on)
     return rope_utils.fused_apply_rotary_pos_emb is not None
 

@@ -1,6 +1,7 @@
 """World split into executors and their parallel layouts.
 
-`ParallelLayout` imports nothing heavy (the config uses it); the topology (torch.distributed) loads on first use.
+`ParallelLayout` and `layout_problems` (whether a layout can hold a model) import nothing heavy (the config uses
+them); the topology (torch.distributed) loads on first use.
 """
 
 from megatron_rl.parallel.layout import ParallelLayout

@@ -1,8 +1,11 @@
-"""Parallel layouts: how one executor's ranks split into tensor, pipeline and data parallel groups."""
+"""Parallel layouts: how one executor's ranks split into tensor, pipeline and data parallel groups, and whether a
+layout can hold a model (`layout_problems`, the one rule every caller applies: the job's configuration, DDMA,
+the converter, `eval` and the reward model)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Protocol
 
 
 @dataclass(frozen=True)
@@ -49,3 +52,45 @@ class ParallelLayout:
             if values[key] < 1:
                 raise ValueError(f"bad layout {text!r}: {key} must be >= 1")
         return cls(**values)
+
+
+class ModelDims(Protocol):
+    """The dimensions of a model that a layout splits (`ModelConfig` and `ddma.descriptors.ModelShape` have them)."""
+
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    num_layers: int
+
+
+# The model dimensions each parallel size must divide: Megatron-Core gives every TP rank the same number of
+# attention heads, query groups and MLP channels, and every pipeline stage the same number of layers.
+SPLIT_DIMS = {"tp": ("num_attention_heads", "num_query_groups", "ffn_hidden_size"), "pp": ("num_layers",)}
+
+
+@dataclass(frozen=True)
+class LayoutProblem:
+    """One reason a layout cannot hold a model: `dim` ("tp", "pp" or "dp") is `size`, which is below 1
+    (`field` None) or does not divide the model's `field` (`count`). `str()` is a plain wording; each caller may
+    word it for its own users from the fields."""
+
+    dim: str
+    size: int
+    field: Optional[str] = None
+    count: int = 0
+
+    def __str__(self) -> str:
+        if self.field is None:
+            return f"{self.dim}={self.size} must be >= 1"
+        return f"{self.dim}={self.size} does not divide {self.field}={self.count}"
+
+
+def layout_problems(model: ModelDims, layout: ParallelLayout) -> list[LayoutProblem]:
+    """Why `layout` cannot hold `model` (empty when it can): every size below 1, else every model dimension of
+    `SPLIT_DIMS` that TP or PP does not divide, in that order. Pure; the model's own shape (heads per query group,
+    positive sizes) is the model's rule, not checked here."""
+    low = [LayoutProblem(dim, getattr(layout, dim)) for dim in ("tp", "pp", "dp") if getattr(layout, dim) < 1]
+    if low:
+        return low
+    return [LayoutProblem(dim, getattr(layout, dim), name, getattr(model, name))
+            for dim, names in SPLIT_DIMS.items() for name in names if getattr(model, name) % getattr(layout, dim)]

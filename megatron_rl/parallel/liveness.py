@@ -1,8 +1,9 @@
 """Liveness: a rank is hung when it stops beating, not when a peer's work takes long.
 
-Every rank runs a heartbeat thread that publishes, once a second, a beat and the action of the schedule the rank is
-in (`doing("step 12: train")`). The thread needs nothing from the main thread but the interpreter: it beats while
-the rank computes, while it waits in a collective for a slow peer (gloo and NCCL release the GIL), while it loads
+Every rank runs a heartbeat thread (`Heartbeat`) that publishes, once a second, a beat and the action of the schedule
+the rank is in: the launcher starts it and hands it to the loop, which names each action as it starts it
+(`heartbeat.doing("Train(step=12)")`). The thread needs nothing from the main thread but the interpreter: it beats
+while the rank computes, while it waits in a collective for a slow peer (gloo and NCCL release the GIL), while it loads
 or saves a checkpoint. It stops when the process stops: SIGSTOP, a frozen or swapped-out node, a C call that holds
 the GIL forever, a dead interpreter. A rank whose beat has not moved for `hang_timeout_s()` is hung; the job ends
 within that time plus a few beats, in one line naming the rank and its last action. A healthy job is never ended for
@@ -67,9 +68,10 @@ def beat_interval_s(timeout_s: float) -> float:
 
 
 class Heartbeat:
-    """This rank's beat: a daemon thread calling `publish(count, label)` every `interval_s`. `label` is what the
-    main thread last said it was doing (`doing`); `show_label`, where cheap (shared memory), publishes it at once,
-    so that the line names the action the rank stopped in, not one from up to a beat before."""
+    """This rank's beat: a daemon thread calling `publish(count, label)` every `interval_s` from `start()` to
+    `stop()`. `label` is what the main thread last said it was doing (`doing`); `show_label`, where cheap (shared
+    memory), publishes it at once, so that the line names the action the rank stopped in, not one from up to a beat
+    before. One per rank process, made and started by the launcher, which passes it to the loop."""
 
     def __init__(self, publish: Callable[[int, str], None], interval_s: float,
                  show_label: Optional[Callable[[str], None]] = None):
@@ -85,6 +87,12 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
+    def doing(self, label: str) -> None:
+        """Name what this rank does now (the schedule's action); shown in the line if the rank hangs."""
+        self.label = label
+        if self.show_label is not None:
+            self.show_label(label)
+
     def _run(self) -> None:
         count = 0
         while not self._stop.is_set():
@@ -94,33 +102,6 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - a beat that cannot be published is a missed beat, not a crash
                 pass
             self._stop.wait(self.interval_s)
-
-
-_current: Optional[Heartbeat] = None  # this process's heartbeat (one per rank process), set by `install`
-
-
-def install(heartbeat: Heartbeat) -> Heartbeat:
-    global _current
-    if _current is not None:
-        _current.stop()
-    _current = heartbeat.start()
-    return heartbeat
-
-
-def uninstall() -> None:
-    global _current
-    if _current is not None:
-        _current.stop()
-        _current = None
-
-
-def doing(label: str) -> None:
-    """Name what this rank does now (the schedule's action); shown in the line if the rank hangs. A no-op in a
-    process without a heartbeat."""
-    if _current is not None:
-        _current.label = label
-        if _current.show_label is not None:
-            _current.show_label(label)
 
 
 # ---- the local launcher: beats in shared memory, watched by the launcher process -----------------------------------

@@ -47,8 +47,8 @@ def checkpoint_report(path: Path, model: ModelConfig, layout: ParallelLayout, st
     """{"path", "loads", "tensors", "read_bytes_per_rank": {"pp N": bytes}}; raises ReshardError (one line) for a
     path that is not a checkpoint or holds another model."""
     from megatron_rl.checkpointing import safe_load
-    from megatron_rl.checkpointing.inspect import InspectError, dist_tensors, read_meta, resolve_checkpoint
-    from megatron_rl.checkpointing.layout import CheckpointError
+    from megatron_rl.checkpointing.inspect import InspectError, dist_tensors, resolve_checkpoint
+    from megatron_rl.checkpointing.layout import CheckpointError, read_meta
 
     try:
         ckpt = resolve_checkpoint(path)
@@ -96,7 +96,7 @@ def checkpoint_cost(cfg, model: ModelConfig, stages, cal) -> dict:
     Bytes a rank writes: its DP range of the optimizer's per-parameter state (fp32 main weights and two Adam
     moments: 12 bytes an element; without the distributed optimizer DP rank 0 writes the whole shard's), plus the
     weights its DP rank owns: every DP rank of a shard holds the same weights and each writes a share, assigned
-    largest first to the least-loaded rank (`checkpointing/training.py: _spread_replicas`); the KL reference
+    largest first to the least-loaded rank (`checkpointing/megatron_state.py: spread_replicas`); the KL reference
     model's weights the same way. Host memory during a save: the same bytes (each rank copies what it writes into
     host buffers, kept between saves).
 

@@ -140,7 +140,7 @@ class ParamInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -190,10 +190,6 @@ class RankModules:
         return sum(p.nbytes for p in self.params) + self.quantized_bytes
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
     out = []
     for name, p in model.named_parameters():
@@ -231,13 +227,13 @@ def _optimizer_shards(model: torch.nn.Module, dp: int, distributed: bool) -> tup
         dp_group._rank = r
         param_bytes = grad_bytes = main = state = steps = 0
         for buf in buffers:
-            grad_bytes += buf.numel * _itemsize(buf.grad_dtype)
+            grad_bytes += buf.numel * buf.grad_dtype.itemsize
             if distributed:
-                param_bytes += buf.numel * _itemsize(buf.param_dtype)
+                param_bytes += buf.numel * buf.param_dtype.itemsize
                 ranges = DistributedOptimizer._build_gbuf_range_map(buf)[(buf.param_dtype, buf.grad_dtype)]
                 owned = [(p, m["param"].size) for bucket in ranges for p, m in bucket["param_map"].items()]
             else:
-                param_bytes += sum(p.numel() * _itemsize(p.dtype) for p in buf.params)
+                param_bytes += sum(p.numel() * p.dtype.itemsize for p in buf.params)
                 owned = [(p, p.numel()) for p in buf.params]
             for p, n in owned:
                 if p.dtype != torch.float32:

@@ -18,11 +18,16 @@ third executor to the memory report: each rank's GPTModel shard built on the met
 dtype) plus its replicated fp32 head, a scoring workspace (`_scoring_workspace_bytes`) and the reserve. It is in
 neither step time: it scores each batch as it arrives, overlapping generation and training, and the synchronous
 baseline is the trainer's and generator's GPUs, as in the paper.
+
+Where the plan depends on a rule of the job, it calls the job's own function, so that the two cannot drift apart:
+the trainer's padding (`training.rl_trainer.padded_seq_len`, `micro_batch_rows`), the generator's attention
+(`inference.settings.GeneratorSettings.model_attention`), the reward model's body and scoring batch
+(`rewards.sequence_classifier.body_config`, `BODY_ATTENTION`, `SCORING_BATCH_SIZE`, `scoring_max_length`), the
+modules themselves (built by the job's builders, `planning.meta`) and the DDMA plan (`ddma.planner`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,10 +150,6 @@ def _dtype(name: str, cal: Calibration) -> torch.dtype:
     return DTYPES["bf16"] if name == "auto" and cal.fused_kernels else resolve_dtype(name)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 def model_cost(model: ModelConfig) -> ModelCost:
     """Matmul weights per token from the logical parameters (every 2-D weight; the embedding counts once more as the
     output layer when tied, since the logits multiply it)."""
@@ -167,10 +168,10 @@ def workload(cfg: JobConfig) -> Workload:
 
 def _trainer_batch(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
     """(sequence length, rows per micro-batch, micro-batches) of one trainer DP rank, as `RLTrainer.step` pads."""
-    from megatron_rl.training.rl_trainer import micro_batch_rows
+    from megatron_rl.training.rl_trainer import micro_batch_rows, padded_seq_len
 
     w = workload(cfg)
-    seq = -(-w.seq_len // 8) * 8
+    seq = padded_seq_len(w.seq_len)
     per_dp = -(-w.sequences // dp)
     rows = micro_batch_rows(per_dp, cfg.trainer.micro_batch_size)
     return seq, rows, -(-per_dp // rows)
@@ -182,7 +183,7 @@ def _trainer_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, 
     seq, rows, m = _trainer_batch(cfg, layout.dp)
     ranks = []
     for pp_rank, mods in enumerate(stages):
-        act = activation_bytes(model, layout.tp, layout.pp, pp_rank, rows, seq, m, _itemsize(dtype),
+        act = activation_bytes(model, layout.tp, layout.pp, pp_rank, rows, seq, m, dtype.itemsize,
                                cal.fused_kernels)
         worst = max(range(len(mods.optimizer)), key=lambda d: (mods.optimizer[d].main_bytes
                                                                + mods.optimizer[d].optimizer_state_bytes))
@@ -195,8 +196,9 @@ def _trainer_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, 
 
 
 def _generator_slots(cfg: JobConfig, replicas: int) -> int:
-    r = cfg.rollout
-    return min(cfg.generator.max_batch_size, -(-r.prompts_per_step // replicas) * r.samples_per_prompt)
+    """The KV-cache slots a replica's generator allocates for a step, as the job's `Generator` does: its samples,
+    at most `generator.max_batch_size`."""
+    return min(cfg.generator.max_batch_size, cfg.rollout.samples_per_replica(replicas))
 
 
 def _generator_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration,
@@ -206,7 +208,7 @@ def _generator_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout
     prompts, as on a one-stage generator (an upper bound: a stage prefills one lane of slots at a time)."""
     quantized = cfg.generator.quantization != "none"
     work = prefill_workspace_bytes(model, layout.tp, cfg.generator.max_batch_size, cfg.rollout.max_prompt_length,
-                                   _itemsize(_dtype(cfg.generator.dtype, cal)), quantized)
+                                   _dtype(cfg.generator.dtype, cal).itemsize, quantized)
     return RankMemory("generator", "every rank" if layout.pp == 1 else f"pp {pp_rank}", {
         "weights": mods.weight_bytes, "kv_cache": mods.kv_cache_bytes, "prefill_workspace": work,
         "ddma_staging": staging, "reserve": int(cal.reserve_gib * GIB)})
@@ -223,7 +225,7 @@ def _sync_estimate(model: ModelConfig, trainer: ParallelLayout, generator: Paral
                             dst_first_rank=0 if colocated else trainer.size)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    itemsize = [{p.name: _itemsize(p.dtype) for p in mods.params} for mods in stages]
+    itemsize = [{p.name: p.dtype.itemsize for p in mods.params} for mods in stages]
     sent: dict[int, int] = {}
     received: dict[int, int] = {}
     network = 0
@@ -249,12 +251,9 @@ def _build_trainer(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, c
 
 def _build_generator(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration,
                      pp_rank: int = 0) -> RankModules:
-    attention = cfg.generator.attention
-    if cfg.generator.quantization != "none" and attention == "auto":
-        attention = "sdpa"  # as the job does: 8-bit layers are Megatron-Core's own linears, not TE's
-    max_len = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
+    max_len = cfg.rollout.context_length
     return build_rank_modules(model, layout, pp_rank=pp_rank, params_dtype=_dtype(cfg.generator.dtype, cal),
-                              attention=attention, quantization=cfg.generator.quantization,
+                              attention=cfg.generator.model_attention, quantization=cfg.generator.quantization,
                               kv_cache=(cfg.generator.max_batch_size, max_len))
 
 
@@ -273,27 +272,24 @@ def _reward_model_memory(cfg: JobConfig, cal: Calibration, device_bytes: int) ->
 
     Weights: this TP rank's GPTModel as `ParallelRewardModel` builds it (tied embeddings, hence no output-layer
     weight, and its output layer dropped), on the meta device in the generator's dtype, plus the replicated fp32
-    head [1, hidden]. Workspace: `_scoring_workspace_bytes` for one batch of the executor's `batch_size` sequences
-    of rollout.max_prompt_length + rollout.max_new_tokens tokens (at most its `max_length`, by default the reward
-    model's max_position_embeddings)."""
-    import inspect
-
-    from megatron_rl.rewards.sequence_classifier import ParallelRewardModel, reward_model_config
+    head [1, hidden]. Workspace: `_scoring_workspace_bytes` for one batch of the executor's `SCORING_BATCH_SIZE`
+    sequences of rollout.max_prompt_length + rollout.max_new_tokens tokens (at most `scoring_max_length`, by
+    default the reward model's max_position_embeddings)."""
+    from megatron_rl.rewards.sequence_classifier import (BODY_ATTENTION, SCORING_BATCH_SIZE, SCORING_MAX_LENGTH,
+                                                         body_config, reward_model_config, scoring_max_length)
 
     e = cfg.reward.executor
     try:
-        rm = dataclasses.replace(reward_model_config(cfg.reward.model, e.tp), tie_word_embeddings=True)
+        rm = body_config(reward_model_config(cfg.reward.model, e.tp))
     except ValueError as err:
         raise PlanError(str(err).splitlines()[0]) from None
     dtype = _dtype(cfg.generator.dtype, cal)
-    mods = build_rank_modules(rm, e.layout, params_dtype=dtype, attention="sdpa")
+    mods = build_rank_modules(rm, e.layout, params_dtype=dtype, attention=BODY_ATTENTION)
     head = 4 * rm.hidden_size
     weights = sum(p.nbytes for p in mods.params if not p.name.startswith("output_layer.")) + head
-    defaults = inspect.signature(ParallelRewardModel).parameters  # the executor passes neither
-    batch = defaults["batch_size"].default
-    max_length = defaults["max_length"].default or rm.max_position_embeddings  # None: the model's own window
-    context = min(cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens, max_length)
-    work = _scoring_workspace_bytes(rm, e.tp, batch, context, _itemsize(dtype))
+    batch, max_length = SCORING_BATCH_SIZE, scoring_max_length(rm, SCORING_MAX_LENGTH)
+    context = min(cfg.rollout.context_length, max_length)
+    work = _scoring_workspace_bytes(rm, e.tp, batch, context, dtype.itemsize)
     rank = RankMemory("reward model", "every rank", {"weights": weights, "scoring_workspace": work,
                                                      "reserve": int(cal.reserve_gib * GIB)})
     info = {"path": cfg.reward.model, "parameters": rm.num_parameters() + rm.hidden_size, "gpus": e.tp * e.dp,
@@ -310,7 +306,7 @@ def _trainer_shape(cfg: JobConfig, layout: ParallelLayout, stages: list[RankModu
     """The trainer as the step model sees it: its busiest stage's DDP buffers and each group's link."""
     opt = [o for s in stages for o in s.optimizer]
     tp, dp = layout.tp, layout.dp
-    return TrainerShape(tp, layout.pp, dp, rows, _itemsize(_dtype(cfg.trainer.dtype, cal)),
+    return TrainerShape(tp, layout.pp, dp, rows, _dtype(cfg.trainer.dtype, cal).itemsize,
                         grad_buffer_bytes=max(o.grad_buffer_bytes for o in opt),
                         param_buffer_bytes=max(o.param_buffer_bytes for o in opt),
                         distributed_optimizer=cfg.trainer.use_distributed_optimizer,
@@ -358,7 +354,7 @@ def predict_steps(cfg: JobConfig, model: ModelConfig, cal: Calibration, device_b
     gpus = tl.size if colocated else tl.size + gl.size
     sync_gen, sync_train, baseline = _colocated_baseline(cfg, model, tl, gpus, cal, device_bytes, cost, w)
     seq, rows, _ = _trainer_batch(cfg, tl.dp)
-    max_len = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
+    max_len = cfg.rollout.context_length
     kv_token = gen.kv_cache_bytes / (cfg.generator.max_batch_size * max_len)
     gshape = GeneratorShape(gl.tp, gl.pp, gl.dp, _generator_slots(cfg, gl.dp), gen.weight_bytes, kv_token,
                             micro_batches=gl.pp)

@@ -8,13 +8,16 @@ shard of the GPTModel (`build_gpt_model`, without the vocabulary output layer: a
 fills it straight from the rows and columns of the safetensors tensors it is made of (the converter's
 `fill_param`, with the shard descriptors of `models/sharding.py`), and keeps the scalar head `score.weight`
 [1, hidden] replicated. TP rank 0 tokenizes (prompt + response, the model's own tokenizer, right padding,
-texts longer than `max_length`, by default the model's max_position_embeddings, cut from the left) and broadcasts the token ids within the TP group; each batch runs embedding ->
-decoder (causal attention; its final norm included) and the head reads the hidden state of the last token
-that is not the pad token, as transformers does, so the scores are `RewardModelReward`'s. The executor that
-receives rollouts and calls `ParallelRewardModel.score` lives in controller/executors.py.
+texts longer than `max_length`, by default the model's max_position_embeddings, cut from the left) and broadcasts
+the token ids within the TP group; each batch runs embedding -> decoder (causal attention; its final norm
+included) and the head reads the hidden state of the last token that is not the pad token, as transformers does,
+so the scores are `RewardModelReward`'s. The executor that receives rollouts and calls `ParallelRewardModel.score`
+lives in controller/executors.py; it scores with `SCORING_BATCH_SIZE` and `SCORING_MAX_LENGTH`, which
+`megatron-rl plan` reads too.
 
 `reward_model_config` checks a reward-model directory from config.json and the safetensors headers only (no
-weights), so the run configuration can validate `reward.model` against the executor's TP before anything starts.
+weights), so the run configuration can validate `reward.model` against the executor's TP
+(`parallel.layout.layout_problems`) before anything starts.
 """
 
 from __future__ import annotations
@@ -28,9 +31,31 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models.presets import ModelConfig
-from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.parallel.layout import ParallelLayout, layout_problems
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+# How the reward executor scores: sequences per forward, and tokens kept of each text (None: the model's
+# max_position_embeddings). Read by the executor that builds `ParallelRewardModel` and by `megatron-rl plan`,
+# which sizes the scoring workspace from them.
+SCORING_BATCH_SIZE = 16
+SCORING_MAX_LENGTH: Optional[int] = None
+
+
+def scoring_max_length(cfg: ModelConfig, max_length: Optional[int] = SCORING_MAX_LENGTH) -> int:
+    """Tokens kept of each scored text: `max_length`, or the model's whole window when it is None."""
+    return max_length or cfg.max_position_embeddings
+
+
+# The attention the reward model's body is built with (here and by `megatron-rl plan`).
+BODY_ATTENTION = "sdpa"
+
+
+def body_config(cfg: ModelConfig) -> ModelConfig:
+    """The GPTModel the reward model's body is built as: tied embeddings, so that GPTModel allocates no
+    output-layer weight (it would reuse the embedding) and no vocab x hidden matrix is ever made; the (weightless)
+    output layer is then dropped."""
+    return dataclasses.replace(cfg, tie_word_embeddings=True)
 
 
 def _where(path) -> str:
@@ -47,7 +72,7 @@ def _num_labels(raw: dict) -> int:
 
 def _check_hf_config(src: Path) -> ModelConfig:
     """The Llama shape of a sequence-classifier directory, refusing anything else in one line."""
-    from megatron_rl.checkpointing.convert import hf_model_config
+    from megatron_rl.checkpointing.hf_sources import hf_model_config
 
     if not (src / "config.json").is_file():
         raise ValueError(f"{_where(src)} is not a Hugging Face model directory (no config.json); point it at a "
@@ -71,19 +96,26 @@ def _check_hf_config(src: Path) -> ModelConfig:
     return cfg
 
 
+# How `_check_tp` names the model dimensions TP splits (`parallel.layout.SPLIT_DIMS`), in Hugging Face's words.
+_HF_WORDS = {"num_attention_heads": "attention heads", "num_query_groups": "key-value heads",
+             "ffn_hidden_size": "MLP channels (intermediate_size)"}
+
+
 def _check_tp(src: Path, cfg: ModelConfig, tp: int) -> None:
-    if tp < 1:
+    """The first reason `tp` cannot split the reward model (`parallel.layout.layout_problems` at pp=1)."""
+    problems = layout_problems(cfg, ParallelLayout(tp=tp))
+    if any(p.field is None for p in problems):
         raise ValueError(f"reward.executor.tp must be >= 1, got {tp}")
-    for what, n in (("attention heads", cfg.num_attention_heads), ("key-value heads", cfg.num_query_groups),
-                    ("MLP channels (intermediate_size)", cfg.ffn_hidden_size)):
-        if n % tp:
-            raise ValueError(f"{_where(src)} has {n} {what}, which reward.executor.tp={tp} does not divide")
+    if problems:
+        p = problems[0]
+        raise ValueError(f"{_where(src)} has {p.count} {_HF_WORDS[p.field]}, which reward.executor.tp={tp} does "
+                         f"not divide")
 
 
 def reward_tensor_files(src: Path, cfg: ModelConfig) -> dict[str, str]:
     """HF tensor name -> safetensors file for the Llama body (no lm_head) and `score.weight` [1, hidden], after
     checking names, shapes and dtypes from the file headers only."""
-    from megatron_rl.checkpointing.convert import hf_tensor_files
+    from megatron_rl.checkpointing.hf_sources import hf_tensor_files
     from megatron_rl.checkpointing.safetensors_io import read_header
 
     try:
@@ -135,12 +167,10 @@ def _build_body(cfg: ModelConfig, layout: ParallelLayout, pgs, params_dtype: tor
     from megatron_rl.models import build_gpt_model
     from megatron_rl.models.sharding import describe_params
 
-    # Tied embeddings: GPTModel allocates no output-layer weight (it would reuse the embedding), so no
-    # vocab x hidden matrix is ever made; the (weightless) output layer is then dropped.
-    body = dataclasses.replace(cfg, tie_word_embeddings=True)
+    body = body_config(cfg)
     # No initialization (as the converter): every parameter is overwritten, allocated on the device it runs on.
     overrides = {k: skip_init for k in ("init_method", "output_layer_init_method", "embedding_init_method")}
-    model = build_gpt_model(body, layout, pgs, attention="sdpa", params_dtype=params_dtype,
+    model = build_gpt_model(body, layout, pgs, attention=BODY_ATTENTION, params_dtype=params_dtype,
                             config_overrides=dict(overrides, use_cpu_initialization=False))
     del model.output_layer
     params = dict(model.named_parameters())
@@ -155,7 +185,7 @@ class ParallelRewardModel:
     `score` is collective over `pgs.tp`; TP rank 0 alone needs the items (and holds the tokenizer)."""
 
     def __init__(self, path, layout: ParallelLayout, pgs, *, params_dtype: torch.dtype = torch.float32,
-                 batch_size: int = 16, max_length: Optional[int] = None):
+                 batch_size: int = SCORING_BATCH_SIZE, max_length: Optional[int] = SCORING_MAX_LENGTH):
         from safetensors import safe_open
 
         if layout.pp != 1:
@@ -164,7 +194,7 @@ class ParallelRewardModel:
             raise ValueError(f"batch_size and max_length must be >= 1, got {batch_size} and {max_length}")
         self.path, self.pgs = Path(path), pgs
         self.cfg, files = _checked(path, layout.tp)
-        self.batch_size, self.max_length = batch_size, max_length or self.cfg.max_position_embeddings
+        self.batch_size, self.max_length = batch_size, scoring_max_length(self.cfg, max_length)
         self.model = _build_body(self.cfg, layout, pgs, params_dtype, files)
         self.device = next(self.model.parameters()).device
         with safe_open(files["score.weight"], framework="pt") as f:

@@ -36,7 +36,8 @@ class NonFiniteError(RuntimeError):
     weights non-finite."""
 
 
-def _device() -> Optional[torch.device]:
+def current_device() -> Optional[torch.device]:
+    """The device of this rank's collectives and small tensors: its GPU, or None (the CPU) without CUDA."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
@@ -342,7 +343,7 @@ class TrainEngine:
 
     def _everywhere(self, ok: bool) -> bool:
         """True when `ok` holds on every rank of the executor (one all-reduce of a flag)."""
-        bad = torch.tensor([0.0 if ok else 1.0], device=_device())
+        bad = torch.tensor([0.0 if ok else 1.0], device=current_device())
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.pgs.intra_dist_opt)
         return bad.item() == 0
 
@@ -376,7 +377,7 @@ class TrainEngine:
 
     def _reduce_loss(self, outputs: Iterable) -> float:
         """Token-mean loss over the whole step (all micro-batches and DP ranks), known on every rank."""
-        total = torch.zeros(2, dtype=torch.float64, device=_device())
+        total = torch.zeros(2, dtype=torch.float64, device=current_device())
         if self.is_last_stage:
             for out in outputs:
                 loss = out.get("loss") if isinstance(out, dict) else None

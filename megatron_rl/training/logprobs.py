@@ -53,7 +53,7 @@ def _maybe_compile(name: str):
         kernel = CompiledKernel(fn, name, _chunk_key, max_keys=8, graphs_per_key=2)
 
         def run(*args):
-            return kernel(*args) if cuda_rules.gpu_path(args[0]) else fn(*args)
+            return kernel(*args) if cuda_rules.gpu_path(args[0], cuda_rules.enabled()) else fn(*args)
 
         run.kernel = kernel
         return run

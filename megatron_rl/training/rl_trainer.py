@@ -21,7 +21,7 @@ from megatron_rl.algorithms.aipo import AIPOSettings, aipo_token_loss, normalize
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.topology import ExecutorGroups
 from megatron_rl.rollout import RolloutBatch
-from megatron_rl.training.engine import TrainEngine, _device, run_schedule
+from megatron_rl.training.engine import TrainEngine, current_device, run_schedule
 from megatron_rl.training.logprobs import logit_positions, target_logprobs, target_logprobs_and_entropy
 from megatron_rl.training.reference import freeze
 from megatron_rl.training.settings import LRSchedule, TrainerSettings
@@ -137,6 +137,12 @@ def shard_for_dp(batch: RolloutBatch, dp: int, dp_rank: int) -> RolloutBatch:
     return batch.select(parts[dp_rank])
 
 
+def padded_seq_len(longest: int) -> int:
+    """The sequence length of every micro-batch of a step whose longest sequence has `longest` tokens: rounded up
+    to a multiple of 8 (module docstring). `megatron-rl plan` sizes the trainer's activations with it."""
+    return -(-longest // 8) * 8
+
+
 def micro_batch_rows(n: int, micro_batch_size: int) -> int:
     """Rows per micro-batch for n sequences: as few micro-batches as `micro_batch_size` allows, evenly filled
     (65 sequences at most 64 per micro-batch -> 2 of 33, not 2 of 64), so padding rows cost at most one per
@@ -166,7 +172,7 @@ def make_micro_batches(batch: RolloutBatch, micro_batch_size: int, seq_len: int,
     if batch.advantages is None:
         raise ValueError("the batch has no advantages; compute them before training")
     adv[:n] = batch.advantages
-    device = _device()
+    device = current_device()
     out = []
     for i in range(0, rows, micro_batch_size):
         sl = slice(i, i + micro_batch_size)
@@ -241,7 +247,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         layout = self.groups.layout
         mine = shard_for_dp(batch, layout.dp, self.groups.dp_rank)
-        seq_len = -(-batch.tokens.shape[1] // 8) * 8
+        seq_len = padded_seq_len(batch.tokens.shape[1])
         micro = make_micro_batches(mine, self.settings.trainer.micro_batch_size, seq_len)
         if self.settings.aipo.kl_coef:
             if self.reference is None:
@@ -257,7 +263,7 @@ class RLTrainer:
 
         metrics = self.engine.step(micro, loss_fn)
         # The last stage holds the numbers: summed over DP, then shared over the pipeline.
-        metrics.update(TokenStats.reduce(outputs, [self.pgs.dp_cp, self.pgs.pp], device=_device()))
+        metrics.update(TokenStats.reduce(outputs, [self.pgs.dp_cp, self.pgs.pp], device=current_device()))
         elapsed = time.perf_counter() - t0
         metrics["step_time_s"] = elapsed
         metrics["tokens_per_s"] = float(batch.response_lengths.sum() + batch.prompt_lengths.sum()) / elapsed

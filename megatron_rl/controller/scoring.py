@@ -1,0 +1,144 @@
+"""Scoring: every reward a sample gets, and the messages that carry samples and rewards between ranks.
+
+    generator replica's leader   `score`: the task's verifier (or reward function) scores each sample and the
+                                 held-out responses -> `ScoredRollouts`, sent to the controller (rank 0);
+                                 with a reward-model executor (`reward.executor`), also `score_request` ->
+                                 `ScoreRequest`, sent to the leader of the reward-model replica that serves it
+    reward-model ranks           `model_scores`: the model's scores of a request, its TP ranks together ->
+                                 `ModelScores`, sent to the controller
+    controller                   `with_model_scores`: the reward model's scores, times `reward.model_coef`, added
+                                 to the verifier's rewards of the replica's `ScoredRollouts`
+
+A sample's reward is therefore the verifier's plus `model_coef` times the reward model's (either part is 0 where
+the job has none). Advantages come after scoring, over the whole batch, on the controller
+(`collector.batch_with_advantages`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_rl.controller.tasks import Task
+
+
+@dataclass
+class UnscoredRollouts:
+    """A replica's samples of one batch, on its leader, before they are scored (`score` makes them the
+    `ScoredRollouts` the controller receives)."""
+
+    batch: int
+    version: int
+    problems: list  # the task's records, one per sample
+    groups: list[int]  # the index of each sample's prompt in the batch
+    outputs: list  # SampledResponse per sample
+    texts: list[str]  # the decoded responses
+    gen_s: float
+
+
+@dataclass
+class Evaluated:
+    """A replica's responses to the held-out problems, on its leader."""
+
+    problems: list
+    texts: list[str]
+
+
+@dataclass
+class ScoredRollouts:
+    """What a generator replica sends the controller for one batch: its `UnscoredRollouts` (each an
+    `inference.SampledResponse`) with their rewards, as lists. The collector packs every replica's into the step's
+    `RolloutBatch` (tensors, with advantages). A checkpoint stores the batches it keeps pending as these fields
+    (`dataclasses.asdict`), so their names are part of the checkpoint format."""
+
+    batch: int
+    version: int
+    prompt_ids: list[list[int]]
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    rewards: list[float]
+    group_ids: list[int]
+    texts: list[str]
+    gen_s: float
+    reward_s: float
+    # The leader's time at the weight push before this batch: the stop check (an all-reduce over the world, which
+    # waits for every rank to reach the push) and the DDMA push itself; 0 for a batch generated without a push.
+    wait_s: float
+    eval_reward: Optional[float] = None
+    reward_failures: int = 0  # responses the reward function could not score (raised, timed out): scored 0.0
+    reward_model_s: Optional[float] = None  # the reward-model executor's time on it, once its scores are added
+
+
+@dataclass
+class ScoreRequest:
+    """What a generator replica's leader sends the reward-model executor for one batch: (prompt, response) texts of
+    its samples and, when the batch is evaluated, of its held-out responses."""
+
+    batch: int
+    replica: int
+    items: list[tuple[str, str]]
+    eval_items: list[tuple[str, str]]
+
+
+@dataclass
+class ModelScores:
+    """The reward-model executor's answer to a `ScoreRequest`, sent to the controller."""
+
+    batch: int
+    replica: int
+    scores: list[float]
+    eval_scores: list[float]
+    seconds: float
+
+
+def score(task: Task, gen: UnscoredRollouts, evaluated: Optional[Evaluated], *, wait_s: float) -> ScoredRollouts:
+    """The reward of each sample (the task's verifier or reward function) and the mean held-out reward, in the
+    message for the controller. `wait_s`: the leader's time at the weight push before the batch
+    (`ScoredRollouts.wait_s`)."""
+    t0 = time.perf_counter()
+    rewards = task.score(gen.problems, gen.texts)
+    failures = task.score_failures  # read before the held-out responses are scored
+    eval_reward = None
+    if evaluated is not None:
+        eval_scores = task.score(evaluated.problems, evaluated.texts)
+        eval_reward = sum(eval_scores) / len(eval_scores)
+    reward_s = time.perf_counter() - t0
+    return ScoredRollouts(gen.batch, gen.version, [o.prompt_ids for o in gen.outputs],
+                          [o.token_ids for o in gen.outputs], [o.logprobs for o in gen.outputs], rewards, gen.groups,
+                          gen.texts[:4], gen.gen_s, reward_s, wait_s, eval_reward, reward_failures=failures)
+
+
+def score_request(task: Task, replica: int, gen: UnscoredRollouts, evaluated: Optional[Evaluated]) -> ScoreRequest:
+    """What replica `replica`'s leader sends the reward-model executor: each sample's prompt and response text."""
+    def items(problems, texts):
+        return [(task.prompt_text(p), t) for p, t in zip(problems, texts)]
+
+    return ScoreRequest(gen.batch, replica, items(gen.problems, gen.texts),
+                        items(evaluated.problems, evaluated.texts) if evaluated is not None else [])
+
+
+def model_scores(model, req: Optional[ScoreRequest]) -> Optional[ModelScores]:
+    """The reward model's scores of a request's samples and held-out responses. Every TP rank of the reward-model
+    replica calls it (`model.score` is their collective); only the leader holds the request (None elsewhere) and
+    gets the message back."""
+    t0 = time.perf_counter()
+    items = [(p, r, None) for p, r in req.items + req.eval_items] if req is not None else None
+    scores = model.score(items)
+    if req is None:
+        return None
+    n = len(req.items)
+    return ModelScores(req.batch, req.replica, scores[:n], scores[n:], time.perf_counter() - t0)
+
+
+def with_model_scores(part: ScoredRollouts, scores: ModelScores, coef: float) -> ScoredRollouts:
+    """A replica's rollouts with the reward model's scores added to the verifier's rewards (times `coef`)."""
+    if len(scores.scores) != len(part.rewards):
+        raise RuntimeError(f"batch {part.batch}: {len(scores.scores)} reward-model scores for {len(part.rewards)} "
+                           f"samples")
+    eval_reward = part.eval_reward
+    if eval_reward is not None:
+        eval_reward += coef * sum(scores.eval_scores) / len(scores.eval_scores)
+    return dataclasses.replace(part, rewards=[r + coef * s for r, s in zip(part.rewards, scores.scores)],
+                               eval_reward=eval_reward, reward_model_s=scores.seconds)
