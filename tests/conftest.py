@@ -81,9 +81,10 @@ def smollm2_hf():
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_hf, tmp_path_factory):
-    """SmolLM2's GGUF read once (the slow part: dequantizing it and building its tokenizer) and converted to a
-    Megatron checkpoint through a HF directory (a GGUF-loaded model refuses save_pretrained, and a second GGUF read
-    would double the test's time); the HF model and tokenizer stay for the reference."""
+    """SmolLM2's GGUF converted to a Megatron checkpoint once per session, as a user converts it (`convert GGUF
+    --to megatron`: dequantized weights and the GGUF's tokenizer in `tokenizer/`); with transformers' model and
+    tokenizer read from the same GGUF, the reference. The GGUF round-trip test checks this very conversion, and the
+    eval and job tests start from it."""
     transformers = pytest.importorskip("transformers")
     from megatron_rl.data import default_data_dir
     from megatron_rl.models.smollm2 import gguf_path
@@ -94,19 +95,9 @@ def smollm2(smollm2_hf, tmp_path_factory):
     from megatron_rl.checkpointing.convert import convert
 
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf = smollm2_hf
     root = tmp_path_factory.mktemp("smollm2")
-    from safetensors.torch import save_file
-
-    (root / "hf").mkdir()
-    hf.config.save_pretrained(root / "hf")  # the model itself refuses save_pretrained (loaded from GGUF)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if hf.config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    save_file(sd, root / "hf" / "model.safetensors")
-    tok.save_pretrained(root / "hf")  # conversion records it in the checkpoint (older versions did not)
-    convert(root / "hf", root / "smollm2", to="megatron")
-    return root / "smollm2", hf, tok, root / "hf"
+    summary = convert(path, root / "smollm2", to="megatron")
+    return root / "smollm2", smollm2_hf, tok, summary
 
 
 @pytest.fixture(scope="session")

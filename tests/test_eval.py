@@ -19,12 +19,6 @@ DATA = default_data_dir()
 LIMIT, NEW = 3, 24
 
 
-def _tokenizer_args(ckpt, tok_dir):
-    """--tokenizer only while conversion does not record the tokenizer in the checkpoint."""
-    meta = json.loads((ckpt / "megatron_rl.json").read_text())
-    return [] if meta.get("tokenizer") else ["--tokenizer", str(tok_dir)]
-
-
 def _reference(hf, tok, limit, new):
     """transformers' greedy generation of GSM8K's first problems, prompts built here with the HF tokenizer."""
     rows = [json.loads(line) for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()[:limit]]
@@ -48,10 +42,11 @@ def _reference(hf, tok, limit, new):
 
 
 def test_eval_matches_transformers_greedy_on_gsm8k(smollm2, tmp_path, capsys):
-    ckpt, hf, tok, tok_dir = smollm2
+    ckpt, hf, tok, _ = smollm2
     samples = tmp_path / "samples.jsonl"
+    # no --tokenizer: eval reads the one the conversion recorded in the checkpoint
     rc = main(["eval", str(ckpt), "--dataset", "gsm8k", "--limit", str(LIMIT), "--max-new-tokens", str(NEW),
-               "--batch-size", "2", "--samples-out", str(samples), *_tokenizer_args(ckpt, tok_dir)])
+               "--batch-size", "2", "--samples-out", str(samples)])
     out = capsys.readouterr()
     assert rc == 0, out.err[-3000:]
     lines = out.out.strip().splitlines()

