@@ -191,3 +191,20 @@ def test_killed_runs_resume_to_the_same_result(tmp_path):
             assert a[key] == b[key], (a["step"], key)
     assert not list((tmp_path / "crash").glob("*.tmp"))
     assert sorted(p.name for p in (tmp_path / "crash").glob("step_*")) == ["step_00000004", "step_00000006"]
+
+
+def test_the_launcher_imports_matplotlib_while_its_ranks_run(tmp_path):
+    """The local launcher only waits while its ranks run: it imports matplotlib then (a daemon thread), so the
+    summary's plot at the end does not pay for it. A fresh process: nothing plotted before, pyplot imported once
+    the thread ends, and `plot_run` draws the PNG with it."""
+    code = ("import sys, json\n"
+            "from pathlib import Path\n"
+            "from megatron_rl.controller.metrics import import_plotting_in_background, plot_run\n"
+            "assert 'matplotlib' not in sys.modules\n"
+            "import_plotting_in_background().join(120)\n"
+            "assert 'matplotlib.pyplot' in sys.modules\n"
+            "rows = [{'step': s, 'reward': 0.5, 'staleness': 1, 'time/total_s': 0.1} for s in range(3)]\n"
+            f"print(plot_run(rows, Path({str(tmp_path / 'm.png')!r})))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(tmp_path / "m.png") and (tmp_path / "m.png").stat().st_size > 1000

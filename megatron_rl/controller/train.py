@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from megatron_rl.config import ConfigError, JobConfig, validate
+from megatron_rl.controller.metrics import import_plotting_in_background
 from megatron_rl.controller.rank import RANK_MODULES, rank_main, rank_role
 from megatron_rl.controller.rundir import check_run_dir, prepare_run_dir, run_dir_of
 from megatron_rl.controller.summary import write_summary
@@ -203,6 +204,7 @@ def _run_ranks(cfg: JobConfig, model_cfg: ModelConfig, run_dir: Path, world_size
                         f"{'; Ctrl-C again kills them now' if signum == signal.SIGINT else ''})"),
               file=sys.stderr, flush=True)
 
+    import_plotting_in_background()  # this process only waits until the ranks end: the summary's plot needs it then
     try:
         return run_local(rank_main, world_size, cfg, model_cfg, str(run_dir), backend=backend, timeout=None,
                          dist_timeout_s=collective_s, hang_timeout_s=hang_s, preload=RANK_MODULES,
