@@ -301,6 +301,22 @@ def test_an_fp8_generator_is_planned_with_int8s_bytes():
     assert weights["fp8"] == weights["int8"] < weights["none"]
 
 
+def test_generation_is_planned_for_the_busiest_replica_as_the_job_splits_prompts():
+    """The job gives each generator replica whole prompts (all their samples): with 10 prompts of 4 samples over 3
+    replicas, replica 0 samples 4 prompts, 16 sequences, not an equal share of 40 (14). The synchronous baseline
+    runs on all 11 GPUs at the trainer's TP1, 11 replicas: 1 prompt, 4 sequences, not 40 / 11 (4 too; the async
+    case is the one that tells the two rules apart)."""
+    cal = load_calibration()
+    cfg = load_config(None, ["rollout.prompts_per_step=10", "rollout.samples_per_prompt=4", "generator.dp=3",
+                             "trainer.tp=1", "trainer.dp=8"])
+    plan = make_plan(cfg, validate(cfg), cal).to_dict()
+    assert plan["assumptions"]["sync_baseline"]["layout"] == "tp=1,pp=1,dp=11"
+    job = {dp: max(len(cfg.rollout.replica_prompts(i, dp)) for i in range(dp)) * 4 for dp in (3, 11)}
+    assert job == {3: 16, 11: 4}
+    assert plan["step_time"]["async"]["generation"]["sequences_per_replica"] == job[3]
+    assert plan["step_time"]["sync"]["generation"]["sequences_per_replica"] == job[11]
+
+
 def test_pipelined_generator_decode_model():
     """A decode step of a PP generator is pp lock-step ticks, each reading a stage's weights and one micro-batch's
     KV cache: with pp micro-batches in flight the step reads the KV cache once, with one micro-batch pp times."""

@@ -335,7 +335,8 @@ def _colocated_baseline(cfg: JobConfig, model: ModelConfig, trainer: ParallelLay
                         f"cache on a {device_bytes / GIB:.0f} GiB GPU")
     slots = min(_generator_slots(cfg, dp), memory_slots)  # the job's batch setting, where memory allows
     seq, rows, _ = _trainer_batch(cfg, dp)
-    g = GeneratorShape(trainer.tp, trainer.pp, dp, slots, int(weights), kv_token)
+    g = GeneratorShape(trainer.tp, trainer.pp, dp, slots, int(weights), kv_token,
+                       sequences_per_replica=cfg.rollout.samples_per_replica(dp))
     t = _trainer_shape(cfg, layout, stages, rows, cal)
     detail = {"layout": str(layout), "gpus_used": layout.size, "resident_trainer_bytes": resident,
               "kv_slots_memory_allows": memory_slots}
@@ -357,7 +358,7 @@ def predict_steps(cfg: JobConfig, model: ModelConfig, cal: Calibration, device_b
     max_len = cfg.rollout.context_length
     kv_token = gen.kv_cache_bytes / (cfg.generator.max_batch_size * max_len)
     gshape = GeneratorShape(gl.tp, gl.pp, gl.dp, _generator_slots(cfg, gl.dp), gen.weight_bytes, kv_token,
-                            micro_batches=gl.pp)
+                            micro_batches=gl.pp, sequences_per_replica=cfg.rollout.samples_per_replica(gl.dp))
     async_gen = generation_time(w, cost, gshape, cal, cal.decode_efficiency)
     async_train = training_time(w, cost, _trainer_shape(cfg, tl, stages, rows, cal), cal)
     notes = []

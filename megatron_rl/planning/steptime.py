@@ -2,8 +2,10 @@
 
 The model (every rate comes from a `Calibration`, every size from the planned layout's real modules):
 
-generation, per generator replica (all replicas run in parallel on equal shares of the step's sequences):
-    seqs     = ceil(sequences / replicas),   slots = min(slots the batch and memory allow, seqs)
+generation, per generator replica (all replicas run in parallel; the busiest sets the time):
+    seqs     = the busiest replica's sequences: the job gives each replica whole prompts, ceil(prompts /
+               replicas) x samples (`RolloutSettings.samples_per_replica`; without it, ceil(sequences / replicas)),
+    slots    = min(slots the batch and memory allow, seqs)
     decode   = ceil(seqs / slots) x response_tokens steps; each step reads every weight of a GPU once and the KV
                cache of its slots at the mean context (prompt + response / 2), at hbm_bandwidth x decode_efficiency
                (baseline_decode_efficiency for the synchronous baseline's engine);
@@ -93,6 +95,9 @@ class GeneratorShape:
     # Micro-batches of slots in flight through the stages: 1, the stages run one after another for all slots; pp,
     # our pipelined generator (`inference/pipeline.py`), every stage busy with one micro-batch at a time.
     micro_batches: int = 1
+    # The busiest replica's sequences, as the job splits a step (the planner passes
+    # `RolloutSettings.samples_per_replica`); 0: an equal share of the workload's, ceil(sequences / replicas).
+    sequences_per_replica: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ class Phase:
 
 def generation_time(w: Workload, cost: ModelCost, g: GeneratorShape, cal: Calibration,
                     decode_efficiency: float) -> Phase:
-    seqs = math.ceil(w.sequences / g.replicas)
+    seqs = g.sequences_per_replica or math.ceil(w.sequences / g.replicas)
     slots = max(1, min(g.slots, seqs))
     waves = math.ceil(seqs / slots)
     steps = waves * w.response_tokens
