@@ -166,6 +166,99 @@ def _write_gguf_header(path, arch):
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv)
 
 
+def _llama_cpp_rows(w, heads):
+    """llama.cpp's row order for a Q or K projection (its convert_hf_to_gguf.py): within each head, the rotary pairs'
+    two halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf_llama(path, hf, extra=()):
+    """`hf` (a transformers Llama) as llama.cpp writes it, in F32: its names, its keys, its Q/K row order."""
+    gguf = pytest.importorskip("gguf")
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"] if hasattr(c, "rope_parameters") else c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in hf.state_dict().items():
+        t = t.float().numpy()
+        if name == "lm_head.weight":
+            w.add_tensor("output.weight", t)
+            continue
+        parts = name.removeprefix("model.").removesuffix(".weight").split(".")
+        if parts[0] == "layers":
+            key = ".".join(parts[2:])
+            if key in ("self_attn.q_proj", "self_attn.k_proj"):
+                t = _llama_cpp_rows(t, c.num_attention_heads if key.endswith("q_proj") else c.num_key_value_heads)
+            w.add_tensor(f"blk.{parts[1]}.{names[key]}.weight", t)
+        else:
+            w.add_tensor(f"{names[parts[0]]}.weight", t)
+    for gname, t in extra:
+        w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_llama_reads_as_its_hf_model_without_transformers(tiny_hf, tmp_path):
+    """A Llama written as llama.cpp writes it (GQA: Q and K reordered with their own head counts; untied) reads back
+    as the HF model it came from: the config's shape, and every tensor bit for bit in HF names and row order. A
+    GGUF with RoPE frequencies (llama.cpp's Llama 3.1 scaling), a truncated one and an unknown tensor are refused in
+    one line, as a job's `model.checkpoint` too."""
+    import dataclasses
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from megatron_rl.checkpointing.hf_sources import gguf_model_config, gguf_to_safetensors
+    from megatron_rl.checkpointing.initial import checkpoint_model_config
+    from megatron_rl.checkpointing.layout import ConversionError
+    from megatron_rl.models.hf_mapping import model_config_from_hf
+
+    hf, ours, _ = tiny_hf
+    _write_gguf_llama(tmp_path / "tiny.gguf", hf)
+    # GGUF holds the norm's epsilon as a float32
+    want = dataclasses.replace(model_config_from_hf(hf.config), name="tiny",
+                               norm_epsilon=float(np.float32(hf.config.rms_norm_eps)))
+    assert gguf_model_config(tmp_path / "tiny.gguf") == want
+    assert checkpoint_model_config(str(tmp_path / "tiny.gguf")) == want
+    gguf_to_safetensors(tmp_path / "tiny.gguf", tmp_path / "out")
+    got = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
+    sd = hf.state_dict()
+    assert set(got) == set(sd)
+    for name, t in sd.items():
+        assert torch.equal(got[name], t), name
+
+    def refused(path, match):
+        with pytest.raises(ConversionError, match=match) as e:
+            gguf_to_safetensors(path, tmp_path / "refused")
+        assert "\n" not in str(e.value) and not (tmp_path / "refused").exists()
+        return str(e.value)
+
+    _write_gguf_llama(tmp_path / "rope.gguf", hf, extra=[("rope_freqs.weight", np.ones(8, np.float32))])
+    refused(tmp_path / "rope.gguf", "RoPE scaling in a GGUF file is not supported")
+    with pytest.raises(ValueError, match=r"^model.checkpoint: .*RoPE scaling"):
+        checkpoint_model_config(str(tmp_path / "rope.gguf"))
+    _write_gguf_llama(tmp_path / "extra.gguf", hf, extra=[("blk.0.attn_q.bias", np.ones(64, np.float32))])
+    refused(tmp_path / "extra.gguf", r"unexpected tensor blk.0.attn_q.bias \(1 in all\)")
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    refused(tmp_path / "cut.gguf", "runs past the end of the file")
+    (tmp_path / "header.gguf").write_bytes(data[:40])
+    refused(tmp_path / "header.gguf", "the header runs past the end of the file")
+
+
 def test_bad_inputs_fail_with_one_line_and_leave_nothing(hf_dir, converted, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -12,9 +12,8 @@ Both directions stream; neither holds two copies of the model (measured in docs/
 - HF -> Megatron: `tp * pp` local processes each build only their shard of the GPTModel (initializers skipped)
   and fill every parameter straight from the rows and columns of the safetensors tensors it is made of, read
   lazily (`safetensors.safe_open(...).get_slice`) in pieces of at most READ_BYTES; then `dist_checkpointing.save`.
-  The HF state dict is never built. A GGUF file is dequantized by transformers first (the one step that holds the
-  whole model, in the parent process), written to a temporary safetensors file and dropped before the model is
-  built.
+  The HF state dict is never built. A GGUF file is first dequantized tensor by tensor into a temporary
+  safetensors file in Hugging Face names (`hf_sources.gguf_to_safetensors`, without transformers), read the same way.
 - Megatron -> HF: no model is built. Each layer's tensors are read from the torch_dist files as slices of the
   stacked `decoder.layers.*` tensors (torch.distributed.checkpoint with a slice planner, no process group),
   converted, and appended to safetensors shards whose headers were written up front (every name, dtype and shape
@@ -42,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.checkpointing.hf_sources import (detect_format, gguf_architecture, gguf_to_safetensors,
+from megatron_rl.checkpointing.hf_sources import (detect_format, gguf_model_config, gguf_to_safetensors,
                                                   hf_model_config, hf_tensor_files)
 from megatron_rl.checkpointing.inspect import dist_tensors, is_run_root, model_config, resolve_checkpoint
 from megatron_rl.checkpointing.layout import (CONVERT_FORMAT, META, MODEL_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
@@ -254,19 +253,14 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConversionError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     gguf = detect_format(src) == "gguf"
-    if gguf:
-        arch = gguf_architecture(src)
-        if arch != "llama":
-            raise ConversionError(f"{src}: architecture {arch!r} is not supported (GGUF files: only llama)")
-    else:
-        cfg = hf_model_config(src)
-        _check_layout(cfg, tp, pp)
+    cfg = gguf_model_config(src) if gguf else hf_model_config(src)
+    _check_layout(cfg, tp, pp)
+    if not gguf:
         files = hf_tensor_files(src, cfg)
     tmp = _prepare_dst(dst, overwrite)
     try:
         if gguf:
-            cfg = gguf_to_safetensors(src, tmp / "dequantized")
-            _check_layout(cfg, tp, pp)
+            gguf_to_safetensors(src, tmp / "dequantized")
             files = hf_tensor_files(tmp / "dequantized", cfg)
         source_bytes = sum(os.path.getsize(f) for f in set(files.values()))
         (tmp / MODEL_DIR).mkdir()

@@ -1,8 +1,9 @@
 """What a conversion reads from a Hugging Face source before any weight, and the GGUF step: which kind of source a
 path is (`detect_format`: a megatron-rl checkpoint, a HF directory or a GGUF file), a GGUF header's architecture
 (read up to that key only), a HF directory's model shape (config.json, without transformers) and which
-safetensors file holds each tensor it needs (headers only, every shape checked), and a GGUF Llama dequantized
-into one safetensors file (`gguf_to_safetensors`, the one step of a conversion that holds the whole model).
+safetensors file holds each tensor it needs (headers only, every shape checked), a GGUF Llama's shape from its
+header (`gguf_model_config`), and a GGUF Llama dequantized into one safetensors file in Hugging Face names and row
+order (`gguf_to_safetensors`, one tensor at a time; the file itself is read by `gguf_file.py`).
 
 `convert.py` builds on these; `initial.py` (a job's starting weights) and the reward model's loader use them too.
 """
@@ -10,7 +11,7 @@ into one safetensors file (`gguf_to_safetensors`, the one step of a conversion t
 from __future__ import annotations
 
 import json
-import struct
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -35,51 +36,18 @@ def detect_format(src: Path) -> str:
                           f"checkpoint ({META})")
 
 
-_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
 def gguf_architecture(path: Path) -> Optional[str]:
-    """`general.architecture` from a GGUF header, reading only the key-value section up to that key."""
+    """`general.architecture` of a GGUF file (its header only)."""
+    return _gguf(path).fields.get("general.architecture")
 
-    def u32(f):
-        return struct.unpack("<I", f.read(4))[0]
 
-    def u64(f):
-        return struct.unpack("<Q", f.read(8))[0]
-
-    def skip(f, vtype):
-        if vtype in _GGUF_SCALAR:
-            f.seek(_GGUF_SCALAR[vtype], 1)
-        elif vtype == 8:
-            f.seek(u64(f), 1)
-        elif vtype == 9:
-            item, count = u32(f), u64(f)
-            if item in _GGUF_SCALAR:
-                f.seek(_GGUF_SCALAR[item] * count, 1)
-            else:
-                for _ in range(count):
-                    skip(f, item)
-        else:
-            raise ValueError(f"unknown GGUF value type {vtype}")
+def _gguf(path: Path):
+    from megatron_rl.checkpointing.gguf_file import GGUFError, GGUFFile
 
     try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ConversionError(f"{path}: not a GGUF file (bad magic)")
-            if u32(f) < 2:
-                raise ConversionError(f"{path}: GGUF version 1 is not supported")
-            u64(f)  # tensor count
-            for _ in range(u64(f)):
-                key = f.read(u64(f)).decode("utf-8", "replace")
-                vtype = u32(f)
-                if key == "general.architecture" and vtype == 8:
-                    return f.read(u64(f)).decode("utf-8", "replace")
-                skip(f, vtype)
-    except (struct.error, ValueError, OSError) as e:
-        if isinstance(e, ConversionError):
-            raise
-        raise ConversionError(f"{path}: unreadable GGUF header ({first_line(e)})") from None
-    return None
+        return GGUFFile(path)
+    except GGUFError as e:
+        raise ConversionError(str(e)) from None
 
 
 def hf_model_config(src: Path) -> ModelConfig:
@@ -140,39 +108,94 @@ def hf_tensor_files(src: Path, cfg: ModelConfig, extra: Optional[dict[str, tuple
     return {name: str(where[name][0]) for name in expected}
 
 
-def gguf_to_safetensors(src: Path, out: Path) -> ModelConfig:
-    """Dequantize a GGUF Llama with transformers and write it as one safetensors file in `out`, tensor by
-    tensor, dropping each one after it is written."""
-    arch = gguf_architecture(src)
+# A GGUF Llama's tensors by Hugging Face name (llama.cpp's names; `{i}` is the layer).
+_GGUF_LLAMA_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}
+_GGUF_LLAMA_LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+                     "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+                     "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                     "mlp.down_proj.weight": "ffn_down.weight"}
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def gguf_llama_name(hf_name: str) -> str:
+    m = _HF_LAYER.match(hf_name)
+    return f"blk.{m.group(1)}.{_GGUF_LLAMA_LAYER[m.group(2)]}" if m else _GGUF_LLAMA_NAMES[hf_name]
+
+
+def gguf_model_config(src: Path, gguf=None) -> ModelConfig:
+    """ModelConfig of a GGUF Llama from its header (the keys llama.cpp writes, read as transformers reads them),
+    refusing what this Llama cannot hold in one line: another architecture, experts, or RoPE scaling (llama.cpp
+    stores Llama 3.1's as a `rope_freqs` tensor, without the parameters Megatron-Core's scaling needs)."""
+    from types import SimpleNamespace
+
+    g = gguf or _gguf(src)
+    arch = g.fields.get("general.architecture")
     if arch != "llama":
         raise ConversionError(f"{src}: architecture {arch!r} is not supported (GGUF files: only llama)")
-    import transformers
-
+    f = g.fields
+    if f.get("llama.expert_count"):
+        raise ConversionError(f"{src}: mixture-of-experts layers are not supported")
+    if "rope_freqs.weight" in g.tensors or f.get("llama.rope.scaling.type", "none") != "none":
+        raise ConversionError(f"{src}: RoPE scaling in a GGUF file is not supported (convert the Hugging Face "
+                              f"directory instead)")
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                                  torch_dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001
-        raise ConversionError(f"{src}: cannot load this GGUF as a Llama model ({first_line(e)})") from None
-    if getattr(model.config, "model_type", None) != "llama":
-        raise ConversionError(f"{src}: architecture {model.config.model_type!r} is not supported (GGUF files: only "
-                              f"llama)")
+        heads = f["llama.attention.head_count"]
+        hidden = f["llama.embedding_length"]
+        raw = {"model_type": "llama", "num_hidden_layers": f["llama.block_count"], "hidden_size": hidden,
+               "intermediate_size": f["llama.feed_forward_length"], "num_attention_heads": heads,
+               "num_key_value_heads": f.get("llama.attention.head_count_kv", heads),
+               "head_dim": f.get("llama.attention.key_length", hidden // heads),
+               "max_position_embeddings": f["llama.context_length"],
+               "rms_norm_eps": f["llama.attention.layer_norm_rms_epsilon"],
+               "rope_theta": f.get("llama.rope.freq_base", 10000.0),
+               "vocab_size": f.get("llama.vocab_size") or len(f["tokenizer.ggml.tokens"]),
+               "tie_word_embeddings": "output.weight" not in g.tensors}
+    except KeyError as e:
+        raise ConversionError(f"{src}: the GGUF header lacks {e.args[0]}") from None
     try:
-        cfg = model_config_from_hf(model.config, name=src.stem)
-    except ValueError as e:
+        return model_config_from_hf(SimpleNamespace(**hf_config_fields(raw)), name=src.stem)
+    except (ValueError, TypeError) as e:
         raise ConversionError(f"{src}: unsupported config ({first_line(e)})") from None
-    sd = model.state_dict()
-    del model
+
+
+def _unpermute_rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of a Q or K projection's rows: within each head it stores the rotary pairs'
+    halves interleaved (row 2j and 2j+1 are one pair), where Hugging Face's Llama keeps the first halves, then the
+    second halves."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_to_safetensors(src: Path, out: Path) -> ModelConfig:
+    """Dequantize a GGUF Llama into one safetensors file in `out`, in Hugging Face names and row order, one tensor
+    at a time; every tensor is checked against the header's shape first, and a tensor this Llama has no place for
+    is refused."""
+    g = _gguf(src)
+    cfg = gguf_model_config(src, g)
     shapes = hf_shapes(cfg)
-    for name, shape in shapes.items():
-        if tuple(sd[name].shape) != shape:
-            raise ConversionError(f"{src}: tensor {name} has shape {list(sd[name].shape)}, expected {list(shape)}")
-    entries = [(n, sd[n].dtype, s) for n, s in shapes.items()]
+    wanted = {gguf_llama_name(n): n for n in shapes}
+    for gname, name in wanted.items():
+        if gname not in g.tensors:
+            raise ConversionError(f"{src}: tensor {gname} ({name}) is missing")
+        if g.tensors[gname].shape != shapes[name]:
+            raise ConversionError(f"{src}: tensor {gname} has shape {list(g.tensors[gname].shape)}, expected "
+                                  f"{list(shapes[name])}")
+    extra = sorted(set(g.tensors) - set(wanted) - ({"output.weight"} if cfg.tie_word_embeddings else set()))
+    if extra:
+        raise ConversionError(f"{src}: unexpected tensor {extra[0]} ({len(extra)} in all) for a llama model of this "
+                              f"config")
+    rotary_heads = {"self_attn.q_proj.weight": cfg.num_attention_heads, "self_attn.k_proj.weight": cfg.num_query_groups}
 
     def produce():
-        for n in shapes:
-            yield n, sd.pop(n)
+        for name in shapes:
+            t = g.tensor(gguf_llama_name(name))
+            m = _HF_LAYER.match(name)
+            if m and m.group(2) in rotary_heads:
+                t = _unpermute_rotary_rows(t, rotary_heads[m.group(2)])
+            yield name, t
 
     out.mkdir(parents=True)
-    write_sharded(out, entries, produce(), shard_bytes=2**62)
-    sd.clear()
+    write_sharded(out, [(n, torch.float32, s) for n, s in shapes.items()], produce(), shard_bytes=2**62)
     return cfg

@@ -60,7 +60,7 @@ def source_format(spec: str) -> str:
 
 def checkpoint_model_config(spec: str) -> ModelConfig:
     """The model shape a source records (metadata and headers only: no weights are read)."""
-    from megatron_rl.checkpointing.hf_sources import hf_model_config  # torch: see source_format
+    from megatron_rl.checkpointing.hf_sources import gguf_model_config, hf_model_config  # torch: see source_format
 
     path, fmt = source_path(spec), source_format(spec)
     try:
@@ -71,17 +71,9 @@ def checkpoint_model_config(spec: str) -> ModelConfig:
             return model_config(meta)
         if fmt == "hf":
             return hf_model_config(path)
+        return gguf_model_config(path)
     except (ConversionError, InspectError, CheckpointError) as e:
         raise ValueError(f"model.checkpoint: {e}") from None
-    from transformers import AutoConfig
-
-    from megatron_rl.models.hf_mapping import model_config_from_hf
-
-    hf = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    if getattr(hf, "model_type", None) != "llama":
-        raise ValueError(f"model.checkpoint={spec!r}: architecture {hf.model_type!r} is not supported (GGUF files: "
-                         f"only llama)")
-    return model_config_from_hf(hf, name=path.stem)
 
 
 def prepare(cfg, run_dir: Path, log: Callable[[str], None] = print):
