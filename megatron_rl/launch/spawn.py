@@ -155,12 +155,22 @@ def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s:
             dist.destroy_process_group()
 
 
-def _end_all(procs) -> None:
-    """Kill every rank's process group and reap the ranks."""
+def _end_all(procs, gone_within_s: float = 5.0) -> None:
+    """Kill every rank's process group, reap the ranks, and wait (at most `gone_within_s`) until their groups are
+    empty: a killed process that a rank started stays a member, as a zombie, until its new parent reaps it, and
+    until then it has outlived the world."""
     _end_groups(procs)
     for p in procs:
         if p.pid is not None:
             p.join()
+    deadline = time.monotonic() + gone_within_s
+    for p in procs:
+        while p.pid is not None and time.monotonic() < deadline:
+            try:
+                os.killpg(p.pid, 0)
+            except OSError:  # ProcessLookupError: the group is empty
+                break
+            time.sleep(0.01)
 
 
 def _end_groups(procs) -> None:
