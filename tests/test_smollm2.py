@@ -62,10 +62,10 @@ def test_gguf_converts_with_its_tokenizer_and_back_bit_for_bit(hf, smollm2, tmp_
 
     from megatron_rl.checkpointing import load_checkpoint_tokenizer
     from megatron_rl.checkpointing.convert import convert
-    from megatron_rl.checkpointing.hf_sources import gguf_architecture
+    from megatron_rl.checkpointing.hf_sources import read_gguf
 
     path = gguf_path()
-    assert gguf_architecture(path) == "llama"
+    assert read_gguf(path).fields["general.architecture"] == "llama"
     mcore, _, want, summary = smollm2  # want: transformers' tokenizer read from the GGUF
     assert summary["tokenizer"] and (mcore / "tokenizer" / "tokenizer.json").is_file()
     assert not any("tmp" in p.name for p in mcore.parent.iterdir())

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from megatron_rl.checkpointing.hf_sources import (detect_format, gguf_model_config, gguf_to_safetensors,
-                                                  hf_model_config, hf_tensor_files)
+                                                  hf_model_config, hf_tensor_files, read_gguf)
 from megatron_rl.checkpointing.inspect import dist_tensors, is_run_root, model_config, resolve_checkpoint
 from megatron_rl.checkpointing.layout import (CONVERT_FORMAT, META, MODEL_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
                                               CheckpointError, ConversionError, InspectError, read_meta, write_meta)
@@ -252,15 +252,15 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
     meter = MemoryMeter()
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConversionError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    gguf = detect_format(src) == "gguf"
-    cfg = gguf_model_config(src) if gguf else hf_model_config(src)
+    gguf = read_gguf(src) if detect_format(src) == "gguf" else None  # its header, read once
+    cfg = gguf_model_config(src, gguf) if gguf else hf_model_config(src)
     _check_layout(cfg, tp, pp)
     if not gguf:
         files = hf_tensor_files(src, cfg)
     tmp = _prepare_dst(dst, overwrite)
     try:
         if gguf:
-            gguf_to_safetensors(src, tmp / "dequantized")
+            gguf_to_safetensors(src, tmp / "dequantized", gguf)
             files = hf_tensor_files(tmp / "dequantized", cfg)
         source_bytes = sum(os.path.getsize(f) for f in set(files.values()))
         (tmp / MODEL_DIR).mkdir()

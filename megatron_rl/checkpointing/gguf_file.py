@@ -2,9 +2,10 @@
 fp32 when it is asked for (gguf's own dequantizers, the ones transformers calls).
 
 Why not transformers' GGUF loader: it parses the whole file with gguf's `GGUFReader`, which builds a numpy view per
-item of every array (SmolLM2's 49,152 tokens and 48,900 merges: 8 s), and it does so once for the config, once for
-the model and once more for the tokenizer, then holds the dequantized model in memory at once. Here the header is
-read with `struct` in one pass (0.1 s for the same file), and a conversion holds one tensor at a time.
+item of every array (SmolLM2's 49,152 tokens and 48,900 merges: 3.9-4.1 s on the idle 2-core test machine), and it
+does so once for the config, once for the model and once more for the tokenizer, then holds the dequantized model in
+memory at once. Here the header is read with `struct` in one pass (0.15-0.25 s for the same file, measured beside
+it: docs/dependencies.md), and a conversion holds one tensor at a time.
 
 What a GGUF Llama means in Hugging Face terms (names, config, llama.cpp's Q/K row order) is `hf_sources.py`'s.
 """
@@ -99,7 +100,8 @@ class GGUFFile:
         except GGUFError as e:
             raise GGUFError(f"{self.path}: {e}") from None
         except (struct.error, OSError, ValueError) as e:
-            raise GGUFError(f"{self.path}: unreadable GGUF header ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise GGUFError(f"{self.path}: unreadable GGUF header ({reason})") from None
 
     def _parse(self, buf) -> None:
         cur = _Cursor(buf)
@@ -147,7 +149,8 @@ def _tensor_bytes(name: str, dims: list[int], ggml_type: int) -> int:
     try:
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
-        raise GGUFError(f"tensor {name} has ggml type {ggml_type}, which gguf {_gguf_version()} does not know") from None
+        raise GGUFError(f"tensor {name} has ggml type {ggml_type}, which gguf {_gguf_version()} does not "
+                        f"know") from None
     count = int(np.prod(dims)) if dims else 1
     if dims and dims[0] % block:
         raise GGUFError(f"tensor {name}: rows of {dims[0]} values do not fill blocks of {block}")

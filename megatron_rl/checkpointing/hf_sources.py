@@ -1,9 +1,9 @@
 """What a conversion reads from a Hugging Face source before any weight, and the GGUF step: which kind of source a
-path is (`detect_format`: a megatron-rl checkpoint, a HF directory or a GGUF file), a GGUF header's architecture
-(read up to that key only), a HF directory's model shape (config.json, without transformers) and which
-safetensors file holds each tensor it needs (headers only, every shape checked), a GGUF Llama's shape from its
-header (`gguf_model_config`), and a GGUF Llama dequantized into one safetensors file in Hugging Face names and row
-order (`gguf_to_safetensors`, one tensor at a time; the file itself is read by `gguf_file.py`).
+path is (`detect_format`: a megatron-rl checkpoint, a HF directory or a GGUF file), a HF directory's model shape
+(config.json, without transformers) and which safetensors file holds each tensor it needs (headers only, every
+shape checked), a GGUF Llama's shape from its header (`gguf_model_config`), and a GGUF Llama dequantized into one
+safetensors file in Hugging Face names and row order (`gguf_to_safetensors`, one tensor at a time; the file itself
+is read by `gguf_file.py`).
 
 `convert.py` builds on these; `initial.py` (a job's starting weights) and the reward model's loader use them too.
 """
@@ -36,12 +36,8 @@ def detect_format(src: Path) -> str:
                           f"checkpoint ({META})")
 
 
-def gguf_architecture(path: Path) -> Optional[str]:
-    """`general.architecture` of a GGUF file (its header only)."""
-    return _gguf(path).fields.get("general.architecture")
-
-
-def _gguf(path: Path):
+def read_gguf(path: Path):
+    """A GGUF file's header (`gguf_file.GGUFFile`); a file it cannot read is a ConversionError."""
     from megatron_rl.checkpointing.gguf_file import GGUFError, GGUFFile
 
     try:
@@ -113,7 +109,8 @@ _GGUF_LLAMA_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.no
                      "lm_head.weight": "output.weight"}
 _GGUF_LLAMA_LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
                      "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-                     "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                     "self_attn.o_proj.weight": "attn_output.weight",
+                     "post_attention_layernorm.weight": "ffn_norm.weight",
                      "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
                      "mlp.down_proj.weight": "ffn_down.weight"}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -130,7 +127,7 @@ def gguf_model_config(src: Path, gguf=None) -> ModelConfig:
     stores Llama 3.1's as a `rope_freqs` tensor, without the parameters Megatron-Core's scaling needs)."""
     from types import SimpleNamespace
 
-    g = gguf or _gguf(src)
+    g = gguf or read_gguf(src)
     arch = g.fields.get("general.architecture")
     if arch != "llama":
         raise ConversionError(f"{src}: architecture {arch!r} is not supported (GGUF files: only llama)")
@@ -168,11 +165,11 @@ def _unpermute_rotary_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_to_safetensors(src: Path, out: Path) -> ModelConfig:
+def gguf_to_safetensors(src: Path, out: Path, gguf=None) -> ModelConfig:
     """Dequantize a GGUF Llama into one safetensors file in `out`, in Hugging Face names and row order, one tensor
     at a time; every tensor is checked against the header's shape first, and a tensor this Llama has no place for
     is refused."""
-    g = _gguf(src)
+    g = gguf or read_gguf(src)
     cfg = gguf_model_config(src, g)
     shapes = hf_shapes(cfg)
     wanted = {gguf_llama_name(n): n for n in shapes}
