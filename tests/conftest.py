@@ -18,15 +18,19 @@ import megatron_rl.compat.megatron_core  # noqa: E402,F401 - Megatron-Core as th
 # Worker modules in this folder must be importable by the fork server's children.
 sys.path.insert(0, os.path.dirname(__file__))
 
-# What the session's ranks import, once, in its one fork server: the job's modules and the test workers'.
+# What the session's ranks import, once, in its one fork server: the job's modules and the test workers'; and
+# what a `megatron-rl` command imports, for the commands the tests fork from that server (warm_cli.py), matplotlib
+# for its plot among them.
 RANK_MODULES = ("megatron_rl.controller.rank", "megatron_rl.controller.loop", "megatron_rl.controller.job",
                 *sorted(p.stem for p in Path(__file__).parent.glob("*_workers.py")))
+COMMAND_MODULES = ("megatron_rl.cli", "megatron_rl.controller.train", "matplotlib.pyplot")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_fork_server():
-    """The session's fork server, started before the first test with what the ranks import: each rank of each
-    test then starts with torch, Megatron-Core and our modules imported, instead of importing them itself."""
+    """The session's fork server, started before the first test with what the ranks and the commands import: each
+    rank of each test, and each `megatron-rl` command the tests start warm (warm_cli.py), then starts with torch,
+    Megatron-Core and our modules imported, instead of importing them itself."""
     from megatron_rl.launch.spawn import start_fork_server
 
     # The worker modules are found through PYTHONPATH: Python 3.11's fork server takes the parent's sys.path but
@@ -34,7 +38,7 @@ def warm_fork_server():
     here = os.path.dirname(__file__)
     os.environ["PYTHONPATH"] = os.pathsep.join([here, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                        if p and p != here]])
-    start_fork_server(RANK_MODULES)
+    start_fork_server(RANK_MODULES + COMMAND_MODULES)
 
 
 def gpu_environment() -> dict:

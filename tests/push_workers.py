@@ -1,17 +1,12 @@
 """A weight push that loses one tensor, for tests/test_push_check.py: the fault lives here, not in the package.
 
-    python tests/push_workers.py VERSION ARGS...    `megatron-rl ARGS...`, whose weight push VERSION leaves one
-                                                    generator tensor as it was (the last push's, or the initial)
-
-Imported with `SKIP_ENV` set, this module wraps `WeightPush.transfer` (the DDMA copies, before the push's check) so
-that push VERSION restores one tensor of the generator's after the copies. The local launcher's ranks fork from a
-server that imports their modules once (`launch/spawn.py: start_fork_server`); run as a script, this starts that
-server itself with this module among them, so every rank the job starts holds the wrapped method. (Spawned ranks
-import this script as their main module, which wraps it too.)
+`skip_a_push` wraps `WeightPush.transfer` (the DDMA copies, before the push's check) so that the push whose version
+`SKIP_ENV` names restores one tensor of the generator's after the copies. The test calls it in a warm command's
+process before that command's fork server is forked (`warm_cli.run(..., before="push_workers:skip_a_push")`), so
+every rank the job starts holds the wrapped method.
 """
 
 import os
-import sys
 
 import torch
 
@@ -37,15 +32,7 @@ def skipping(transfer):
     return wrapped
 
 
-if SKIP_ENV in os.environ and not getattr(WeightPush.transfer, "skips", False):
-    WeightPush.transfer = skipping(WeightPush.transfer)
-
-
-if __name__ == "__main__":
-    from megatron_rl.cli import main
-    from megatron_rl.controller.rank import RANK_MODULES
-    from megatron_rl.launch.spawn import start_fork_server
-
-    os.environ[SKIP_ENV] = sys.argv[1]  # before the fork server starts: the ranks see it, and it wraps the method
-    start_fork_server([*RANK_MODULES, "push_workers"])
-    sys.exit(main(sys.argv[2:]))
+def skip_a_push() -> None:
+    """Wrap `WeightPush.transfer` in this process (once)."""
+    if not getattr(WeightPush.transfer, "skips", False):
+        WeightPush.transfer = skipping(WeightPush.transfer)

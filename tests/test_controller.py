@@ -9,6 +9,7 @@ import pytest
 
 from megatron_rl.controller.schedule import generation_version, pull_before_batch, push_after_step, syncs_needed
 from test_loop import documented_metrics
+import warm_cli
 
 
 @pytest.mark.parametrize("n,s", [(6, 0), (6, 1), (7, 2), (3, 3)])
@@ -30,10 +31,10 @@ def test_schedule_versions_by_hand():
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_short_job_end_to_end(tmp_path, mode):
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "run.steps=4", "trainer.sft_warmup_steps=10",
+    cmd = ["train", "run.steps=4", "trainer.sft_warmup_steps=10",
            "run.eval_interval=2", f"rollout.mode={mode}", "rollout.prompts_per_step=4", "data.eval_size=8",
            f"checkpoint.dir={tmp_path}", "run.name=t"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = warm_cli.run(cmd)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     rows = [json.loads(line) for line in open(tmp_path / "t" / "metrics.jsonl")]
@@ -53,15 +54,15 @@ def test_each_correction_trains_a_stale_pipelined_job_and_resumes(tmp_path, corr
     them, stopped after a checkpoint and resumed by a longer relaunch (resuming does not depend on the correction,
     and each relaunch costs seconds of the suite). The closed forms are in test_aipo, the parallel step in
     test_rl_trainer."""
-    base = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.sft_warmup_steps=0", "trainer.tp=1",
+    base = ["train", "trainer.sft_warmup_steps=0", "trainer.tp=1",
             "trainer.pp=2", "rollout.staleness=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
             "rollout.max_new_tokens=4", "data.eval_size=4", "run.eval_interval=100", "checkpoint.save_interval=2",
             f"algorithm.correction={correction}", f"checkpoint.dir={tmp_path}", "run.name=c"]
     resume = correction == "mask"
-    out = subprocess.run(base + [f"run.steps={2 if resume else 4}"], capture_output=True, text=True, timeout=300)
+    out = warm_cli.run(base + [f"run.steps={2 if resume else 4}"])
     assert out.returncode == 0, out.stderr[-3000:]
     if resume:
-        again = subprocess.run(base + ["run.steps=4"], capture_output=True, text=True, timeout=300)
+        again = warm_cli.run(base + ["run.steps=4"])
         assert again.returncode == 0, again.stderr[-3000:]
         assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from_step"] == 2
     rows = [json.loads(line) for line in open(tmp_path / "c" / "metrics.jsonl")]
@@ -115,11 +116,11 @@ def test_bf16_trainer_with_a_quantized_generator_trains_and_resumes(tmp_path, qu
     to the trainer's. A longer relaunch resumes the bf16 run (once: resuming does not depend on the 8-bit format)."""
     import torch
 
-    base = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.sft_warmup_steps=10", "rollout.mode=sync",
+    base = ["train", "trainer.sft_warmup_steps=10", "rollout.mode=sync",
             "rollout.prompts_per_step=4", "data.eval_size=4", "run.eval_interval=100", "checkpoint.save_interval=3",
             "trainer.dtype=bf16", "generator.dtype=bf16", f"generator.quantization={quantization}",
             f"checkpoint.dir={tmp_path}", "run.name=q"]
-    out = subprocess.run(base + ["run.steps=3"], capture_output=True, text=True, timeout=300)
+    out = warm_cli.run(base + ["run.steps=3"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{quantization} generator weights" in out.stdout
     step = tmp_path / "q" / "step_00000003"
@@ -137,7 +138,7 @@ def test_bf16_trainer_with_a_quantized_generator_trains_and_resumes(tmp_path, qu
         assert r["logp_diff_max"] < 5e-2
     if quantization != "int8":
         return
-    again = subprocess.run(base + ["run.steps=4"], capture_output=True, text=True, timeout=300)
+    again = warm_cli.run(base + ["run.steps=4"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from_step"] == 3
     assert [json.loads(x)["step"] for x in open(tmp_path / "q" / "metrics.jsonl")] == [0, 1, 2, 3]
@@ -160,8 +161,7 @@ def test_killed_runs_resume_to_the_same_result(tmp_path):
         env.pop("MEGATRON_RL_FAILPOINT", None)
         if failpoint:
             env["MEGATRON_RL_FAILPOINT"] = failpoint
-        return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args, f"run.name={name}"],
-                              capture_output=True, text=True, timeout=300, env=env, start_new_session=True)
+        return warm_cli.run(["train", *args, f"run.name={name}"], env=env)
 
     ref = launch("ref")
     assert ref.returncode == 0, ref.stderr[-3000:]

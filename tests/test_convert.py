@@ -4,8 +4,6 @@ layouts, bit-exact round trips, the tokenizer travelling with the checkpoint, an
 import json
 import shutil
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,11 +13,11 @@ from megatron_rl.launch.spawn import run_local
 transformers = pytest.importorskip("transformers")
 
 from tiny_hf import save_tiny_llama, save_word_tokenizer  # noqa: E402
+import warm_cli  # noqa: E402
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "convert", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+    return warm_cli.run(["convert", *map(str, args)])
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ refused on GPUs, a CPU-made checkpoint's RNG states on a GPU, and a short coloca
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from megatron_rl.compat import cuda_rules
 from megatron_rl.compat.compiled import CompiledKernel, compiled_graph_counts
 from megatron_rl.models import fused
 from megatron_rl.launch.spawn import run_local
+import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -298,8 +297,7 @@ def test_ddma_reshard_keeps_nccls_rules():
     """Every DDMA transfer across layouts (TP2xPP2 -> TP1xDP2 and back) under NCCL's rules, bit for bit."""
     env = {**os.environ, cuda_rules.ENV: "1"}
     for src, dst in (("tp=2,pp=2", "tp=1,dp=2"), ("tp=1,dp=2", "tp=2,pp=2")):
-        r = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "reshard-check", "--model", "tiny", "--src", src,
-                            "--dst", dst], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+        r = warm_cli.run(["reshard-check", "--model", "tiny", "--src", src, "--dst", dst], cwd=REPO, env=env)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
 
 
@@ -382,8 +380,7 @@ def test_a_colocated_job_runs_under_cuda_rules_within_its_graph_budget(reward_mo
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAILPOINT"}
     env.update({cuda_rules.ENV: "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
                                                                     os.environ.get("PYTHONPATH", "")])})
-    r = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], capture_output=True, text=True,
-                       timeout=400, cwd=REPO, env=env)
+    r = warm_cli.run(["train", *args], timeout=400, cwd=REPO, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "runs eagerly" not in r.stderr
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())

@@ -64,15 +64,15 @@ def test_job_with_a_pp2_generator_runs_and_resumes(tmp_path):
     where a run extended at a checkpoint continues exactly as an uninterrupted one (in async mode the batch after
     the checkpoint would be generated with newer weights)."""
     import json
-    import subprocess
-    import sys
 
-    base = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.sft_warmup_steps=10", "trainer.tp=1",
+    import warm_cli
+
+    base = ["train", "trainer.sft_warmup_steps=10", "trainer.tp=1",
             "rollout.mode=sync", "rollout.prompts_per_step=4", "data.eval_size=4", "run.eval_interval=3", "rollout.max_new_tokens=8",
             "checkpoint.save_interval=2", f"checkpoint.dir={tmp_path}"]
 
     def launch(*args):
-        out = subprocess.run(base + list(args), capture_output=True, text=True, timeout=300)
+        out = warm_cli.run(base + list(args))
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

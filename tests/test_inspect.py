@@ -12,6 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import warm_cli  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -145,8 +147,7 @@ def test_half_written_and_unknown_paths_exit_2_with_one_line(ckpt, tmp_path, cap
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and str(p) in err and what in err, err
     # Through the command and the tool wrapper.
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "inspect", str(half)], capture_output=True,
-                         text=True, timeout=120)
+    out = warm_cli.run(["inspect", str(half)], timeout=120)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and ".metadata missing" in out.stderr
     out = subprocess.run([sys.executable, str(REPO / "tools" / "inspect_checkpoint.py"), str(path), "--json"],
                          capture_output=True, text=True, timeout=120)

@@ -3,8 +3,6 @@ model, the model's own tokenizer and a user reward function; and the built-in ta
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from megatron_rl.config import ConfigError, load_config, validate
 from megatron_rl.controller.tasks import AdditionTask, DatasetTask, build_task
 from megatron_rl.data import PromptRecord, default_data_dir
 from megatron_rl.tokenizers import ByteTokenizer
+import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = default_data_dir()
@@ -143,8 +142,7 @@ def test_job_starts_from_a_hf_model_with_its_tokenizer_and_a_user_reward(tmp_pat
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
 
     def train(steps):
-        return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args, f"run.steps={steps}"],
-                              capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+        return warm_cli.run(["train", *args, f"run.steps={steps}"], cwd=REPO, env=env)
 
     out = train(2)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -178,14 +176,13 @@ def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_pat
     """The real model from a converted checkpoint: GSM8K train prompts in its chat template, its tokenizer's stop
     ids, the GSM8K verifier; the generator (weights from DDMA) and the trainer agree on every log-prob."""
     ckpt = smollm2[0]
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", f"model.checkpoint={ckpt}",
-                          "data.dataset=gsm8k", "data.eval_size=2", "data.eval_samples=1", "trainer.tp=1",
-                          "trainer.sft_warmup_steps=0", "trainer.lr=1e-6", "rollout.mode=sync",
-                          "trainer.dtype=fp32", "generator.dtype=fp32",  # agreement to fp32 rounding
-                          "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
-                          "rollout.max_prompt_length=320", "run.steps=1", "run.eval_interval=1",
-                          "checkpoint.save_interval=0", f"checkpoint.dir={tmp_path}", "run.name=s"],
-                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = warm_cli.run(["train", f"model.checkpoint={ckpt}", "data.dataset=gsm8k", "data.eval_size=2",
+                        "data.eval_samples=1", "trainer.tp=1", "trainer.sft_warmup_steps=0", "trainer.lr=1e-6",
+                        "rollout.mode=sync", "trainer.dtype=fp32", "generator.dtype=fp32",  # agreement to fp32 rounding
+                        "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+                        "rollout.max_prompt_length=320", "run.steps=1", "run.eval_interval=1",
+                        "checkpoint.save_interval=0", f"checkpoint.dir={tmp_path}", "run.name=s"],
+                       timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "s" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0]

@@ -3,12 +3,12 @@ weights, a reward function that never returns or always raises (issue 17)."""
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
@@ -18,9 +18,8 @@ TINY = ["trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "rollout.sam
 def _train(tmp_path, name, *overrides, timeout=300):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *TINY, *overrides,
-                          f"checkpoint.dir={tmp_path}", f"run.name={name}"],
-                         capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    out = warm_cli.run(["train", *TINY, *overrides, f"checkpoint.dir={tmp_path}", f"run.name={name}"],
+                       timeout=timeout, cwd=REPO, env=env)
     log = tmp_path / name / "failure.log"  # every rank's traceback, where the launcher writes one
     return out, time.monotonic() - t0, out.stderr + (log.read_text() if log.is_file() else "")
 

@@ -95,15 +95,15 @@ def test_job_with_kl_trains_against_its_reference_and_resumes_with_it(tmp_path):
     (That the restored reference equals the saved one, bit for bit, is `test_reference_is_a_frozen_copy_kept_by_
     checkpoints`.)"""
     import json
-    import subprocess
-    import sys
+
+    import warm_cli
 
     def job(name, steps):
-        cmd = [sys.executable, "-m", "megatron_rl.cli", "train", f"run.steps={steps}", "trainer.sft_warmup_steps=20",
+        cmd = ["train", f"run.steps={steps}", "trainer.sft_warmup_steps=20",
                "algorithm.kl_coef=0.1", "rollout.mode=sync", "rollout.prompts_per_step=4", "data.eval_size=8",
                "run.eval_interval=100", "checkpoint.save_interval=2", "trainer.dtype=fp32", "generator.dtype=fp32",
                f"checkpoint.dir={tmp_path}", f"run.name={name}"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        out = warm_cli.run(cmd, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
 

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from megatron_rl.parallel import liveness
+import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
@@ -38,10 +39,14 @@ def _stopped_at(point):
 
 
 def _run(cmd, env, tmp_path):
-    """Run a job to its end; (result, seconds, the stopped process's pid seen while it ran or None)."""
+    """Run a job to its end: `megatron-rl CMD...` (warm_cli), or a command line starting with the interpreter;
+    (result, seconds, the stopped process's pid seen while it ran or None)."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    if cmd[0] == sys.executable:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    else:
+        proc = warm_cli.start(cmd, env=env, cwd=REPO)
     stopped: list[int] = []
 
     def watch():  # note the rank that stopped itself, to check that nothing is left of it afterwards
@@ -78,7 +83,7 @@ def _assert_gone(pids):
 
 
 def test_a_stopped_trainer_rank_ends_the_local_job_in_one_line(tmp_path):
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", *FAST, f"checkpoint.dir={tmp_path}"]
+    cmd = ["train", *FAST, f"checkpoint.dir={tmp_path}"]
     out, seconds, stopped = _run(cmd, _stopped_at("train_step:3"), tmp_path)
     assert out.returncode == 1
     line = _hang_line(out.stderr)
@@ -109,7 +114,7 @@ def test_a_stopped_reward_model_rank_ends_the_job(reward_model_job, tmp_path):
             f"reward.model={d / 'rm'}", "reward.executor.tp=1", "reward.executor.dp=1", "trainer.tp=1",
             "generator.colocated=true", "generator.dtype=fp32", "trainer.dtype=fp32", *FAST,
             f"checkpoint.dir={tmp_path}"]
-    out, seconds, stopped = _run([sys.executable, "-m", "megatron_rl.cli", "train", *args],
+    out, seconds, stopped = _run(["train", *args],
                                  _stopped_at("reward_model_batch:2"), tmp_path)
     assert out.returncode == 1
     assert _hang_line(out.stderr).startswith("megatron-rl: rank 1 (reward model) hung: no heartbeat for ")
@@ -118,7 +123,7 @@ def test_a_stopped_reward_model_rank_ends_the_job(reward_model_job, tmp_path):
 
 def test_a_warm_start_longer_than_the_timeout_is_not_a_hang(tmp_path):
     """The trainer's warm start takes many timeouts; the generator waits for it in a collective all along."""
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "trainer.sft_warmup_steps=150", "run.steps=2",
+    cmd = ["train", "trainer.sft_warmup_steps=150", "run.steps=2",
            f"checkpoint.dir={tmp_path}"]
     out, _, _ = _run(cmd, _env(MEGATRON_RL_DIST_TIMEOUT_S="1"), tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,8 +1,7 @@
 """A weight push that silently leaves a generator shard as it was is caught (issue 27): the fingerprints of both
 ends of every copy of the plan agree when the push arrived, and name the tensor and the ranks when it did not."""
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,8 @@ from megatron_rl.ddma.planner import plan_reshard
 from megatron_rl.ddma.verify import reference_shard
 from megatron_rl.models import get_preset
 from megatron_rl.parallel import ParallelLayout
+import push_workers
+import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,10 +171,11 @@ TINY = ["trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "rollout.sam
 def _train(tmp_path, *overrides, skip_push=None):
     """The tiny job through the CLI; `skip_push`: the version of the weight push that leaves one generator tensor
     as it was (tests/push_workers.py)."""
-    cli = ["-m", "megatron_rl.cli"] if skip_push is None else [str(REPO / "tests" / "push_workers.py"), str(skip_push)]
-    out = subprocess.run([sys.executable, *cli, "train", *TINY, *overrides, f"checkpoint.dir={tmp_path}",
-                          "run.name=push"], capture_output=True, text=True, timeout=300, cwd=REPO)
-    return out
+    env = dict(os.environ)
+    if skip_push is not None:
+        env[push_workers.SKIP_ENV] = str(skip_push)
+    return warm_cli.run(["train", *TINY, *overrides, f"checkpoint.dir={tmp_path}", "run.name=push"], cwd=REPO, env=env,
+                        before=None if skip_push is None else "push_workers:skip_a_push")
 
 
 def test_a_skipped_transfer_stops_the_job_at_the_next_checked_push_in_one_line(tmp_path):

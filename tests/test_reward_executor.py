@@ -3,13 +3,12 @@ in-process path does, survives the reward rank's death, and refuses layouts that
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.config import ConfigError, load_config, validate
+import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,8 +28,7 @@ def _train(args, failpoint=None):
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     if failpoint:
         env["MEGATRON_RL_FAILPOINT"] = failpoint
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *args], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env=env)
+    return warm_cli.run(["train", *args], cwd=REPO, env=env)
 
 
 def _rows(run_dir, name):

@@ -10,8 +10,6 @@ import os
 import pickle
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,7 @@ import torch
 from megatron_rl.checkpointing import safe_load
 from megatron_rl.checkpointing.layout import CHECKSUMS, MANIFEST, META, CheckpointError, file_checksum
 from megatron_rl.launch.spawn import run_local
+import warm_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -191,9 +190,8 @@ def test_a_resumed_job_refuses_in_one_line(saved, tmp_path):
     shutil.copytree(saved[0], root)
     marker = tmp_path / "ran"
     f = _plant(root / "step_00000004", "rng/rank_00000.pt", marker)
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", f"checkpoint.dir={tmp_path / 'ck'}",
-                           "run.name=hostile", "trainer.tp=1", "generator.colocated=true", "run.steps=6"],
-                          capture_output=True, text=True, timeout=300)
+    proc = warm_cli.run(["train", f"checkpoint.dir={tmp_path / 'ck'}", "run.name=hostile", "trainer.tp=1",
+                         "generator.colocated=true", "run.steps=6"])
     assert proc.returncode != 0 and not marker.exists()
     lines = [line for line in proc.stderr.splitlines() if "CheckpointError" in line]
     assert len(lines) == 1, proc.stderr

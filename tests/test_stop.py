@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from megatron_rl.launch.runlock import LOCK_FILE, RunDirLocked, RunLock
+import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["trainer.sft_warmup_steps=20", "checkpoint.save_interval=1000", "rollout.prompts_per_step=4",
@@ -23,9 +24,7 @@ FAST = ["trainer.sft_warmup_steps=20", "checkpoint.save_interval=1000", "rollout
 
 def _train(tmp_path, *overrides):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", *FAST, f"checkpoint.dir={tmp_path}",
-                             *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return warm_cli.start(["train", *FAST, f"checkpoint.dir={tmp_path}", *overrides], cwd=REPO, env=env)
 
 
 def _rows(run_dir):

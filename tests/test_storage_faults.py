@@ -6,7 +6,6 @@ import errno
 import os
 import re
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from megatron_rl.checkpointing import storage
 from megatron_rl.checkpointing.layout import dir_bytes
+import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
@@ -37,8 +37,7 @@ def small_fs(tmp_path):
 
 def _train(*args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_RL_FAILPOINT")}
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", *FAST, *args], capture_output=True,
-                          text=True, timeout=300, cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"))
+    return warm_cli.run(["train", *FAST, *args], cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"))
 
 
 def _lines(err):

@@ -6,6 +6,7 @@ import torch
 from ckpt_workers import load_and_continue, train_save_continue
 from megatron_rl.launch.spawn import run_local
 from rl_workers import random_full_state
+import warm_cli
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +173,6 @@ def _flip_bits(f, offset=None):
 
 def test_flipped_bits_are_named_in_one_line_and_fallback_resumes_from_the_previous(tmp_path):
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
     from megatron_rl.checkpointing.layout import CHECKSUMS, META
@@ -205,8 +204,7 @@ def test_flipped_bits_are_named_in_one_line_and_fallback_resumes_from_the_previo
     out = run_local(load_and_continue, 2, dict(tp=1, dp=2), str(old), 2)
     assert all(r["rl_state"] == {"step": 2, "weight_version": 2} for r in out)
     # inspect names the file too, in one line.
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "inspect", str(root)], capture_output=True,
-                          text=True, timeout=120)
+    proc = warm_cli.run(["inspect", str(root)], timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert f"{shard}: checksum mismatch" in proc.stderr
     # A checkpoint written before checksums (no CHECKSUMS in its metadata) still loads.

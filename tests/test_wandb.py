@@ -181,13 +181,13 @@ def test_relaunch_resumes_the_same_wandb_run_and_a_fresh_start_begins_another(tm
 def test_short_job_logs_its_metrics_plot_and_samples_to_offline_wandb(tmp_path, offline):
     pytest.importorskip("wandb")
     import os
-    import subprocess
-    import sys
 
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "run.steps=3", "trainer.sft_warmup_steps=0",
+    import warm_cli
+
+    cmd = ["train", "run.steps=3", "trainer.sft_warmup_steps=0",
            "run.eval_interval=2", "rollout.prompts_per_step=4", "data.eval_size=8", f"checkpoint.dir={tmp_path}",
            "run.name=t", "run.wandb.mode=offline", "run.wandb.project=megatron-rl-test"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **offline})
+    out = warm_cli.run(cmd, env={**os.environ, **offline})
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])  # W&B printed nothing after the summary
     run_dir = tmp_path / "t"
