@@ -131,7 +131,7 @@ class PlannedWrite:
     validation, the global plan), written by `write` (any thread), completed by `finish` on rank 0."""
 
     def __init__(self, sharded_state_dict: dict, directory: Path, thread_count: int,
-                 preprocess_common: Callable[[dict], dict]):
+                 preprocess_common: Optional[Callable[[dict], dict]] = None):
         from megatron.core import dist_checkpointing
 
         _no_results_server()
@@ -173,6 +173,23 @@ class PlannedWrite:
 
         self.writer.finish(self.metadata, all_results)
         save_config(CheckpointingConfig(self.backend, self.version), str(self.directory))
+
+
+def write_now(sharded_state_dict: dict, directory: Path, thread_count: int = 2) -> None:
+    """`dist_checkpointing.save` of one directory, in the foreground, its files (`thread_count` per rank, as
+    Megatron-Core's default) written by threads of this rank; collective: every rank of the default group calls it.
+    Megatron-Core's own save writes through a forked process per file and collects their results through a
+    `multiprocessing.Manager` server that it spawns: a fresh interpreter, 3-5 s of every rank's save on a CPU
+    (`megatron-rl convert`, a job's conversion of its initial model), before the first byte is written."""
+    import torch.distributed as dist
+
+    write = PlannedWrite(sharded_state_dict, directory, thread_count)
+    results = write.write()
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(results, gathered, dst=0)
+    if dist.get_rank() == 0:
+        write.finish(gathered)
+    dist.barrier()
 
 
 def _atomic_dump(path: Path, value) -> None:

@@ -11,7 +11,8 @@ HF -> Megatron -> HF reproduces every tensor bit for bit.
 Both directions stream; neither holds two copies of the model (measured in docs/benchmarks.md):
 - HF -> Megatron: `tp * pp` local processes each build only their shard of the GPTModel (initializers skipped)
   and fill every parameter straight from the rows and columns of the safetensors tensors it is made of, read
-  lazily (`safetensors.safe_open(...).get_slice`) in pieces of at most READ_BYTES; then `dist_checkpointing.save`.
+  lazily (`safetensors.safe_open(...).get_slice`) in pieces of at most READ_BYTES; then torch_dist files written by
+  threads of each rank (`background.write_now`).
   The HF state dict is never built. A GGUF file is first dequantized tensor by tensor into a temporary
   safetensors file in Hugging Face names (`hf_sources.gguf_to_safetensors`, without transformers), read the same way.
 - Megatron -> HF: no model is built. Each layer's tensors are read from the torch_dist files as slices of the
@@ -157,8 +158,7 @@ def _copy_views_releasing_params(sharded: dict, model: torch.nn.Module) -> None:
 def _save_megatron_worker(rank, world_size, cfg: ModelConfig, tp: int, pp: int, files: dict, out: str, dtype: str):
     """One rank: build this rank's shard of the model, fill it from the safetensors files, save it."""
     meter = MemoryMeter()
-    from megatron.core import dist_checkpointing
-
+    from megatron_rl.checkpointing.background import write_now
     from megatron_rl.models import build_gpt_model
     from megatron_rl.models.sharding import describe_params, model_sharded_state_dict
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
@@ -176,7 +176,7 @@ def _save_megatron_worker(rank, world_size, cfg: ModelConfig, tp: int, pp: int, 
     local_bytes = sum(p.numel() * p.element_size() for p in params.values())
     sharded = model_sharded_state_dict(model, g.pgs.dp_cp)
     _copy_views_releasing_params(sharded, model)
-    dist_checkpointing.save(sharded, out)
+    write_now(sharded, Path(out))
     return dict(meter.report(), rank=rank, local_bytes=local_bytes)
 
 
