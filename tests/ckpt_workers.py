@@ -130,7 +130,9 @@ def overflowing_update(rank, world_size, state_path, root):
     return out
 
 
-if __name__ == "__main__":  # the crash test runs this in its own process group
+def crash_main() -> None:
+    """`ckpt_workers STATE ROOT`: `train_with_two_saves` in a world of one rank, run by the crash test as a command of
+    its own (`warm_cli`), whose environment names the failpoint that kills the rank."""
     import sys
 
     from megatron_rl.launch.spawn import run_local

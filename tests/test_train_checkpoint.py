@@ -99,8 +99,6 @@ def test_the_optimizer_state_matters(saved):
                                        "checkpoint_before_rename"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, failpoint):
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from megatron_rl.checkpointing.layout import CheckpointError, read_latest, verify
@@ -111,10 +109,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, failpoint
     root = tmp_path / "run"
     env = dict(os.environ, MEGATRON_RL_FAILPOINT=f"{failpoint}:step_00000004",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "ckpt_workers.py"), str(state), str(root)],
-                          env=env, start_new_session=True, capture_output=True, timeout=300)
+    proc = warm_cli.run([state, root], env=env, main="ckpt_workers:crash_main")
     # SIGKILLed inside the second save: the launcher names that rank
-    assert proc.returncode != 0 and "died with signal 9" in proc.stderr.decode(), proc.stderr.decode()[-2000:]
+    assert proc.returncode != 0 and "died with signal 9" in proc.stderr, proc.stderr[-2000:]
     assert (root / "step_00000004.tmp").is_dir() and not (root / "step_00000004").exists()
     assert read_latest(root) == root / "step_00000002"
     assert verify(root / "step_00000002")["step"] == 2

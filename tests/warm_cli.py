@@ -8,7 +8,8 @@ the same command in a process of its own: its own pid, session and process group
 standard streams and exit status (a signal's is negative, as `subprocess` reports it), running `cli.run` as the
 console script does. Its ranks come from a fork server of its own, as a cold command's do; that server is forked
 from the command's process before the command starts, with everything already imported, and serves until the
-command and its ranks are gone, as `multiprocessing`'s own does.
+command and its ranks are gone, as `multiprocessing`'s own does. A test's own entry (`main=`, "module:function")
+runs the same way, for a command whose environment must reach the ranks it starts (a failpoint).
 
 What a warm command cannot show is what happens before `cli.run`: the interpreter's start, the imports and their
 warnings, the console script. The tests of those start cold commands (test_launch's quiet default job, test_config's
@@ -30,6 +31,8 @@ import threading
 from multiprocessing import forkserver
 from multiprocessing.reduction import DupFd
 from typing import Optional, Sequence
+
+CLI = "megatron_rl.cli:run"  # the console script's entry
 
 
 def _own_fork_server() -> None:
@@ -55,8 +58,13 @@ def _own_fork_server() -> None:
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
+def _call(spec: str):
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)()
+
+
 def _command(argv: list[str], env: dict, cwd: str, new_session: bool, stdout: DupFd, stderr: DupFd,
-             before: Optional[str]) -> None:
+             before: Optional[str], main: str) -> None:
     """The command's process: a child of the session's fork server, made into what a cold start would be."""
     sys.stdout.flush(), sys.stderr.flush()
     for fd, dup in ((1, stdout), (2, stderr)):
@@ -70,27 +78,26 @@ def _command(argv: list[str], env: dict, cwd: str, new_session: bool, stdout: Du
     os.chdir(cwd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if before:
-        module, _, function = before.partition(":")
-        getattr(importlib.import_module(module), function)()
+        _call(before)
     _own_fork_server()
-    sys.argv = ["megatron-rl", *argv]
-    from megatron_rl import cli
-
-    cli.run()
+    sys.argv = ["megatron-rl" if main == CLI else main.partition(":")[0], *argv]
+    _call(main)
 
 
 class WarmProcess:
     """What the tests use of `subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True)`, for one warm
-    `megatron-rl ARGS` command."""
+    `megatron-rl ARGS` command (or another `main`, "module:function", which reads `sys.argv`; its exit status is 1
+    when it raises, as multiprocessing reports it)."""
 
     def __init__(self, args: Sequence[str], env: Optional[dict] = None, cwd=None, start_new_session: bool = False,
-                 before: Optional[str] = None):
+                 before: Optional[str] = None, main: str = CLI):
         self.args = [str(a) for a in args]
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         self._lock = threading.Lock()  # poll() reads the exit status from a pipe: once, by one thread
         self._proc = multiprocessing.get_context("forkserver").Process(
             target=_command, args=(self.args, dict(os.environ if env is None else env), str(cwd or os.getcwd()),
-                                   start_new_session, DupFd(self._out.fileno()), DupFd(self._err.fileno()), before),
+                                   start_new_session, DupFd(self._out.fileno()), DupFd(self._err.fileno()), before,
+                                   main),
             name=f"megatron-rl {' '.join(self.args)[:60]}")
         self._proc.start()
         self.pid = self._proc.pid
@@ -126,18 +133,19 @@ class WarmProcess:
         return f.read().decode(errors="replace")
 
 
-def start(args: Sequence[str], env: Optional[dict] = None, cwd=None, before: Optional[str] = None) -> WarmProcess:
+def start(args: Sequence[str], env: Optional[dict] = None, cwd=None, before: Optional[str] = None,
+          main: str = CLI) -> WarmProcess:
     """`subprocess.Popen(["megatron-rl", *args], stdout=PIPE, stderr=PIPE, text=True, start_new_session=True)`,
     warm. `before` ("module:function"): called in the command's process before its fork server is forked, so the
     ranks inherit what it changes (a test's fault)."""
-    return WarmProcess(args, env=env, cwd=cwd, start_new_session=True, before=before)
+    return WarmProcess(args, env=env, cwd=cwd, start_new_session=True, before=before, main=main)
 
 
 def run(args: Sequence[str], timeout: Optional[float] = 300, env: Optional[dict] = None, cwd=None,
-        before: Optional[str] = None) -> subprocess.CompletedProcess:
+        before: Optional[str] = None, main: str = CLI) -> subprocess.CompletedProcess:
     """`subprocess.run(["megatron-rl", *args], capture_output=True, text=True, ...)`, warm. Past `timeout` the
     command's process group is killed and TimeoutExpired raised, as `subprocess.run` does."""
-    proc = start(args, env=env, cwd=cwd, before=before)
+    proc = start(args, env=env, cwd=cwd, before=before, main=main)
     try:
         out, err = proc.communicate(timeout)
     except subprocess.TimeoutExpired:
