@@ -1,17 +1,18 @@
 """The CPU layer by itself: what it redirects, and that it does nothing when CUDA is available."""
 
 import importlib.util
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+import warm_cli
+
 
 def _run(code: str) -> str:
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)], capture_output=True,
-                         text=True, timeout=120)
+    """`code` in a process of its own (warm: forked from the session's fork server, which imported torch and
+    Megatron-Core but never activated the CPU layer); its stdout."""
+    out = warm_cli.run([textwrap.dedent(code)], timeout=120, main="warm_cli:python_c")
     assert out.returncode == 0, out.stderr
     return out.stdout
 

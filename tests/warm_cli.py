@@ -84,6 +84,15 @@ def _command(argv: list[str], env: dict, cwd: str, new_session: bool, stdout: Du
     _call(main)
 
 
+def python_c() -> None:
+    """`python -W ignore -c CODE` as a `main=`: `sys.argv[1]` run as the main module, for code that changes its
+    process for good (the CPU layer's patches of torch.cuda)."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    exec(compile(sys.argv[1], "<string>", "exec"), {"__name__": "__main__"})
+
+
 class WarmProcess:
     """What the tests use of `subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True)`, for one warm
     `megatron-rl ARGS` command (or another `main`, "module:function", which reads `sys.argv`; its exit status is 1
