@@ -61,6 +61,10 @@ def test_hugging_face_directory(tmp_path):
     assert t.stop_ids == {fast.eos_token_id, fast.convert_tokens_to_ids("<|eot_id|>")}
     ids = t.encode("what is 3 plus 3?", add_bos=True)
     assert ids[0] == t.bos_id and t.decode(ids) == "what is 3 plus 3?"
+    texts = ["what is 3 plus 3?", "", "question 7: what is 70 plus 1?", "<s>question"]
+    for add_bos in (False, True):  # the batch path gives what one `encode` per text gives
+        assert t.encode_batch(texts, add_bos=add_bos) == [t.encode(x, add_bos=add_bos) for x in texts]
+    assert t.encode_batch([]) == []
     assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi<|eot_id|><assistant>"
     assert t.has_chat_template and not load_tokenizer("byte").has_chat_template
     fast.chat_template = None

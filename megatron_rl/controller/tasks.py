@@ -138,7 +138,8 @@ class DatasetTask(Task):
         self._order = ResumableSampler(len(self.train), shuffle=True, seed=seed)
 
     def _fits(self, records: list[PromptRecord], limit: int, split: str) -> list[PromptRecord]:
-        kept = [r for r in records if len(self.encode(r)) <= limit]
+        encoded = self.tok.encode_batch([self.prompt_text(r) for r in records], add_bos=self.tok.bos_id is not None)
+        kept = [r for r, ids in zip(records, encoded) if len(ids) <= limit]
         self.skipped[split] = len(records) - len(kept)
         return kept
 

@@ -44,6 +44,10 @@ class Tokenizer(ABC):
     @abstractmethod
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
+        """`encode` of each text (a tokenizer with a batch path of its own overrides this)."""
+        return [self.encode(t, add_bos) for t in texts]
+
     @abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
