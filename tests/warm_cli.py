@@ -11,6 +11,10 @@ from the command's process before the command starts, with everything already im
 command and its ranks are gone, as `multiprocessing`'s own does. A test's own entry (`main=`, "module:function")
 runs the same way, for a command whose environment must reach the ranks it starts (a failpoint).
 
+It relies on `multiprocessing.forkserver`'s internals as Python 3.10-3.13 have them (`forkserver.main`, and the
+client's server address, "alive" fd and pid in `forkserver._forkserver`); Python 3.14's fork server also checks an
+authentication key, which `_own_fork_server` would have to hand over too.
+
 What a warm command cannot show is what happens before `cli.run`: the interpreter's start, the imports and their
 warnings, the console script. The tests of those start cold commands (test_launch's quiet default job, test_config's
 one-line errors, the launch scripts).

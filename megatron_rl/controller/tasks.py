@@ -146,9 +146,6 @@ class DatasetTask(Task):
     def prompt_text(self, record: PromptRecord) -> str:
         return self.builder.build(record, self.tok if self.chat else None)
 
-    def encode(self, record: PromptRecord) -> list[int]:
-        return self.tok.encode(self.prompt_text(record), add_bos=self.tok.bos_id is not None)
-
     def train_batch(self, index: int, size: int) -> list[PromptRecord]:
         """Epochs over the training records, each in its own seeded order: item `index * size + j` of the
         concatenated epochs."""
