@@ -37,3 +37,18 @@ def rank_1_is_killed(rank, world_size):
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
+
+
+_KEPT = []  # pools a rank leaves running (a module global: a local would be closed when the function returns)
+
+
+def starts_reward_workers(rank, world_size, close):
+    """Starts a reward worker pool and closes it, or leaves it running, as a Job that never closed its task did."""
+    from megatron_rl.rewards.workers import WorkerPool
+
+    pool = WorkerPool("stop_workers:exact_answer", num_workers=1)
+    if close:
+        pool.close()
+    else:
+        _KEPT.append(pool)
+    return rank

@@ -59,6 +59,7 @@ def test_sigterm_stops_at_a_checkpoint_ends_every_process_and_a_relaunch_resumes
     out, err = proc.communicate(timeout=60)
 
     assert proc.returncode == 143, err[-3000:]
+    assert "after finishing" not in err  # the leaders closed their reward workers: every rank exited at once
     line = err.strip().splitlines()[-1]
     step = int(line.split("after step ")[1].split(";")[0])
     assert line == f"megatron-rl: stopped by SIGTERM after step {step}; checkpoint step_{step:08d} saved; " \
@@ -77,6 +78,7 @@ def test_sigterm_stops_at_a_checkpoint_ends_every_process_and_a_relaunch_resumes
     again = _train(tmp_path, *args, f"run.steps={step + 2}")
     out, err = again.communicate(timeout=120)
     assert again.returncode == 0, err[-3000:]
+    assert "after finishing" not in err
     assert f"resumed from {run / f'step_{step:08d}'}" in err
     assert [r["step"] for r in _rows(run)] == list(range(step + 2))  # every step exactly once
 
@@ -154,10 +156,31 @@ def test_a_hung_rank_is_named_not_the_ranks_that_timed_out_waiting():
     from stop_workers import rank_1_hangs
 
     with pytest.raises(RanksFailed) as e:
-        run_local(rank_1_hangs, 3, timeout=120, dist_timeout_s=5)
+        run_local(rank_1_hangs, 3, timeout=120, dist_timeout_s=3)
     assert (e.value.first.rank, e.value.first.cause) == (1, "hung: still running when the other ranks gave up "
                                                             "waiting for it")
     assert {f.rank for f in e.value.failures} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "left_running"])
+def test_a_rank_that_cannot_exit_after_finishing_is_named(close, monkeypatch, caplog):
+    """A rank whose reward workers still run cannot exit: they block SIGTERM as the rank does, so the terminate
+    its exit sends them is held. The launcher waits `EXIT_WAIT_S` for it, then kills it and says so; a rank that
+    closed its pool exits at once, unnamed (a job's ranks close theirs: `Job.close`)."""
+    from megatron_rl.launch import spawn
+
+    from stop_workers import starts_reward_workers
+
+    monkeypatch.setattr(spawn, "EXIT_WAIT_S", 1.0)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger=spawn.__name__):
+        assert spawn.run_local(starts_reward_workers, 2, close, timeout=120, stop_grace_s=30) == [0, 1]
+    named = [r.getMessage() for r in caplog.records if "after finishing" in r.getMessage()]
+    if close:
+        assert named == [] and time.monotonic() - t0 < 30
+    else:
+        assert named == ["megatron-rl: ranks 0, 1 had not exited 1 s after finishing (a process or thread it "
+                         "started still ran); killed"]
 
 
 def test_the_failure_line_and_log(tmp_path):

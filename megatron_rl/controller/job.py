@@ -184,6 +184,12 @@ class Job:
                 box.flush()
         self._checkpoint_done()
 
+    def close(self) -> None:
+        """Not collective: end this rank's reward workers (the task's), however the run ended. They block SIGTERM
+        as the rank does (`launch/signals.py`), so the terminate that multiprocessing sends its children at exit
+        does not end them: a rank left with them running waited, finished, until its launcher killed it (5 s)."""
+        self.task.close()
+
     def raise_if_checkpoint_failed(self) -> None:
         """Not collective, cheap: CheckpointError now if this rank's part of the save in the background failed."""
         self.ckpt.raise_if_failed()

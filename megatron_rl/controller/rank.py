@@ -85,6 +85,7 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
             watch.see(row)
 
     failing = False
+    job = None
     try:
         job = Job(cfg, model_cfg, Path(run_dir), echo)
         freeze_startup_objects()
@@ -99,6 +100,8 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
         failing = True
         raise
     finally:
+        if job is not None:
+            job.close()
         if bar is not None:
             bar.close()
         if writer is not None:

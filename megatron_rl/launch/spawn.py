@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import logging
 import os
 import signal
 import socket
@@ -36,6 +37,11 @@ from megatron_rl.launch.failures import (HUNG, KILLED_AFTER, RankFailure, RanksF
                                          likely_cause_first)
 from megatron_rl.launch.world import LaunchError, set_rendezvous_env
 from megatron_rl.parallel import liveness
+
+log = logging.getLogger(__name__)
+
+# How long a rank that has reported its result is given to exit before its process group is killed.
+EXIT_WAIT_S = 5.0
 
 # What the fork server imports once for all the ranks it forks: torch's dynamo (the CPU layer imports it before it
 # patches torch.cuda, `compat/cpu.py`), then Megatron-Core through the module that leaves out its unused
@@ -340,9 +346,17 @@ def _end_world(ranks: _Ranks, killed: str) -> dict[int, str]:
     peer's timeout or lost connection, which still run: those are what the others waited for), then kill every
     rank's process group. Returns those causes by rank."""
     procs, failures = ranks.procs, ranks.failures
+    deadline = time.monotonic() + (EXIT_WAIT_S if not failures and not killed else 0.1)
     for p in procs:
         if p.pid is not None:
-            p.join(timeout=5 if not failures and not killed else 0.1)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    lingering = sorted(r for r in ranks.results if procs[r].exitcode is None)
+    if lingering and not failures and not killed:
+        # A rank that reported and still runs waits for something it started (a child that blocks the terminate
+        # its exit sends, a non-daemon thread): every run would end this much later than it should.
+        log.warning("megatron-rl: %s %s had not exited %.0f s after finishing (a process or thread it started "
+                    "still ran); killed", "ranks" if len(lingering) > 1 else "rank", ", ".join(map(str, lingering)),
+                    EXIT_WAIT_S)
     died_alone = {r: death(procs[r].exitcode) for r in ranks.dead()}  # before the launcher ends the rest
     if failures and all(is_peer_error(f.cause) for f in failures.values()):
         died_alone.update({r: HUNG for r, p in enumerate(procs)
