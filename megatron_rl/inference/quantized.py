@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
+import megatron_rl.compat.megatron_core  # noqa: F401 - first: Megatron-Core without wandb and Inductor
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_rl.ddma.quant import QuantizedWeight, quantize, quantized_targets

@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
+import megatron_rl.compat.megatron_core  # noqa: F401 - first: Megatron-Core without wandb and Inductor
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
 

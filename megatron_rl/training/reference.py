@@ -17,6 +17,7 @@ import contextlib
 from typing import Callable
 
 import torch
+import megatron_rl.compat.megatron_core  # noqa: F401 - first: Megatron-Core without wandb and Inductor
 from megatron.core.distributed import DistributedDataParallel
 
 
