@@ -1,5 +1,6 @@
 import contextlib
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import megatron_rl.compat.megatron_core  # noqa: E402,F401 - Megatron-Core as the ranks import it
+from megatron_rl.tokenizers import HF_TOKENIZER_MODULES  # noqa: E402
 
 # Worker modules in this folder must be importable by the fork server's children.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -26,6 +28,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 RANK_MODULES = ("megatron_rl.controller.rank", "megatron_rl.controller.loop", "megatron_rl.controller.job",
                 *sorted(p.stem for p in Path(__file__).parent.glob("*_workers.py")))
 COMMAND_MODULES = ("megatron_rl.cli", "megatron_rl.controller.train", "matplotlib.pyplot")
+# The jobs with a Hugging Face tokenizer (SmolLM2's, the tiny HF models'): their ranks find transformers imported, as
+# the local launcher's ranks do for such a job (`controller/train.py: rank_preload`).
+HF_MODULES = HF_TOKENIZER_MODULES if importlib.util.find_spec("transformers") is not None else ()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -40,7 +45,7 @@ def warm_fork_server():
     here = os.path.dirname(__file__)
     os.environ["PYTHONPATH"] = os.pathsep.join([here, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                        if p and p != here]])
-    start_fork_server(RANK_MODULES + COMMAND_MODULES)
+    start_fork_server(RANK_MODULES + COMMAND_MODULES + HF_MODULES)
 
 
 def gpu_environment() -> dict:

@@ -175,7 +175,13 @@ def test_job_starts_from_a_hf_model_with_its_tokenizer_and_a_user_reward(tmp_pat
 def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_path):
     """The real model from a converted checkpoint: GSM8K train prompts in its chat template, its tokenizer's stop
     ids, the GSM8K verifier; the generator (weights from DDMA) and the trainer agree on every log-prob."""
+    from megatron_rl.controller.train import RANK_MODULES, rank_preload
+    from megatron_rl.tokenizers import HF_TOKENIZER_MODULES
+
     ckpt = smollm2[0]
+    # the local launcher's fork server imports transformers' tokenizer modules for such a job, once for its ranks
+    assert rank_preload(load_config(None, [f"model.checkpoint={ckpt}"])) == RANK_MODULES + HF_TOKENIZER_MODULES
+    assert rank_preload(load_config(None, [])) == RANK_MODULES  # the byte tokenizer
     out = warm_cli.run(["train", f"model.checkpoint={ckpt}", "data.dataset=gsm8k", "data.eval_size=2",
                         "data.eval_samples=1", "trainer.tp=1", "trainer.sft_warmup_steps=0", "trainer.lr=1e-6",
                         "rollout.mode=sync", "trainer.dtype=fp32", "generator.dtype=fp32",  # agreement to fp32 rounding

@@ -3,7 +3,7 @@
 
 import pytest
 
-from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
+from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer, tokenizer_kind
 
 
 def test_byte_tokenizer_round_trip_and_specials():
@@ -39,6 +39,7 @@ def test_sentencepiece(spm_model):
     d = spm_model.parent
     (d / "tokenizer.model").write_bytes(spm_model.read_bytes())
     assert load_tokenizer(d).vocab_size == 60
+    assert tokenizer_kind(spm_model) == tokenizer_kind(d) == "sentencepiece" and tokenizer_kind("byte") == "byte"
 
 
 def test_hugging_face_directory(tmp_path):
@@ -57,6 +58,7 @@ def test_hugging_face_directory(tmp_path):
                           "{% if add_generation_prompt %}<assistant>{% endif %}")
     fast.save_pretrained(tmp_path)
     t = load_tokenizer(tmp_path)
+    assert tokenizer_kind(tmp_path) == "hf"
     assert t.eos_id == fast.eos_token_id and t.bos_id == fast.bos_token_id
     assert t.stop_ids == {fast.eos_token_id, fast.convert_tokens_to_ids("<|eot_id|>")}
     ids = t.encode("what is 3 plus 3?", add_bos=True)
@@ -84,3 +86,4 @@ def test_gguf_tokenizer_of_smollm2(smollm2_tokenizer):
 def test_unknown_tokenizer_path(tmp_path):
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         load_tokenizer(tmp_path / "nothing")
+    assert tokenizer_kind(tmp_path / "nothing") is None and tokenizer_kind(tmp_path) is None

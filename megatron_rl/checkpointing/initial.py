@@ -17,7 +17,7 @@ from megatron_rl.checkpointing.layout import META, MODEL_DIR, CheckpointError, C
 from megatron_rl.checkpointing import safe_load
 from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
 from megatron_rl.models.presets import ModelConfig
-from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer
+from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer, tokenizer_kind
 
 INITIAL_DIR = "initial_model"
 
@@ -126,6 +126,23 @@ def job_tokenizer(cfg):
     if ckpt is None:
         return ByteTokenizer()
     return load_checkpoint_tokenizer(ckpt)
+
+
+def job_tokenizer_kind(cfg) -> Optional[str]:
+    """What `job_tokenizer(cfg)` loads, "byte", "sentencepiece" or "hf", told from paths and metadata alone (an HF
+    or GGUF source is converted with its Hugging Face tokenizer); None where that cannot be told, and the ranks
+    report why when they load it."""
+    if cfg.model.tokenizer:
+        return tokenizer_kind(cfg.model.tokenizer)
+    spec = cfg.model.checkpoint
+    if spec is None:
+        return "byte"
+    try:
+        if source_format(spec) != "megatron":
+            return "hf"
+        return (read_meta(resolve_checkpoint(source_path(spec)), formats=None).get("tokenizer") or {}).get("type")
+    except (OSError, ValueError, CheckpointError, InspectError):
+        return None
 
 
 def tokenizer_entry(cfg, tok, ckpt: Optional[Path]) -> Optional[dict]:

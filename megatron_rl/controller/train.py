@@ -82,7 +82,7 @@ def train(cfg: JobConfig, world: World, fit: str = "") -> Optional[dict]:
     model_cfg = check_world(cfg, world.world_size)
     local = isinstance(world, LocalWorld)
     if local:
-        _start_ranks_early()
+        _start_ranks_early(cfg)
     if world.rank == 0:
         print(banner(cfg, model_cfg, world, fit), flush=True)
     backend = _local_backend(cfg, world.world_size) if local else _join_world(cfg, world)
@@ -124,11 +124,20 @@ def _executors_text(cfg: JobConfig) -> str:
     return text + (f" + reward model {cfg.reward.executor.layout.size}" if cfg.reward.model_executor else "")
 
 
-def _start_ranks_early() -> None:
+def rank_preload(cfg: JobConfig) -> tuple[str, ...]:
+    """What the local launcher's fork server imports once for all the ranks: `RANK_MODULES`, and transformers'
+    tokenizer modules where the job's tokenizer is a Hugging Face one (each rank would import them, about 2 s)."""
+    from megatron_rl.checkpointing.initial import job_tokenizer_kind
+    from megatron_rl.tokenizers import HF_TOKENIZER_MODULES
+
+    return RANK_MODULES + (HF_TOKENIZER_MODULES if job_tokenizer_kind(cfg) == "hf" else ())
+
+
+def _start_ranks_early(cfg: JobConfig) -> None:
     """The local launcher's fork server, started before this process imports torch and prepares the run: the
-    ranks' imports (`RANK_MODULES`) overlap with both. A bad start method is reported by `_local_backend`."""
+    ranks' imports (`rank_preload`) overlap with both. A bad start method is reported by `_local_backend`."""
     try:
-        start_fork_server(RANK_MODULES)
+        start_fork_server(rank_preload(cfg))
     except LaunchError:
         pass
 
@@ -207,7 +216,7 @@ def _run_ranks(cfg: JobConfig, model_cfg: ModelConfig, run_dir: Path, world_size
     import_plotting_in_background()  # this process only waits until the ranks end: the summary's plot needs it then
     try:
         return run_local(rank_main, world_size, cfg, model_cfg, str(run_dir), backend=backend, timeout=None,
-                         dist_timeout_s=collective_s, hang_timeout_s=hang_s, preload=RANK_MODULES,
+                         dist_timeout_s=collective_s, hang_timeout_s=hang_s, preload=rank_preload(cfg),
                          stop_grace_s=cfg.run.stop_grace_s, on_signal=on_signal)[0]
     except RanksFailed as e:
         raise failure_report(cfg, run_dir, e) from None
