@@ -226,13 +226,14 @@ def _sync_estimate(model: ModelConfig, trainer: ParallelLayout, generator: Paral
     except ValueError as e:
         raise PlanError(str(e)) from None
     itemsize = [{p.name: p.dtype.itemsize for p in mods.params} for mods in stages]
+    stage_of = {r: plan.src.coords(r)[1] for r in plan.src.ranks}
     sent: dict[int, int] = {}
     received: dict[int, int] = {}
     network = 0
     for c in plan.copies:
         if c.is_local:
             continue
-        nbytes = c.numel * itemsize[plan.src.coords(c.src_rank)[1]][c.src_param]
+        nbytes = c.numel * itemsize[stage_of[c.src_rank]][c.src_param]
         sent[c.src_rank] = sent.get(c.src_rank, 0) + nbytes
         received[c.dst_rank] = received.get(c.dst_rank, 0) + nbytes
         network += nbytes
