@@ -6,7 +6,6 @@ conftest.py); where no GPU is present each is skipped, saying why.
 """
 
 import json
-import os
 import re
 import subprocess
 import sys

@@ -311,7 +311,6 @@ def _stopped_recipe(slurm_env, tmp_path, signum, name, **env_extra):
     """The 8B recipe on two simulated nodes with a long run; once it has logged 2 steps, `signum` to the batch
     shell alone (where SLURM sends its time-limit warning). Returns (the recipe's process, its stdout, its stderr,
     the run directory, every process it had started by then)."""
-    import signal
     import time
 
     import psutil
