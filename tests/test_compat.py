@@ -117,13 +117,10 @@ def test_modules_importing_megatron_core_import_it_through_compat_first():
 
     late = []
     for path in sorted((Path(__file__).resolve().parents[1] / "megatron_rl").rglob("*.py")):
-        first: dict[str, int] = {}
-        for node in ast.parse(path.read_text()).body:  # module level
-            for name in imported(node):
-                kind = ("compat" if name == "megatron_rl.compat.megatron_core" else
-                        "mcore" if name == "megatron" or name.startswith(("megatron.core", "megatron.")) else None)
-                if kind:
-                    first.setdefault(kind, node.lineno)
-        if "mcore" in first and path.name != "megatron_core.py" and not first.get("compat", 1 << 30) < first["mcore"]:
+        if path.name == "megatron_core.py":
+            continue
+        names = [name for node in ast.parse(path.read_text()).body for name in imported(node)]  # module level
+        mcore = [i for i, name in enumerate(names) if name == "megatron" or name.startswith("megatron.")]
+        if mcore and "megatron_rl.compat.megatron_core" not in names[:mcore[0]]:
             late.append(str(path))
     assert late == []

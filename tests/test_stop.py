@@ -172,12 +172,11 @@ def test_a_rank_that_cannot_exit_after_finishing_is_named(close, monkeypatch, ca
     from stop_workers import starts_reward_workers
 
     monkeypatch.setattr(spawn, "EXIT_WAIT_S", 1.0)
-    t0 = time.monotonic()
     with caplog.at_level("WARNING", logger=spawn.__name__):
         assert spawn.run_local(starts_reward_workers, 2, close, timeout=120, stop_grace_s=30) == [0, 1]
     named = [r.getMessage() for r in caplog.records if "after finishing" in r.getMessage()]
     if close:
-        assert named == [] and time.monotonic() - t0 < 30
+        assert named == []  # both exited within EXIT_WAIT_S
     else:
         assert named == ["megatron-rl: ranks 0, 1 had not exited 1 s after finishing (a process or thread it "
                          "started still ran); killed"]
