@@ -9,8 +9,10 @@ from pathlib import Path
 # Every test runs on the CPU, wherever the suite runs: the tests start CPU worlds (gloo, the CPU layer of
 # megatron_rl.compat), and a process that sees a GPU starts GPU worlds. Hidden here, before anything touches CUDA,
 # for this process and every process it starts; the `gpu` set (test_gpu.py) runs its checks in processes that see
-# the machine's GPUs as the session found them (`gpu_env`).
-SESSION_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+# the machine's GPUs as the session found them (`gpu_env`; session_gpus.py keeps them for xdist's workers too).
+sys.path.insert(0, os.path.dirname(__file__))
+from session_gpus import SESSION_CUDA_VISIBLE_DEVICES  # noqa: E402
+
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
@@ -19,8 +21,7 @@ import torch  # noqa: E402
 import megatron_rl.compat.megatron_core  # noqa: E402,F401 - Megatron-Core as the ranks import it
 from megatron_rl.tokenizers import HF_TOKENIZER_MODULES  # noqa: E402
 
-# Worker modules in this folder must be importable by the fork server's children.
-sys.path.insert(0, os.path.dirname(__file__))
+# Worker modules in this folder must be importable by the fork server's children (the path is set above).
 
 # What the session's ranks import, once, in its one fork server: the job's modules and the test workers'; and
 # what a `megatron-rl` command imports, for the commands the tests fork from that server (warm_cli.py), matplotlib
