@@ -111,7 +111,7 @@ def test_checkpoint_logits_match_hf_at_tp2_pp2(hf_dir, converted):
 
 
 def test_round_trip_to_hf_is_bit_exact_and_carries_the_tokenizer(hf_dir, converted, tmp_path):
-    from megatron_rl.checkpointing import load_checkpoint_tokenizer
+    from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
     from megatron_rl.checkpointing.convert import convert
     from megatron_rl.checkpointing.inspect import read_model
     from megatron_rl.models.hf_mapping import model_config_from_hf

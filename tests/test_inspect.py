@@ -90,7 +90,7 @@ def _fake_training_checkpoint(src: Path, dst: Path, step: int, manifest: bool = 
 
 
 def test_run_root_shows_latest_and_lists_steps_and_incomplete_writes(ckpt, tmp_path):
-    from megatron_rl.checkpointing import load_checkpoint_tokenizer
+    from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
     from megatron_rl.checkpointing.convert import convert
     from megatron_rl.checkpointing.inspect import InspectError, format_text, inspect_path
     from megatron_rl.tokenizers import ByteTokenizer
@@ -129,7 +129,7 @@ def test_run_root_shows_latest_and_lists_steps_and_incomplete_writes(ckpt, tmp_p
 
 
 def test_half_written_and_unknown_paths_exit_2_with_one_line(ckpt, tmp_path, capsys):
-    from megatron_rl.checkpointing import load_checkpoint_tokenizer
+    from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
     from megatron_rl.checkpointing.inspect import run
 
     path, _ = ckpt

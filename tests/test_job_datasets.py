@@ -161,7 +161,7 @@ def test_job_starts_from_a_hf_model_with_its_tokenizer_and_a_user_reward(tmp_pat
     for r in rows:  # the model's own tokenizer decoded the responses; the user function scored them
         assert all(set(t.split()) <= words for t in r["samples"])
         assert all(0.0 <= r["reward"] <= 1.0 for r in rows) and 0.0 <= r["eval/reward"] <= 1.0
-    from megatron_rl.checkpointing import load_checkpoint_tokenizer
+    from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
 
     tok = load_checkpoint_tokenizer(run)  # the run's latest checkpoint carries the tokenizer
     assert (run / "step_00000002" / "tokenizer").is_dir() and tok.encode("cat mat") == [4, 8]

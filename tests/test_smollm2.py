@@ -60,7 +60,7 @@ def test_gguf_converts_with_its_tokenizer_and_back_bit_for_bit(hf, smollm2, tmp_
     does, and the way back to HF reproduces transformers' dequantized weights."""
     from safetensors import safe_open
 
-    from megatron_rl.checkpointing import load_checkpoint_tokenizer
+    from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
     from megatron_rl.checkpointing.convert import convert
     from megatron_rl.checkpointing.hf_sources import read_gguf
 

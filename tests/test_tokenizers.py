@@ -1,5 +1,6 @@
 """Tokenizers: byte, sentencepiece (trained here), Hugging Face (built here), and the GGUF one of SmolLM2."""
 
+import copy
 
 import pytest
 
@@ -77,10 +78,24 @@ def test_hugging_face_directory(tmp_path):
 def test_gguf_tokenizer_of_smollm2(smollm2_tokenizer):
     t = smollm2_tokenizer  # load_tokenizer(gguf_path()), read once per session
     assert t.vocab_size == 49152
-    assert t.decode([t.eos_id], skip_special_tokens=False) == "<|im_end|>"
+    assert [t.decode([i], skip_special_tokens=False) for i in (t.bos_id, t.eos_id, t.pad_id)] == [
+        "<|im_start|>", "<|im_end|>", "<|im_end|>"]  # SmolLM2-Instruct's model card; the file says the same
     assert t.decode(t.encode("Natalia sold 48 clips.")) == "Natalia sold 48 clips."
     chat = t.apply_chat_template([{"role": "user", "content": "What is 2+3?"}])
     assert chat.endswith("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_gguf_tokenizer_takes_its_special_tokens_from_the_file(smollm2_tokenizer):
+    """transformers 5.17 reads SmolLM2-Instruct's EOS from the GGUF as `<|im_start|>` and leaves PAD unset (seen on
+    the H200 image, 2026-11-27); the file's ids win, whatever transformers made of them."""
+    from megatron_rl.models.smollm2 import gguf_path
+    from megatron_rl.tokenizers.hf import take_gguf_special_tokens
+
+    misread = copy.deepcopy(smollm2_tokenizer.tok)
+    misread.eos_token, misread.pad_token = "<|im_start|>", None  # what 5.17 made of it
+    take_gguf_special_tokens(misread, gguf_path())
+    assert (misread.bos_token, misread.eos_token, misread.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert (misread.bos_token_id, misread.eos_token_id, misread.pad_token_id) == (1, 2, 2)
 
 
 def test_unknown_tokenizer_path(tmp_path):

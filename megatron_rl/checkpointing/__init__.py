@@ -20,7 +20,3 @@ safetensors_io   the streaming safetensors writer and header reader
 inspect          `megatron-rl inspect`: what a checkpoint holds, from its metadata
 settings         the `checkpoint:` section of a job
 """
-
-from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
-
-__all__ = ["load_checkpoint_tokenizer"]

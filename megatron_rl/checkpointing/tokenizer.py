@@ -35,10 +35,8 @@ def save_tokenizer(src: Path, dst: Path) -> Optional[dict]:
         shutil.copy2(src, dst / "tokenizer.model")
         return {"type": "sentencepiece", "path": f"{dst.name}/tokenizer.model"}
     if src.is_file() and src.suffix == ".gguf":
-        from transformers import AutoTokenizer  # heavy, and only this source needs it
-
         dst.mkdir(parents=True, exist_ok=True)
-        AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name).save_pretrained(dst)
+        HFTokenizer.from_gguf(src).tok.save_pretrained(dst)  # with the file's special tokens
     else:
         found = [src / f for f in TOKENIZER_FILES if (src / f).is_file()]
         if not found:

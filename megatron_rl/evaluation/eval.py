@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from megatron_rl.checkpointing import load_checkpoint_tokenizer
-from megatron_rl.checkpointing.inspect import resolve_checkpoint as resolve
 from megatron_rl.checkpointing import safe_load
+from megatron_rl.checkpointing.inspect import resolve_checkpoint as resolve
 from megatron_rl.checkpointing.layout import META, MODEL_DIR, CheckpointError, InspectError, read_meta
+from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
 from megatron_rl.data import ChatPromptBuilder, DataError, default_data_dir, load_prompt_dataset, registry
 from megatron_rl.data.datasets import DATA_DIR_ENV
 from megatron_rl.models.presets import ModelConfig

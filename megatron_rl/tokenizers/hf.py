@@ -20,7 +20,9 @@ class HFTokenizer(Tokenizer):
     @classmethod
     def from_gguf(cls, gguf_path: str | Path) -> "HFTokenizer":
         p = Path(gguf_path)
-        return cls(p.parent, gguf_file=p.name)
+        t = cls(p.parent, gguf_file=p.name)
+        take_gguf_special_tokens(t.tok, p)
+        return t
 
     @property
     def vocab_size(self) -> int:
@@ -76,3 +78,23 @@ class HFTokenizer(Tokenizer):
             return self.tok.apply_chat_template(messages, tokenize=False,
                                                 add_generation_prompt=add_generation_prompt)
         return super().apply_chat_template(messages, add_generation_prompt)
+
+
+# A GGUF file's special tokens (llama.cpp's keys) and the tokenizer attribute each sets.
+GGUF_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                       "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def take_gguf_special_tokens(tok, gguf_path: str | Path) -> None:
+    """Set BOS, EOS and PAD of `tok`, which transformers built from the GGUF file at `gguf_path`, to the ids the file
+    names. transformers' reading of them has changed between releases: 5.17 makes SmolLM2-135M-Instruct's EOS
+    `<|im_start|>` and its PAD unset, where the file says `<|im_end|>` for both (5.24 follows the file). A wrong EOS
+    ends rollouts at the wrong token and pads with the wrong one. The header is read with our own GGUF reader
+    (0.2 s), not transformers'."""
+    from megatron_rl.checkpointing.gguf_file import GGUFFile
+
+    fields = GGUFFile(gguf_path).fields
+    for attr, key in GGUF_SPECIAL_TOKENS.items():
+        i = fields.get(key)
+        if isinstance(i, int) and 0 <= i < len(tok) and getattr(tok, f"{attr}_id") != i:
+            setattr(tok, attr, tok.convert_ids_to_tokens(i))
