@@ -283,10 +283,10 @@ def test_a_fork_servers_ranks_start_with_its_imports_frozen():
 
     from parallel_workers import frozen_at_start
 
-    before = gc.get_freeze_count()
+    ours = gc.get_freeze_count()  # 0 here; 375 on the H200 image (Python 3.12, a library froze some at import)
     frozen = run_local(frozen_at_start, 2)
-    # torch + Megatron-Core + the job's modules: hundreds of thousands of objects (the pytest process froze none)
-    assert before == 0 and all(n > 100_000 for n in frozen), (before, frozen)
+    # torch + Megatron-Core + the job's modules: hundreds of thousands of objects more than this process froze
+    assert all(n > ours + 100_000 for n in frozen), (ours, frozen)
 
 
 def test_train_with_spawned_ranks_as_on_gpu_machines(tmp_path):
