@@ -100,3 +100,21 @@ def test_no_cache_slot_is_an_error_not_a_hang():
 
     with pytest.raises(ValueError, match=r"^generator max_batch_size=0 must be >= 1"):
         Generator(None, 16, None, max_batch_size=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_linear_equals_f_linear_at_decode_and_prefill_sizes(dtype):
+    """The CPU decode's linear (`kv_forward._cpu_linear`: `W @ x^T` for a few fp32 rows) gives F.linear's result,
+    with and without bias, for a strided input (SwiGLU's halves) too, and returns a contiguous tensor; bf16 and long
+    chunks are F.linear's own."""
+    from megatron_rl.inference.kv_forward import SMALL_BATCH_ROWS, _cpu_linear
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(48, 40, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+    for rows in (1, 2, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1):
+        x = torch.randn(1, rows, 80, generator=g).to(dtype)[..., ::2]  # [1, rows, 40], strided
+        for bias in (None, b):
+            got, want = _cpu_linear(x, w, bias), torch.nn.functional.linear(x, w, bias)
+            assert got.shape == want.shape == (1, rows, 48) and got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5) if dtype == torch.float32 else \
+                torch.testing.assert_close(got, want, rtol=0, atol=0)

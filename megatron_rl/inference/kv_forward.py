@@ -37,6 +37,23 @@ def _rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# The most rows (tokens x sequences) for which `_cpu_linear` takes the transposed product.
+SMALL_BATCH_ROWS = 64
+
+
+def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` on a CPU. For a decode-sized fp32 batch (at most SMALL_BATCH_ROWS rows) it is
+    computed as `weight @ x^T`: MKL's fp32 GEMM with a handful of rows against a weight streamed from memory ran
+    1.5-2.5x slower than the transposed product on the 2-core test machine (SmolLM2-135M's layer shapes, batch 2 to
+    16, docs/benchmarks.md). bf16, and longer chunks (prefill), keep `F.linear`, which was as fast or faster there."""
+    rows = x.numel() // x.shape[-1]
+    if x.dtype != torch.float32 or rows > SMALL_BATCH_ROWS:
+        return F.linear(x, weight, bias)
+    # contiguous: the next product reads it as a row-major matrix (strided, fc2 after SwiGLU ran 2.5x slower)
+    out = torch.mm(weight, x.reshape(rows, -1).t()).t().contiguous().view(*x.shape[:-1], weight.shape[0])
+    return out + bias if bias is not None else out
+
+
 @dataclass
 class KVCache:
     """keys/values [layers, slots, groups_per_rank, max_len, head_dim] for one pipeline stage on one TP rank."""
@@ -117,7 +134,7 @@ class IncrementalForward:
         (docs/benchmarks.md, "A real LLM learns on a CPU")."""
         if not self._lean or cuda_rules.gpu_path(x, self.cuda_rules_on) or getattr(module, "gather_output", False):
             return module(x)[0]
-        out = F.linear(x, module.weight, module.bias if not module.skip_bias_add else None)
+        out = _cpu_linear(x, module.weight, module.bias if not module.skip_bias_add else None)
         if isinstance(module, RowParallelLinear) and self.tp_group.size() > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out
@@ -230,5 +247,10 @@ class IncrementalForward:
         hidden = self.model.decoder.final_layernorm(hidden)
         weight = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights \
             else None
-        logits, _ = self.model.output_layer(hidden, weight=weight)
+        output = self.model.output_layer
+        if self._lean and not gpu and type(output) is ColumnParallelLinear and not output.gather_output:
+            # this rank's vocabulary columns, as Megatron-Core's layer computes them (no bias), without its wrapper
+            logits = _cpu_linear(hidden, output.weight if weight is None else weight, None)
+        else:
+            logits, _ = output(hidden, weight=weight)
         return logits.transpose(0, 1)  # [b, s, vocab / tp]
