@@ -156,3 +156,10 @@ def frozen_at_start(rank, world_size):
 
     return gc.get_freeze_count()
 
+
+
+def threads_at_start(rank, world_size):
+    """The torch threads this rank was given."""
+    import torch
+
+    return torch.get_num_threads()

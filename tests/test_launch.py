@@ -289,6 +289,19 @@ def test_a_fork_servers_ranks_start_with_its_imports_frozen():
     assert all(n > ours + 100_000 for n in frozen), (ours, frozen)
 
 
+def test_a_local_world_shares_the_cores_among_its_ranks():
+    """Each rank of a local world takes its share of the usable cores as torch threads, at least one: a world of one
+    uses them all."""
+    from megatron_rl.launch.spawn import run_local, threads_per_rank
+
+    from parallel_workers import threads_at_start
+
+    cores = len(os.sched_getaffinity(0))
+    assert [threads_per_rank(n) for n in (1, 2, cores, 4 * cores)] == [cores, max(1, cores // 2), 1, 1]
+    assert run_local(threads_at_start, 1) == [cores]
+    assert run_local(threads_at_start, 2) == [max(1, cores // 2)] * 2
+
+
 def test_train_with_spawned_ranks_as_on_gpu_machines(tmp_path):
     """`megatron-rl train` as a GPU machine starts it (ranks spawned as fresh interpreters, nothing inherited),
     here on the CPU: the config, the job function and its arguments must survive the trip. Its output is the
