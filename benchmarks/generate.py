@@ -5,8 +5,8 @@
 
 Both sides decode greedily to exactly `new` tokens (no early stop). Prints tokens/s for each and their ratio:
 on a CPU against transformers' best of fp32 and bf16, and against this CPU's ceiling (`cpu_ceiling`: prefill and
-every decode step at the measured bf16 matmul rate or weight-read time, whichever is slower); on a GPU against
-the weight-read roofline (batch x measured memory bandwidth / weight bytes). Ends with one JSON line;
+every decode step at the measured matmul rate in our precision or weight-read time, whichever is slower); on a GPU
+against the weight-read roofline (batch x measured memory bandwidth / weight bytes). Ends with one JSON line;
 comparisons are under keys ending in `_ratio`.
 """
 
@@ -53,10 +53,12 @@ def measure_bandwidth() -> float:
     return bw
 
 
-def cpu_ceiling(cfg, weight_bytes: int, batch: int, prompt_len: int, new: int) -> dict:
-    """This CPU's ceiling for one generate call: the prefill at the measured bf16 matmul rate, then every decode
-    step at the larger of reading all weights once (at the measured copy bandwidth, counting read + write, the
-    generous reading) and its matmuls (2 x matmul parameters x batch FLOPs) at that rate."""
+def cpu_ceiling(cfg, weight_bytes: int, batch: int, prompt_len: int, new: int, dtype=torch.bfloat16) -> dict:
+    """This CPU's ceiling for one generate call: the prefill at the measured matmul rate in our generator's
+    precision `dtype` (bf16 where the CPU has it natively, fp32 elsewhere: an emulated-bf16 rate would make the
+    ceiling meaningless), then every decode step at the larger of reading all weights once (at the measured copy
+    bandwidth, counting read + write, the generous reading) and its matmuls (2 x matmul parameters x batch FLOPs)
+    at that rate."""
     x = torch.empty(2**28, dtype=torch.uint8)
     y = torch.empty_like(x)
     y.copy_(x)
@@ -64,7 +66,7 @@ def cpu_ceiling(cfg, weight_bytes: int, batch: int, prompt_len: int, new: int) -
     for _ in range(5):
         y.copy_(x)
     copy_bw = 2 * x.numel() * 5 / (time.perf_counter() - t)
-    a, b = torch.randn(512, 4096, dtype=torch.bfloat16), torch.randn(4096, 4096, dtype=torch.bfloat16)
+    a, b = torch.randn(512, 4096, dtype=dtype), torch.randn(4096, 4096, dtype=dtype)
     a @ b
     t = time.perf_counter()
     for _ in range(5):
@@ -202,11 +204,12 @@ def bench_case(name, cfg, batch, prompt_len, new, dtype, device, hf_state=None, 
                                                              / max(len(first), 1), 3)})
         line += f"; {alt if alt == 'no-lookahead' else 'fusions=' + alt}: {tps:,.0f} tokens/s"
     if not torch.cuda.is_available():
-        roof = cpu_ceiling(cfg, weight_bytes, batch, prompt_len, new)
+        roof = cpu_ceiling(cfg, weight_bytes, batch, prompt_len, new, dtype)
         r.update({f"{name}_ceiling_tokens_per_s": round(roof["tokens_per_s"], 1),
                   f"{name}_vs_ceiling_ratio": round(ours_tps / roof["tokens_per_s"], 3),
                   "cpu_copy_gb_s": round(roof["copy_bytes_per_s"] / 1e9, 1),
-                  "cpu_bf16_matmul_gflop_s": round(roof["matmul_flop_per_s"] / 1e9, 1)})
+                  f"cpu_{str(dtype).removeprefix('torch.')}_matmul_gflop_s":
+                      round(roof["matmul_flop_per_s"] / 1e9, 1)})
         line += f"; ceiling {roof['tokens_per_s']:,.0f} tokens/s ({ours_tps / roof['tokens_per_s']:.1%})"
     if torch.cuda.is_available():
         bw = measure_bandwidth()
