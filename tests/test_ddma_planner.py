@@ -173,3 +173,38 @@ def test_a_plan_keeps_what_the_transport_derives_from_it():
     assert sum(len(r) for r in rounds) >= sum(1 for c in plan.copies if not c.is_local)
     c = next(c for c in plan.copies if not c.is_local)
     assert end_contiguous(c, plan, "dst") is plan.memo.contiguous["dst", c]
+
+
+def test_planning_leaves_the_garbage_collector_as_it_found_it():
+    """The planner turns Python's cyclic collector off while it builds a plan (`_without_cyclic_gc`): it is on
+    again after a plan and after a layout error, and stays off where the caller had turned it off."""
+    import gc
+
+    from megatron_rl.ddma.planner import _plan_cached, plan_reshard
+    from megatron_rl.models.presets import get_preset
+    from megatron_rl.parallel.layout import ParallelLayout
+
+    tiny = get_preset("tiny")
+    _plan_cached.cache_clear()  # plans built here, not ones cached by an earlier test
+    collections = []
+    gc.collect()  # no young objects left to push a collection past its threshold before the planner starts
+    gc.callbacks.append(lambda phase, info: collections.append(info["generation"]) if phase == "start" else None)
+    try:
+        plan = plan_reshard(get_preset("llama3-8b"), ParallelLayout(tp=4, pp=2), ParallelLayout(tp=2, dp=2))
+    finally:
+        gc.callbacks.pop()
+    # thousands of objects and no collection among them: at most the young generation's, once the collector is
+    # back on (without the switch, dozens)
+    assert len(plan.copies) > 1000 and collections in ([], [0]), collections
+    assert gc.isenabled()
+    assert plan_reshard(tiny, ParallelLayout(tp=2), ParallelLayout(dp=2)).copies
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="does not divide"):
+        plan_reshard(tiny, ParallelLayout(tp=3), ParallelLayout())
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan_reshard(tiny, ParallelLayout(pp=2), ParallelLayout(tp=2))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

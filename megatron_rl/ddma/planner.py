@@ -24,7 +24,9 @@ collectives and rejects differing vocabulary padding; this one needs neither the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Iterable, NamedTuple, Optional
@@ -344,8 +346,28 @@ def plan_reshard(
                         split_min_elements)
 
 
+@contextlib.contextmanager
+def _without_cyclic_gc():
+    """Python's cyclic garbage collector off for a block that builds many objects none of which form cycles. A 405B
+    plan makes about two million (pieces, boxes, copies), and each full collection re-walks all the survivors: 35-40%
+    of `plan_reshard`'s time (7.3-7.5 -> 4.3-4.9 s for llama3-405b on the 2-core test machine), which every rank of
+    the job pays at its start. The collector is on again afterwards, as the caller had it, also after an error."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @lru_cache(maxsize=32)
 def _plan_cached(src: Endpoint, dst: Endpoint, split_min_elements: int) -> ReshardPlan:
+    with _without_cyclic_gc():
+        return _make_plan(src, dst, split_min_elements)
+
+
+def _make_plan(src: Endpoint, dst: Endpoint, split_min_elements: int) -> ReshardPlan:
     check_same_architecture(src.model, dst.model)
     check_layout(src.model, src.layout, "trainer (source)")
     check_layout(dst.model, dst.layout, "generator (destination)")
