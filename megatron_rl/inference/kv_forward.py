@@ -44,8 +44,8 @@ SMALL_BATCH_ROWS = 64
 def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """`F.linear(x, weight, bias)` on a CPU. For a decode-sized fp32 batch (at most SMALL_BATCH_ROWS rows) it is
     computed as `weight @ x^T`: MKL's fp32 GEMM with a handful of rows against a weight streamed from memory ran
-    1.5-2.5x slower than the transposed product on the 2-core test machine (SmolLM2-135M's layer shapes, batch 2 to
-    16, docs/benchmarks.md). bf16, and longer chunks (prefill), keep `F.linear`, which was as fast or faster there."""
+    up to 2.5x slower than the transposed product on the 2-core test machine (SmolLM2-135M's layer shapes, 2 to 64
+    rows, docs/benchmarks.md). bf16, and longer chunks (prefill), keep `F.linear`, which was as fast or faster there."""
     rows = x.numel() // x.shape[-1]
     if x.dtype != torch.float32 or rows > SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
