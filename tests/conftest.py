@@ -1,4 +1,5 @@
 import contextlib
+import copy
 import functools
 import importlib.util
 import os
@@ -79,8 +80,9 @@ def gpu_env():
 
 @contextlib.contextmanager
 def gguf_parsed_once():
-    """While transformers reads SmolLM2's GGUF for the session's references: gguf's `GGUFReader` of a file and its
-    tensor-name map of an architecture are built once and shared.
+    """While transformers reads SmolLM2's GGUF for the session's references: gguf's `GGUFReader` of a file, its
+    tensor-name map of an architecture, and transformers' reading of a file's metadata (`metadata_once`) are built
+    once and shared.
 
     transformers parses the whole file with `GGUFReader` for a model's config, again for its weights and again for
     a tokenizer's config, and builds the same `TensorNameMap` once per module of the model (397 times for
@@ -100,10 +102,29 @@ def gguf_parsed_once():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", reader)
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(name_map))
+        if importlib.util.find_spec("transformers") is not None:
+            from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+            load = hf_gguf.load_gguf_checkpoint
+
+            def metadata_once(path, return_tensors=False, **kw):
+                """transformers' reading of a GGUF's metadata (model config, tokenizer), for a model's config and
+                for each tokenizer: parsed once, each caller given its own copy (5 s a parse for SmolLM2's
+                49,152 tokens and 48,900 merges on the 2-core machine)."""
+                if return_tensors or kw:
+                    return load(path, return_tensors=return_tensors, **kw)
+                st = os.stat(path)
+                key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+                if key not in _GGUF_METADATA:
+                    _GGUF_METADATA[key] = load(path, return_tensors=False)
+                return copy.deepcopy(_GGUF_METADATA[key])
+
+            mp.setattr(hf_gguf, "load_gguf_checkpoint", metadata_once)
         yield
 
 
 _GGUF_READERS: dict = {}  # the session's parsed GGUF files (gguf_parsed_once)
+_GGUF_METADATA: dict = {}  # transformers' metadata of those files (gguf_parsed_once)
 
 
 @pytest.fixture(scope="session")
