@@ -228,7 +228,9 @@ def cmd_reshard_check(args) -> int:
         cfg = get_preset(args.model, **overrides)
         src, dst = ParallelLayout.parse(args.src), ParallelLayout.parse(args.dst)
         world = max(src.size, dst.size) if args.colocated else src.size + dst.size
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        from megatron_rl.launch.spawn import usable_cores
+
+        cores = usable_cores()
         if world > PROCESSES_PER_CORE * cores and not args.force:
             raise ValueError(f"--src {args.src} --dst {args.dst} needs {world} processes, more than "
                              f"{PROCESSES_PER_CORE} per CPU core ({cores} cores here); pass --force to start them")

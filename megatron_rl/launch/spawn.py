@@ -116,12 +116,16 @@ def job_backend(backend: str, world_size: int, cuda_devices: int) -> str:
     return backend
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def threads_per_rank(world_size: int) -> int:
     """CPU threads for each of `world_size` ranks on this machine: its usable cores shared out, at least one. A
     world of one rank (`megatron-rl eval` at TP1, a test's reference world) uses every core: the bf16 SmolLM2 test
     took 26.7 s with it, against 33.6 s with one thread per rank, on the 2-core test machine."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // world_size)
+    return max(1, usable_cores() // world_size)
 
 
 def _lead_own_group() -> None:
