@@ -121,10 +121,22 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def threads_per_rank(world_size: int) -> int:
-    """CPU threads for each of `world_size` ranks on this machine: its usable cores shared out, at least one. A
-    world of one rank (`megatron-rl eval` at TP1, a test's reference world) uses every core: the bf16 SmolLM2 test
-    took 26.7 s with it, against 33.6 s with one thread per rank, on the 2-core test machine."""
+def threads_per_rank(world_size: int, environ: Optional[dict] = None) -> int:
+    """CPU threads for each of `world_size` local ranks: OMP_NUM_THREADS where it is set, else this machine's usable
+    cores shared out, at least one.
+
+    OMP_NUM_THREADS counts one process's threads, as torchrun sets it for each of its ranks; whoever set it knows
+    what else shares the cores (pytest-xdist's workers, other jobs on the node), so it wins. Without it a world of
+    one rank (`megatron-rl eval` at TP1, a test's reference world) uses every core: the bf16 SmolLM2 test took
+    26.7 s with it, against 33.6 s with one thread per rank, on the 2-core test machine. LaunchError for a value
+    that is not a positive whole number (OpenMP's list form `4,2` gives the first level)."""
+    env = os.environ if environ is None else environ
+    value = env.get("OMP_NUM_THREADS", "").strip()
+    if value:
+        first = value.split(",")[0].strip()
+        if not first.isdigit() or int(first) < 1:
+            raise LaunchError(f"OMP_NUM_THREADS={value!r} is not a positive whole number of threads")
+        return int(first)
     return max(1, usable_cores() // world_size)
 
 
@@ -140,7 +152,8 @@ def _lead_own_group() -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s: float, note_signals: bool,
-            fn: Callable, args: tuple, queue, beats: Optional[liveness.LocalBeats], beat_s: float) -> None:
+            fn: Callable, args: tuple, queue, beats: Optional[liveness.LocalBeats], beat_s: float,
+            threads: int) -> None:
     import megatron_rl.compat.megatron_core  # noqa: F401 - a spawned rank's first import of it (the fork server's did)
 
     _lead_own_group()
@@ -155,7 +168,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s:
     from megatron_rl.compat import activate
 
     set_rendezvous_env("127.0.0.1", port, rank, world_size, rank)
-    torch.set_num_threads(threads_per_rank(world_size))
+    torch.set_num_threads(threads)
     try:
         bind_device(rank)
         activate()
@@ -399,6 +412,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
 
     cuda = local_gpus()
     backend = resolve_backend(backend, world_size, cuda)
+    threads = threads_per_rank(world_size)  # read here: a fork server's ranks see the environment of its start
     ctx = _start_context(cuda, preload)
     queue = ctx.Queue()
     port = free_port()
@@ -408,7 +422,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     beats = liveness.LocalBeats(ctx, world_size) if watched else None  # unwatched worlds run no heartbeat thread
     beat_s = liveness.beat_interval_s(hang_timeout_s) if watched else 0.0
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, note, fn, args, queue,
-                                               beats, beat_s), daemon=False) for r in range(world_size)]
+                                               beats, beat_s, threads), daemon=False) for r in range(world_size)]
     ranks = _Ranks(procs, queue)
     forward = _Forwarder(procs, stop_grace_s or 0.0, on_signal)
     deadline = None if timeout is None else time.monotonic() + timeout
