@@ -61,9 +61,9 @@ def gpu_environment() -> dict:
 
 
 @pytest.fixture(scope="session")
-def gpu_env():
-    """For the `gpu` set: the environment of a process that sees this machine's GPUs; the test is skipped, saying
-    why, where there is none (no NVIDIA device, all hidden by CUDA_VISIBLE_DEVICES, or a CPU build of torch)."""
+def _gpu_probe():
+    """The environment of a process that sees this machine's GPUs, probed once per session; skipped, saying why,
+    where there is none (no NVIDIA device, all hidden by CUDA_VISIBLE_DEVICES, or a CPU build of torch)."""
     if SESSION_CUDA_VISIBLE_DEVICES in ("", "-1"):
         pytest.skip(f"no GPU: CUDA_VISIBLE_DEVICES={SESSION_CUDA_VISIBLE_DEVICES!r} hides them")
     if not (os.path.exists("/dev/nvidiactl") or any(n.startswith("nvidia") and n[6:].isdigit()
@@ -76,6 +76,19 @@ def gpu_env():
     if probe.returncode != 0 or count in ("", "0"):
         pytest.skip(f"no GPU: torch {version or '?'} sees no CUDA device ({probe.stderr.strip()[-200:] or 'a CPU build?'})")
     return env
+
+
+@pytest.fixture
+def gpu_env(_gpu_probe):
+    """For the `gpu` set: the environment of a process that sees this machine's GPUs, held by one test at a time on
+    this machine (a lock file), so that pytest-xdist's workers take the GPUs in turn: a GPU in exclusive-process
+    mode admits one process, and each check's timing and memory are then its own."""
+    import fcntl
+    import tempfile
+
+    with open(os.path.join(tempfile.gettempdir(), f"megatron-rl-tests-gpu-{os.getuid()}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield _gpu_probe
 
 
 @contextlib.contextmanager
