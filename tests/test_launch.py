@@ -99,6 +99,9 @@ def _sbatch(script, env, args, cwd, timeout=240):
 
 
 TWO_NODES = [*TINY, "generator.dp=2", "run.world_size=4"]  # 2 nodes x 2 ranks: trainer TP2, generator DP2
+# 2 nodes x 1 rank (a trainer, a generator): what a multi-node failure or stop needs, at half the cold-started ranks
+ONE_PER_NODE = [*[o for o in TINY if not o.startswith(("trainer.tp=", "run.world_size="))], "trainer.tp=1",
+                "run.world_size=2"]
 
 
 def test_8b_recipe_runs_the_job_on_two_nodes_under_srun_and_torchrun(slurm_env, tmp_path):
@@ -136,13 +139,13 @@ def test_a_bad_config_under_the_recipe_is_one_line_and_starts_nothing(slurm_env,
 
 
 def test_a_dead_rank_under_the_recipe_is_one_line_naming_it(slurm_env, tmp_path):
-    env = dict(slurm_env, SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost,localhost", GPUS_PER_NODE="2",
+    env = dict(slurm_env, SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost,localhost", GPUS_PER_NODE="1",
                PYTHON=sys.executable, MEGATRON_RL_FAILPOINT="train_step:1")
     out = _sbatch(REPO / "launch/slurm/llama3_8b.sbatch", env,
-                  [*TWO_NODES, "run.steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}", "run.name=dead"], cwd=tmp_path)
+                  [*ONE_PER_NODE, "run.steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}", "run.name=dead"], cwd=tmp_path)
     assert out.returncode != 0
     log = tmp_path / "ckpt" / "dead" / "torchrun-4242.log"
-    assert re.fullmatch(rf"megatron-rl: rank [01] \(trainer\) died with signal 9 \(SIGKILL\); torchrun's report: "
+    assert re.fullmatch(rf"megatron-rl: rank 0 \(trainer\) died with signal 9 \(SIGKILL\); torchrun's report: "
                         rf"{log}\n", out.stderr), out.stderr[-3000:]
     assert "ChildFailedError" in log.read_text()
 
@@ -316,7 +319,7 @@ def test_train_with_spawned_ranks_as_on_gpu_machines(tmp_path):
     banner, the progress bar and the summary: no dependency warnings (`megatron_rl.quiet`), in any process."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     env.update(MEGATRON_RL_START_METHOD="spawn", OMP_NUM_THREADS="1")
-    cfg = [o for o in TINY if not o.startswith("run.world_size")]
+    cfg = [o for o in ONE_PER_NODE if not o.startswith("run.world_size")]  # 2 ranks: a trainer, a generator
     out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--launcher", "local", *cfg,
                           f"checkpoint.dir={tmp_path}", "run.name=spawned"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
@@ -329,17 +332,17 @@ def test_train_with_spawned_ranks_as_on_gpu_machines(tmp_path):
 
 
 def _stopped_recipe(slurm_env, tmp_path, signum, name, **env_extra):
-    """The 8B recipe on two simulated nodes with a long run; once it has logged 2 steps, `signum` to the batch
-    shell alone (where SLURM sends its time-limit warning). Returns (the recipe's process, its stdout, its stderr,
-    the run directory, every process it had started by then)."""
+    """The 8B recipe on two simulated nodes, one rank each, with a long run; once it has logged 2 steps, `signum` to
+    the batch shell alone (where SLURM sends its time-limit warning). Returns (the recipe's process, its stdout, its
+    stderr, the run directory, every process it had started by then)."""
     import time
 
     import psutil
 
-    env = dict(slurm_env, SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost,localhost", GPUS_PER_NODE="2",
+    env = dict(slurm_env, SLURM_NNODES="2", SLURM_JOB_NODELIST="localhost,localhost", GPUS_PER_NODE="1",
                PYTHON=sys.executable, **env_extra)
     run_dir = tmp_path / "ckpt" / name
-    proc = subprocess.Popen(["bash", str(REPO / "launch/slurm/llama3_8b.sbatch"), *TWO_NODES, "run.steps=400",
+    proc = subprocess.Popen(["bash", str(REPO / "launch/slurm/llama3_8b.sbatch"), *ONE_PER_NODE, "run.steps=400",
                              f"checkpoint.dir={tmp_path / 'ckpt'}", f"run.name={name}"], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240

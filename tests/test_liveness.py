@@ -95,14 +95,14 @@ def test_a_stopped_trainer_rank_ends_the_local_job_in_one_line(tmp_path):
 
 
 def test_a_stopped_generator_rank_under_torchrun_is_named_by_its_watcher(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m",
-           "megatron_rl.cli", "train", "--launcher", "env", *FAST, f"checkpoint.dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "megatron_rl.cli", "train", "--launcher", "env", *FAST, "trainer.tp=1", f"checkpoint.dir={tmp_path}"]
     out, seconds, stopped = _run(cmd, _stopped_at("generate:3"), tmp_path)
     assert out.returncode != 0
     line = _hang_line(out.stderr)
-    assert line.startswith("megatron-rl: rank 2 (generator) hung: no heartbeat for "), line
+    assert line.startswith("megatron-rl: rank 1 (generator) hung: no heartbeat for "), line
     log = (tmp_path / "default" / "failure.log").read_text()
-    assert log.startswith("megatron-rl: rank 2 (generator) hung") and "found by rank " in log
+    assert log.startswith("megatron-rl: rank 1 (generator) hung") and "found by rank 0" in log
     _assert_gone(stopped)
     assert seconds < 60, seconds  # a rank on its host SIGKILLs it; torchrun alone would wait 30 s more
 

@@ -206,10 +206,10 @@ def test_the_failure_line_and_log(tmp_path):
 def test_ranks_of_a_launched_world_stop_together_when_each_gets_sigterm(tmp_path):
     """torchrun starts the ranks; every rank gets SIGTERM, as under srun or scancel: the same consistent stop."""
     run = tmp_path / "e"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                             "-m", "megatron_rl.cli", "train", "--launcher", "env", *FAST, "run.steps=200",
-                             f"checkpoint.dir={tmp_path}", "run.name=e"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "megatron_rl.cli", "train", "--launcher", "env", *FAST, "trainer.tp=1",
+                             "run.steps=200", f"checkpoint.dir={tmp_path}", "run.name=e"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     _wait_for(lambda: len(_rows(run)) >= 2, 120, proc)
     for rank in psutil.Process(proc.pid).children():
