@@ -103,6 +103,23 @@ def test_megatron_core_is_imported_without_wandb_and_inductor():
         assert hasattr(wandb, "init")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer's own import of Megatron-Core")
+def test_a_cold_rank_activating_the_cpu_layer_loads_megatron_core_without_wandb_and_inductor():
+    """A rank torchrun or srun starts (`controller/train.py: _join_world`) first meets Megatron-Core in `activate()`:
+    it is loaded through `compat/megatron_core.py` there too (it was a plain `import megatron.core`: wandb and
+    Inductor loaded in every such rank, 2-3 s of its cold start). A cold process, as such a rank is."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from megatron_rl.compat import activate; assert activate(); "
+            "print(sys.modules.get('wandb') is None, 'torch._inductor.compile_fx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False"], out.stdout
+
+
 def test_modules_importing_megatron_core_import_it_through_compat_first():
     """A cold process (a torchrun rank, any `megatron-rl` command) imports Megatron-Core through whichever of our
     modules gets there first: each that imports it at module level imports `compat/megatron_core.py` before it, so

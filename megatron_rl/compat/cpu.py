@@ -206,9 +206,10 @@ def activate() -> bool:
         if torch.cuda.is_available():
             return False
         # Import torch._dynamo and Megatron-Core before patching: dynamo builds a table of torch.cuda's functions
-        # on import and rejects two names bound to one function object.
+        # on import and rejects two names bound to one function object. Megatron-Core through our compat module:
+        # without the wandb and Inductor it would load (2-3 s of each cold-started rank: torchrun's, srun's).
         import torch._dynamo as _dynamo  # noqa: F401
-        import megatron.core  # noqa: F401
+        import megatron_rl.compat.megatron_core  # noqa: F401
 
         cuda = torch.cuda
         _patch(cuda, "current_device", lambda: 0)
