@@ -117,13 +117,19 @@ def model_in_two_executors_worker(rank, world_size):
 
 
 def dist_checkpoint_worker(rank, world_size, layout_kw, ckpt_dir, mode):
-    """Save the model with Megatron-Core's dist_checkpointing in one layout, or load it in another."""
+    """Save the model with Megatron-Core's dist_checkpointing in one layout, or load it in another: into a model
+    built without initialization (`initialize=False`, as a job's trainer builds one that resumes), which must
+    draw no random number and still shard as an initialized one (its tensor-parallel attributes)."""
     from megatron.core import dist_checkpointing
 
     layout = ParallelLayout(**layout_kw)
     cfg = get_preset("tiny")
     g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
-    model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", seed=11 if mode == "save" else 99)
+    model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", seed=11 if mode == "save" else 99,
+                            initialize=mode == "save")
+    if mode == "load":
+        after = torch.random.get_rng_state()
+        assert torch.equal(after, torch.manual_seed(99).get_state()), "an uninitialized build drew random numbers"
     metadata = {"dp_cp_group": g.pgs.dp_cp}
     if mode == "save":
         import os

@@ -95,11 +95,6 @@ class MemoryMeter:
 
 
 # ---- HF -> Megatron ----------------------------------------------------------------------------------------------
-def skip_init(tensor: torch.Tensor) -> torch.Tensor:
-    """An init method that leaves the tensor as it is (every parameter is filled from a checkpoint next)."""
-    return tensor
-
-
 def fill_param(param: torch.Tensor, d, cfg: ModelConfig, files: dict[str, str]) -> None:
     """Copy this rank's shard of one parameter straight from the rows (and columns) of the HF tensors it is made
     of: only those bytes are read (`get_slice`), in pieces of at most READ_BYTES, and no full tensor is built."""
@@ -164,11 +159,9 @@ def _save_megatron_worker(rank, world_size, cfg: ModelConfig, tp: int, pp: int, 
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 
     g = build_topology([ExecutorPlacement("convert", ParallelLayout(tp=tp, pp=pp))])["convert"]
-    # No initialization: Megatron-Core sets a weight's tensor-parallel attributes in its initializer, so that runs,
-    # as a no-op, and in place (its device path: no full-size master weight as in its CPU path).
-    overrides = {k: skip_init for k in ("init_method", "output_layer_init_method", "embedding_init_method")}
+    # Every parameter is filled from the files next: no initialization, no full-size master weight.
     model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=getattr(torch, dtype),
-                            config_overrides=dict(overrides, use_cpu_initialization=False))
+                            initialize=False)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for d in describe_params(model, cfg, g.pgs.tp.rank(), g.pgs.tp.size()):

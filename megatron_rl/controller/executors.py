@@ -50,10 +50,11 @@ def rollout_seed(run_seed: int, batch: int, prompt: int) -> int:
     return run_seed * 7919 + batch * 1000 + prompt
 
 
-def build_policy(cfg: JobConfig, model_cfg: ModelConfig, t: ExecutorGroups) -> torch.nn.Module:
-    """The trainer's shard of the policy (random weights from run.seed until a checkpoint is loaded)."""
+def build_policy(cfg: JobConfig, model_cfg: ModelConfig, t: ExecutorGroups, initialize: bool = True) -> torch.nn.Module:
+    """The trainer's shard of the policy: random weights from run.seed, or (`initialize=False`) weights left
+    uninitialized for a checkpoint or a copy to fill next."""
     return build_gpt_model(model_cfg, t.layout, t.pgs, attention=cfg.trainer.attention, seed=cfg.run.seed,
-                           params_dtype=resolve_dtype(cfg.trainer.dtype))
+                           params_dtype=resolve_dtype(cfg.trainer.dtype), initialize=initialize)
 
 
 def lr_schedule(cfg: JobConfig) -> LRSchedule:
@@ -100,7 +101,8 @@ class TrainerExecutor:
 
     def _set_reference(self) -> None:
         """The KL reference: a frozen copy of the policy as it is now (`training/reference.py`)."""
-        self.rl.set_reference(make_reference(self.model, lambda: build_policy(self.cfg, self.model_cfg, self.groups)))
+        self.rl.set_reference(make_reference(self.model, lambda: build_policy(self.cfg, self.model_cfg, self.groups,
+                                                                              initialize=False)))
 
     @property
     def reference(self) -> Optional[torch.nn.Module]:
@@ -154,8 +156,8 @@ class GeneratorExecutor:
             # Never holds the full-precision matrices; DDMA writes every weight before the first sample.
             self.model, self.quantized = build_quantized_generator(cfg.generator.quantization, model_cfg,
                                                                    groups.layout, groups.pgs, **build)
-        else:
-            self.model = build_gpt_model(model_cfg, groups.layout, groups.pgs, **build)
+        else:  # uninitialized: DDMA writes every weight before the first sample (`schedule.job_plan`)
+            self.model = build_gpt_model(model_cfg, groups.layout, groups.pgs, initialize=False, **build)
         self.generator = Generator(self.model, model_cfg.vocab_size, groups.pgs.tp,
                                    max_batch_size=cfg.generator.max_batch_size,
                                    max_len=cfg.rollout.context_length,

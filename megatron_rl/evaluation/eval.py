@@ -154,7 +154,8 @@ def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts:
     g = build_topology([ExecutorPlacement("eval", ParallelLayout(tp=world_size // pp, pp=pp))])["eval"]
     # Built as a job's generator builds it in `dtype` (a bf16 model keeps its norm weights in fp32); the stored
     # tensors are rounded to it as they load, whatever dtype they were saved in.
-    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=getattr(torch, dtype))
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=getattr(torch, dtype),
+                            initialize=False)  # every weight is loaded next
     state = dist_checkpointing.load(model_sharded_state_dict(model, g.pgs.dp_cp), model_dir)
     model.load_state_dict(state)
     gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch_size, max_len=max_len, pp_group=g.pgs.pp)

@@ -163,15 +163,14 @@ def load_reward_tokenizer(path):
 def _build_body(cfg: ModelConfig, layout: ParallelLayout, pgs, params_dtype: torch.dtype,
                 files: dict[str, str]) -> torch.nn.Module:
     """This TP rank's GPTModel without an output layer, filled from the safetensors files."""
-    from megatron_rl.checkpointing.convert import fill_param, skip_init
+    from megatron_rl.checkpointing.convert import fill_param
     from megatron_rl.models import build_gpt_model
     from megatron_rl.models.sharding import describe_params
 
     body = body_config(cfg)
     # No initialization (as the converter): every parameter is overwritten, allocated on the device it runs on.
-    overrides = {k: skip_init for k in ("init_method", "output_layer_init_method", "embedding_init_method")}
     model = build_gpt_model(body, layout, pgs, attention=BODY_ATTENTION, params_dtype=params_dtype,
-                            config_overrides=dict(overrides, use_cpu_initialization=False))
+                            initialize=False)
     del model.output_layer
     params = dict(model.named_parameters())
     with torch.no_grad():
