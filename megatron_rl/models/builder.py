@@ -125,6 +125,16 @@ def _leave_as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _no_init_overrides() -> dict:
+    """The config of a model whose every weight is filled next: allocated in place and left uninitialized, but for
+    the norms' ones and the zeroed vocabulary padding. Megatron-Core still runs its initializer, with an init
+    method that does nothing, because it sets a weight's tensor-parallel attributes there; its device path is
+    taken, with no full-size master weight as on its CPU path. Random initialization is 1.2-1.8 s of building
+    SmolLM2-135M on the 2-core test machine, and grows with the model."""
+    init_methods = ("init_method", "output_layer_init_method", "embedding_init_method")
+    return dict({k: _leave_as_is for k in init_methods}, use_cpu_initialization=False)
+
+
 def build_gpt_model(
     model: ModelConfig,
     layout: ParallelLayout,
@@ -143,12 +153,8 @@ def build_gpt_model(
     and the ranks of `pgs`. Initialization is deterministic in `seed`; on the CPU, Megatron-Core initializes each
     full weight and slices it, so every layout starts from the same logical weights.
 
-    `initialize=False` is for a caller that fills every parameter next (a checkpoint load, a DDMA push, the
-    converter): the weights are allocated in place and left as they are, uninitialized, except the norms' ones
-    and the zeroed vocabulary padding. Megatron-Core still runs its initializer, with an init method that does
-    nothing, because it sets a weight's tensor-parallel attributes there; its device path is taken, with no
-    full-size master weight as on its CPU path. Random initialization is 1.2-1.8 s of building SmolLM2-135M on
-    the 2-core test machine, and grows with the model.
+    `initialize=False` (for a caller that fills every parameter next: a checkpoint load, a DDMA push, the
+    converter) leaves the weights uninitialized (`_no_init_overrides`).
 
     `fusions` ("auto": all on GPUs, none on CPUs; "none"; or a comma list of "rmsnorm", "rope") picks the fused
     RMSNorm and RoPE of `megatron_rl.models.fused`. They change no parameter and no result beyond bf16 rounding
@@ -165,10 +171,7 @@ def build_gpt_model(
     fused = resolve_fusions(fusions)
     if backend == "te":  # transformer-engine's spec brings its own fused norms (and its own RoPE kernel)
         fused -= {"rmsnorm", "rope"}
-    overrides = dict(config_overrides or {})
-    if not initialize:
-        init_methods = ("init_method", "output_layer_init_method", "embedding_init_method")
-        overrides.update({k: _leave_as_is for k in init_methods}, use_cpu_initialization=False)
+    overrides = dict(config_overrides or {}, **({} if initialize else _no_init_overrides()))
     if "rope" in fused:
         # Megatron-Core's own RoPE switch; without transformer-engine its kernel slot is filled with ours.
         register_rope_fusion(cuda_rules.enabled())
