@@ -22,7 +22,7 @@ def _worker(rank, world_size, cfg, full, prompt, new):
     from megatron_rl.training.engine import model_forward
 
     g = build_topology([ExecutorPlacement("g", ParallelLayout())])["g"]
-    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa")
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", initialize=False)  # filled next
     load_full_state_dict(model, full, cfg, g.pgs)
     with torch.no_grad():
         logits = model_forward(model, torch.tensor([prompt]), False)[..., : cfg.vocab_size]
@@ -98,7 +98,7 @@ def _bf16_worker(rank, world_size, cfg, full, prompts, new):
     from megatron_rl.training.engine import model_forward
 
     g = build_topology([ExecutorPlacement("g", ParallelLayout())])["g"]
-    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=torch.bfloat16)
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=torch.bfloat16, initialize=False)
     load_full_state_dict(model, {k: v.to(torch.bfloat16) for k, v in full.items()}, cfg, g.pgs)
     gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=len(prompts),
                     max_len=max(map(len, prompts)) + new + 1)
