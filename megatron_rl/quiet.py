@@ -10,7 +10,11 @@ Without these filters `megatron-rl train` shows them around its progress bar, se
   which Megatron-Core calls (nothing a user can change);
 - torch's NCCL `barrier()` noting that it uses the device of the current context (each rank's own GPU, by design);
 - multiprocessing's resource tracker counting the semaphores of ranks that were killed (a stop past its grace
-  time, a failed job), which it then removes itself (its message has a colon: the filter is its first word).
+  time, a failed job), which it then removes itself (its message has a colon: the filter is its first word);
+- transformers' tokenizer logger (some versions, 5.17 among them) saying that it ignores
+  `clean_up_tokenization_spaces` for a BPE tokenizer such as SmolLM2's GGUF one (what our decoding does anyway).
+  A logger's record, not a warning: `LOG_FILTERS` drop it in each process that calls `install` (the launcher,
+  every rank).
 Filters match the start of each message, so every other warning still shows. They are set in this process and,
 through PYTHONWARNINGS, in every interpreter it starts (spawned ranks, fork servers, reward workers).
 `megatron-rl -v` or MEGATRON_RL_LIBRARY_WARNINGS=1 leaves them all visible.
@@ -18,6 +22,7 @@ through PYTHONWARNINGS, in every interpreter it starts (spawned ranks, fork serv
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -38,6 +43,20 @@ FILTERS = (
     ("When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
      UserWarning),
 )
+
+# (logger name, start of the message) of library log records the filters above would hide were they warnings.
+LOG_FILTERS = (
+    ("transformers.tokenization_utils_tokenizers", "Ignoring clean_up_tokenization_spaces"),
+)
+
+
+class _DropStartingWith(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
 
 
 def cuda_devices_present() -> bool:
@@ -63,11 +82,15 @@ def kernels_text() -> str:
 
 
 def install() -> None:
-    """Add the filters to this process and to the environment its children inherit (idempotent; nothing when
-    MEGATRON_RL_LIBRARY_WARNINGS=1). Call it before Megatron-Core is imported: most of these warnings are raised at
+    """Add the filters to this process and to the environment its children inherit, and the log filters to this
+    process's loggers (idempotent; nothing when MEGATRON_RL_LIBRARY_WARNINGS=1). Call it before Megatron-Core is imported: most of these warnings are raised at
     import time."""
     if os.environ.get(SHOW_ENV, "") not in ("", "0"):
         return
+    for name, start in LOG_FILTERS:  # a logger made now is the one the library takes when it imports
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropStartingWith) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropStartingWith(start))
     entries = []
     for message, category in FILTERS:
         warnings.filterwarnings("ignore", message=re.escape(message), category=category)

@@ -356,6 +356,33 @@ def test_every_setting_that_cannot_be_applied_is_named_at_once_with_the_range_pr
                             "rollout.staleness=-1 must be >= 0")
 
 
+def test_a_library_log_record_that_says_nothing_to_act_on_is_dropped_unless_asked_for(monkeypatch, caplog):
+    """transformers 5.17's tokenizer logger says it ignores `clean_up_tokenization_spaces` when SmolLM2's GGUF
+    tokenizer loads (on the H200 image, 2026-11-27: a SmolLM2 job's stderr). `quiet.install` drops that record
+    alone, once however often it is called, and `-v` (MEGATRON_RL_LIBRARY_WARNINGS=1) keeps it."""
+    import logging
+    import warnings
+
+    from megatron_rl import quiet
+
+    name, start = quiet.LOG_FILTERS[0]
+    logger = logging.getLogger(name)
+    monkeypatch.setattr(logger, "filters", [])  # this test's own filters, the logger's restored after it
+    monkeypatch.setenv("PYTHONWARNINGS", "")
+    said = f"{start}=True for BPE tokenizer TokenizersBackend."
+    for show, want in (("1", [said, "other"]), ("", ["other"])):
+        monkeypatch.setenv(quiet.SHOW_ENV, show)
+        caplog.clear()
+        with warnings.catch_warnings():
+            quiet.install()
+            quiet.install()
+        with caplog.at_level(logging.WARNING, logger=name):
+            logger.warning(said)
+            logger.warning("other")
+        assert [r.getMessage() for r in caplog.records] == want
+    assert len(logger.filters) == 1
+
+
 def test_library_warnings_are_filtered_unless_asked_for(monkeypatch):
     """The dependencies' warnings reach every process through PYTHONWARNINGS; `-v` (MEGATRON_RL_LIBRARY_WARNINGS=1)
     leaves them visible."""

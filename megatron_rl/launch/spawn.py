@@ -156,6 +156,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s:
             threads: int) -> None:
     import megatron_rl.compat.megatron_core  # noqa: F401 - a spawned rank's first import of it (the fork server's did)
 
+    quiet.install()  # the warnings' filters came through the environment; the loggers' are set in each process
     _lead_own_group()
     heartbeat = beats.heartbeat(rank, beat_s).start() if beats is not None else None
     if note_signals:
