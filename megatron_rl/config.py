@@ -298,9 +298,9 @@ def fit_to_devices(cfg: JobConfig, devices: int, given: Collection[str] = ()) ->
         if ranks + reward_ranks <= devices:
             fitted = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **single),
                                          generator=dataclasses.replace(cfg.generator, **single, colocated=colocated))
-            return fitted, (f"fitted to {_plural(devices, 'GPU')}: {words} (the configured layout needs "
+            return fitted, (f"fitted to {_plural(devices, 'GPU')}: {words}, as the configured layout needs "
                             f"{_plural(need, 'GPU')}; set trainer.tp/pp/dp and generator.tp/pp/dp/colocated to "
-                            f"choose)")
+                            f"choose")
     return cfg, ""
 
 

@@ -314,6 +314,7 @@ def test_the_default_layout_is_fitted_to_the_machines_gpus(devices, ranks, train
         assert why == ""
     elif devices < 3:
         assert why.startswith(f"fitted to {devices} GPU") and "needs 3 GPUs" in why
+        assert "(" not in why  # the banner puts it in parentheses of its own
     else:
         assert why == f"the configured layout uses 3 of {devices} GPUs"
 
