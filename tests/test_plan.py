@@ -397,3 +397,21 @@ def test_checkpoint_times_follow_the_rates(capsys):
     assert c["save_total_s"] == pytest.approx(c["save_blocking_s"] + c["node_bytes"] / 8e9)
     assert c["load_s"] == pytest.approx(2 * c["node_bytes"] / 16e9)
     assert c["node_bytes"] == pytest.approx(c["total_bytes"] / (8 * 14 * 4) * 8, rel=1e-6)
+
+
+def test_meta_modules_know_which_weights_are_split_over_tp():
+    """The planner's meta modules are built as `build_gpt_model(initialize=False)` builds a model: Megatron-Core's
+    initializer still runs, and sets each weight's tensor-parallel split. Column-parallel weights (embedding, QKV,
+    FC1, output) split along rows, row-parallel ones (attention projection, FC2) along columns, norms not at all."""
+    from megatron_rl.models import get_preset
+    from megatron_rl.parallel import ParallelLayout
+    from megatron_rl.planning.meta import build_rank_modules
+
+    infos = build_rank_modules(get_preset("tiny"), ParallelLayout(2, 1, 1)).params
+    dims = {p.name.split(".", 3)[-1] if p.name.startswith("decoder.layers.") else p.name: p.partition_dim
+            for p in infos}
+    for name, dim in dims.items():
+        want = (1 if name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+                else None if "norm" in name else 0)
+        assert dim == want, (name, dim)
+    assert {"embedding.word_embeddings.weight", "output_layer.weight"} <= set(dims)

@@ -112,8 +112,8 @@ class Job:
         cfg, m = self.cfg, self.model_cfg
         t, g, r = self.trainer_groups, self.generator_groups, self.reward_groups
         # Random weights only where no checkpoint fills them (a starting checkpoint now, or the run's own at resume).
-        fresh = self.initial is None and self.resume_from is None
-        policy = build_policy(cfg, m, t, initialize=fresh) if t.is_member else None
+        random_init = self.initial is None and self.resume_from is None
+        policy = build_policy(cfg, m, t, initialize=random_init) if t.is_member else None
         if self.initial is not None and self.resume_from is None:
             # Before the optimizer exists: its main parameters start as copies of these weights. (A run that
             # resumes restores its own weights instead.) Every rank takes part; generators get the weights by DDMA.

@@ -299,13 +299,16 @@ def _stage_cached(model_fields: tuple, tp: int, pp: int, tp_rank: int, pp_rank: 
     """One pipeline stage's meta modules, which do not depend on the data-parallel degree: built once for every DP
     that `_build_cached` asks of it (the plan's synchronous baseline takes the trainer's TP x PP at another DP,
     and rebuilt every stage: 2.7 of the 20 s that the four recipes' plans took on the 2-core test machine).
-    (model, quantized bytes, KV-cache bytes, parameter infos, checkpoint keys)."""
+    Reusing the model is safe: `_optimizer_shards` only re-points its parameters into each DP's meta buffers (the
+    plans of all 8 recipes came out identical). Built as `build_gpt_model(initialize=False)` builds, so that
+    Megatron-Core's initializer still sets each weight's tensor-parallel split (`perform_initialization=False`
+    skipped it, and every `ParamInfo.partition_dim` was None). Returns (model, quantized bytes, KV-cache bytes,
+    parameter infos, checkpoint keys)."""
     from megatron_rl.models.builder import build_gpt_model
 
     model_cfg = ModelConfig(*model_fields)
     layout = ParallelLayout(tp, pp, 1)
-    build = dict(attention=attention, params_dtype=params_dtype, fusions="none",
-                 config_overrides={"perform_initialization": False, "use_cpu_initialization": True})
+    build = dict(attention=attention, params_dtype=params_dtype, fusions="none", initialize=False)
     pgs = stand_in_groups(layout, tp_rank, pp_rank)
     with meta_building():
         if quantization != "none":
