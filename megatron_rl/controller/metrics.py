@@ -316,7 +316,9 @@ def plot_run(rows: list[dict], out: Path, title: Optional[str] = None) -> Option
     ax.set_title("step time (async: generation overlaps training)")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    # Fixed margins for this fixed figure: `tight_layout` measured every tick label's box to find them, 0.3 of the
+    # 0.6 s a plot took at the end of every run on a 2-core machine, for the same picture.
+    fig.subplots_adjust(left=0.04, right=0.99, bottom=0.12, top=0.85 if title else 0.9, wspace=0.18)
     fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
