@@ -357,10 +357,13 @@ def test_every_setting_that_cannot_be_applied_is_named_at_once_with_the_range_pr
                             "rollout.staleness=-1 must be >= 0")
 
 
-def test_a_library_log_record_that_says_nothing_to_act_on_is_dropped_unless_asked_for(monkeypatch, caplog):
+def test_a_library_log_record_that_says_nothing_to_act_on_is_dropped_unless_asked_for(monkeypatch):
     """transformers 5.17's tokenizer logger says it ignores `clean_up_tokenization_spaces` when SmolLM2's GGUF
     tokenizer loads (on the H200 image, 2026-11-27: a SmolLM2 job's stderr). `quiet.install` drops that record
-    alone, once however often it is called, and `-v` (MEGATRON_RL_LIBRARY_WARNINGS=1) keeps it."""
+    alone, once however often it is called, and `-v` (MEGATRON_RL_LIBRARY_WARNINGS=1) keeps it.
+
+    The records are caught by a handler on the logger itself: once transformers is imported, its loggers no longer
+    propagate to the root logger, where pytest's `caplog` listens."""
     import logging
     import warnings
 
@@ -369,18 +372,23 @@ def test_a_library_log_record_that_says_nothing_to_act_on_is_dropped_unless_aske
     name, start = quiet.LOG_FILTERS[0]
     logger = logging.getLogger(name)
     monkeypatch.setattr(logger, "filters", [])  # this test's own filters, the logger's restored after it
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "level", logging.WARNING)
+    monkeypatch.setattr(logger, "propagate", False)
     monkeypatch.setenv("PYTHONWARNINGS", "")
+    caught = logging.Handler()
+    caught.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(caught)
     said = f"{start}=True for BPE tokenizer TokenizersBackend."
     for show, want in (("1", [said, "other"]), ("", ["other"])):
         monkeypatch.setenv(quiet.SHOW_ENV, show)
-        caplog.clear()
+        seen: list[str] = []
         with warnings.catch_warnings():
             quiet.install()
             quiet.install()
-        with caplog.at_level(logging.WARNING, logger=name):
-            logger.warning(said)
-            logger.warning("other")
-        assert [r.getMessage() for r in caplog.records] == want
+        logger.warning(said)
+        logger.warning("other")
+        assert seen == want
     assert len(logger.filters) == 1
 
 
