@@ -23,7 +23,7 @@ import warm_cli
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
         "rollout.max_new_tokens=4", "run.steps=200"]
-TIMEOUT_S = 4
+TIMEOUT_S = 2  # seconds of silence: a healthy job lives with 1 s (the warm-start test below)
 
 
 def _env(**extra):
