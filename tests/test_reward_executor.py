@@ -3,6 +3,8 @@ in-process path does, survives the reward rank's death, and refuses layouts that
 
 import json
 import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,12 +25,21 @@ def _args(d, run_dir, name, *extra):
             f"run.name={name}", *extra]
 
 
-def _train(args, failpoint=None):
+def _env(failpoint=None):
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAILPOINT"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     if failpoint:
         env["MEGATRON_RL_FAILPOINT"] = failpoint
-    return warm_cli.run(["train", *args], cwd=REPO, env=env)
+    return env
+
+
+def _train_together(*jobs):
+    """Independent jobs (args, failpoint) at the same time, each its own `megatron-rl train`: their results in
+    order. Each job's ranks wait on one another much of the time; side by side, the two cores stay busy."""
+    procs = [warm_cli.start(["train", *args], cwd=REPO, env=_env(failpoint)) for args, failpoint in jobs]
+    with ThreadPoolExecutor(len(procs)) as pool:  # every pipe read at once: none fills while another is awaited
+        outs = list(pool.map(lambda p: p.communicate(300), procs))
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
 
 
 def _rows(run_dir, name):
@@ -41,15 +52,19 @@ def test_reward_executor_trains_as_the_in_process_path_resumes_after_its_rank_di
     its own (the policy's one colocated rank, which is also the controller, sends its texts there). The second run's reward rank is killed while it scores batch 2 (the job ends), and the run resumes.
     Every step's reward and held-out reward equal the in-process run's (fp32: the same responses, the same
     scores to rounding), so nothing was lost or scored twice. A third job adds a verifier's reward to the score."""
-    ref = _train(_args(reward_model_job, tmp_path, "in_process"))
+    args = _args(reward_model_job, tmp_path, "executor", "reward.executor.tp=2", "reward.executor.dp=1")
+    ref, died = _train_together((_args(reward_model_job, tmp_path, "in_process"), None),
+                                (args, "reward_model_batch:2"))
     assert ref.returncode == 0, ref.stderr[-3000:]
     # named after its source, not the run_dir/initial_model it was converted into
     assert json.loads((tmp_path / "in_process" / "summary.json").read_text())["model"] == "hf"
-    args = _args(reward_model_job, tmp_path, "executor", "reward.executor.tp=2", "reward.executor.dp=1")
-    died = _train(args, failpoint="reward_model_batch:2")
     assert died.returncode != 0
     assert "reward model" in (tmp_path / "executor" / "failure.log").read_text()  # the dead rank's role is named
-    again = _train(args)
+    # The resumed run, and a third job (below) beside it.
+    both_args = _args(reward_model_job, tmp_path, "both", "reward.executor.tp=2", "reward.executor.dp=1",
+                      "reward.kind=function", "reward.function=test_rewards:quarter_reward", "reward.model_coef=2",
+                      "run.steps=1")
+    again, both = _train_together((args, None), (both_args, None))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr
     want, got = _rows(tmp_path, "in_process"), _rows(tmp_path, "executor")
@@ -65,9 +80,6 @@ def test_reward_executor_trains_as_the_in_process_path_resumes_after_its_rank_di
         assert g["time/reward_model_s"] > 0 and "time/reward_model_s" not in w
     # A verifier plus the reward model on its ranks: each sample's reward is the verifier's (a constant 0.25 here) plus
     # reward.model_coef times the model's score. Step 0 samples from the starting weights, as both runs above did.
-    both = _train(_args(reward_model_job, tmp_path, "both", "reward.executor.tp=2", "reward.executor.dp=1",
-                        "reward.kind=function", "reward.function=test_rewards:quarter_reward", "reward.model_coef=2",
-                        "run.steps=1"))
     assert both.returncode == 0, both.stderr[-3000:]
     first = _rows(tmp_path, "both")[0]
     assert first["step"] == 0
