@@ -16,6 +16,14 @@ from session_gpus import SESSION_CUDA_VISIBLE_DEVICES  # noqa: E402
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+# Under pytest-xdist (README's command runs one worker per core) a worker's worlds share the machine with the other
+# workers': each rank takes the worker's share of the cores (`launch/spawn.py: threads_per_rank` reads this), and
+# so does this process's torch, which reads it at import, below.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _CORES // _WORKERS)))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -48,6 +56,31 @@ def warm_fork_server():
     os.environ["PYTHONPATH"] = os.pathsep.join([here, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                        if p and p != here]])
     start_fork_server(RANK_MODULES + COMMAND_MODULES + HF_MODULES)
+
+
+# The files whose tests keep two cores busy: worlds of ranks, and SmolLM2's real-model work (measured per test on the
+# 2-core machine, docs/benchmarks.md "Stop 50"). Under xdist they run in turn on one worker per four cores (at
+# least one), so that two of them rarely meet on two cores, while the other workers run the single-process tests
+# beside them. SmolLM2's files stay on one worker, which builds their session fixtures (the model, its conversion)
+# once. A file not named here runs on any worker, as xdist's `load` spreads it.
+_SMOLLM2_FILES = ("test_smollm2.py", "test_eval.py", "test_job_datasets.py")
+_WORLD_FILES = ("test_launch.py", "test_plan.py", "test_controller.py", "test_train_checkpoint.py",
+                "test_dist_checkpointing.py", "test_generator_pp.py", "test_kl_reference.py", "test_rl_trainer.py",
+                "test_parallel_equivalence.py", "test_generator.py", "test_quantized_generator.py",
+                "test_families.py", "test_storage_faults.py", "test_ddma_transport.py", "test_trainer_options.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (`--dist loadgroup`), the heavy files' tests carry their worker group (`xdist_group`)."""
+    if _WORKERS <= 1:
+        return
+    groups = max(1, _CORES // 4)
+    group_of = {name: 0 for name in _SMOLLM2_FILES}
+    group_of.update({name: (i + 1) % groups for i, name in enumerate(_WORLD_FILES)})
+    for item in items:
+        group = group_of.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(f"cores-{group}"))
 
 
 def gpu_environment() -> dict:
