@@ -70,17 +70,25 @@ _WORLD_FILES = ("test_launch.py", "test_plan.py", "test_controller.py", "test_tr
                 "test_families.py", "test_storage_faults.py", "test_ddma_transport.py", "test_trainer_options.py")
 
 
+def worker_group(file_name: str, cores: int) -> "str | None":
+    """The xdist group of a test file's tests on a machine of `cores` cores: one of max(1, cores // 4) groups for
+    the heavy files (SmolLM2's in the first), None for the others."""
+    groups = max(1, cores // 4)
+    if file_name in _SMOLLM2_FILES:
+        return "cores-0"
+    if file_name in _WORLD_FILES:
+        return f"cores-{(_WORLD_FILES.index(file_name) + 1) % groups}"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """Under xdist (`--dist loadgroup`), the heavy files' tests carry their worker group (`xdist_group`)."""
     if _WORKERS <= 1:
         return
-    groups = max(1, _CORES // 4)
-    group_of = {name: 0 for name in _SMOLLM2_FILES}
-    group_of.update({name: (i + 1) % groups for i, name in enumerate(_WORLD_FILES)})
     for item in items:
-        group = group_of.get(item.path.name)
+        group = worker_group(item.path.name, _CORES)
         if group is not None:
-            item.add_marker(pytest.mark.xdist_group(f"cores-{group}"))
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def gpu_environment() -> dict:

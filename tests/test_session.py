@@ -34,3 +34,16 @@ def test_tests_see_no_gpu_and_the_sessions_workers_find_the_gpus_it_found():
     for found in (None, "0,1", ""):  # a machine's every GPU, two of them, none
         env = clean if found is None else {**clean, "CUDA_VISIBLE_DEVICES": found}
         assert _python(SESSION, env) == repr(found)
+
+
+def test_heavy_files_share_a_worker_per_four_cores_and_smollm2s_files_one():
+    """conftest.py's xdist groups: every file it names exists (a renamed file would silently leave its group), a
+    2-core machine runs all of them in turn on one worker, a 16-core one over four, SmolLM2's files together."""
+    import conftest
+
+    named = conftest._SMOLLM2_FILES + conftest._WORLD_FILES
+    assert len(set(named)) == len(named) and set(named) <= {p.name for p in HERE.glob("test_*.py")}
+    assert {conftest.worker_group(n, 2) for n in named} == {"cores-0"}
+    assert {conftest.worker_group(n, 16) for n in named} == {f"cores-{i}" for i in range(4)}
+    assert {conftest.worker_group(n, 16) for n in conftest._SMOLLM2_FILES} == {"cores-0"}
+    assert conftest.worker_group("test_aipo.py", 2) is None
