@@ -117,8 +117,9 @@ class _ColdCommand:
             self.proc.kill()
             self.ended.join()
             pytest.fail(f"{self.proc.args} did not end within {timeout} s")
-        self.out.seek(0), self.err.seek(0)
-        return self.returncode, self.out.read(), self.err.read()
+        with self.out, self.err:
+            self.out.seek(0), self.err.seek(0)
+            return self.returncode, self.out.read(), self.err.read()
 
 
 @pytest.fixture(scope="module")
