@@ -427,3 +427,26 @@ def test_a_stopped_run_is_not_requeued_when_cancelled_switched_off_or_failed(slu
                    "failed": f"megatron-rl: srun exited with code 1 before any rank reported; torchrun's report: "
                              f"{log}; not requeued\n"}[case]
     assert not any(a.startswith("scontrol") for a in Path(env["FAKE_SLURM_LOG"]).read_text().splitlines())
+
+
+def test_a_local_worlds_port_is_held_from_its_choice_until_the_world_ends():
+    """`reserve_port`: while held, rank 0's store listens on the port, and no other `bind` to port 0 on this machine
+    is handed it (a port found free and released could be: two xdist workers' worlds met on one, EADDRINUSE)."""
+    import torch.distributed as dist
+
+    from megatron_rl.launch.spawn import reserve_port
+
+    held = reserve_port()
+    port = held.getsockname()[1]
+    try:
+        handed = set()
+        for _ in range(3000):
+            with socket.socket() as s:
+                s.bind(("", 0))
+                handed.add(s.getsockname()[1])
+        assert port not in handed and len(handed) > 100
+        store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        held.close()

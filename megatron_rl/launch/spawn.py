@@ -57,6 +57,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reserve_port() -> socket.socket:
+    """A free TCP port for a local world's rendezvous, held by the returned socket until its owner closes it (when
+    the world has ended): bound with SO_REUSEADDR and not listening, so that no other process on this machine is
+    handed the port by a `bind` to port 0 while the ranks start, and rank 0's store (which sets SO_REUSEADDR too)
+    can still listen on it. A port only found free and then released could be taken in between: two test workers
+    starting worlds at once met on one (EADDRINUSE, 2026-11-27), as two jobs started together on one node could."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("", 0))
+    return s
+
+
 def local_gpus() -> int:
     """GPUs this process sees (0 without CUDA)."""
     import torch
@@ -416,7 +428,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     threads = threads_per_rank(world_size)  # read here: a fork server's ranks see the environment of its start
     ctx = _start_context(cuda, preload)
     queue = ctx.Queue()
-    port = free_port()
+    reservation = reserve_port()
+    port = reservation.getsockname()[1]
     # Not daemonic: ranks may start processes of their own (dist_checkpointing's writer does).
     note = stop_grace_s is not None
     watched = hang_timeout_s is not None
@@ -435,6 +448,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
             killed = _wait(ranks, forward if note else None, deadline, timeout, beats, hang_timeout_s)
     finally:
         died_alone = _end_world(ranks, killed)
+        reservation.close()
     if ranks.failures or killed:
         ranks.drain()
         for r in ranks.dead():
