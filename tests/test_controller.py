@@ -172,10 +172,14 @@ def test_killed_runs_resume_to_the_same_result(tmp_path):
     assert (tmp_path / "crash" / "latest").read_text().strip() == "step_00000002"
     second = launch("crash", "train_step:5")  # resumes at step 2, saves step 4, dies inside step 5
     assert second.returncode == 1 and "(trainer) died with signal 9" in second.stderr, second.stderr[-3000:]
-    assert (tmp_path / "crash" / "latest").read_text().strip() == "step_00000004"
+    # Step 4's checkpoint is written in the background while step 5 trains: on a loaded machine (two xdist workers)
+    # the kill can come before that write ends, and the latest complete checkpoint is then still step 2.
+    latest = (tmp_path / "crash" / "latest").read_text().strip()
+    assert latest in ("step_00000002", "step_00000004"), latest
     third = launch("crash")
     assert third.returncode == 0, third.stderr[-3000:]
-    assert "resumed from" in third.stderr and json.loads(third.stdout.strip().splitlines()[-1])["resumed_from_step"] == 4
+    resumed = json.loads(third.stdout.strip().splitlines()[-1])["resumed_from_step"]
+    assert "resumed from" in third.stderr and resumed == int(latest.removeprefix("step_")), (resumed, latest)
 
     name_ref, w_ref = _final_weights(tmp_path / "ref")
     name_new, w_new = _final_weights(tmp_path / "crash")
