@@ -70,15 +70,14 @@ TINY = ["model.preset=tiny", "trainer.tp=2", "trainer.pp=1", "trainer.dp=1", "tr
         "run.steps=2", "run.world_size=3", "run.eval_interval=10"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def slurm_env(tmp_path):
-    """The environment of an sbatch allocation of one node, with srun and scontrol stand-ins on PATH."""
+    """The environment of an sbatch allocation of one node, with srun and scontrol stand-ins on PATH. Its
+    MASTER_PORT is held for the test (`reserve_port`): torchrun's store listens on it, and no other process's bind
+    to port 0 (another xdist worker's world) is handed it meanwhile."""
+    from megatron_rl.launch.spawn import reserve_port
+
+    held = reserve_port()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -88,9 +87,10 @@ def slurm_env(tmp_path):
            if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_ID="4242", SLURM_NNODES="1",
                SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=str(REPO), FAKE_SLURM_LOG=str(tmp_path / "srun.log"),
-               MASTER_PORT=str(_free_port()), TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+               MASTER_PORT=str(held.getsockname()[1]), TORCHRUN=f"{sys.executable} -m torch.distributed.run",
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return env
+    with held:
+        yield env
 
 
 def _sbatch(script, env, args, cwd, timeout=240):
