@@ -260,7 +260,6 @@ def main(argv=None) -> int:
 
     from megatron_rl.compat import activate
     from megatron_rl.models import get_preset
-    from megatron_rl.launch.spawn import free_port
 
     activate()
     device = torch.device("cuda" if gpu else "cpu")
@@ -269,8 +268,7 @@ def main(argv=None) -> int:
     dtype = resolve_dtype(args.dtype)
     if gpu:
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1)
+    dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     result = {"benchmark": "generate", "device": torch.cuda.get_device_name() if gpu else "cpu",
               "batch": args.batch, "prompt": args.prompt, "new": args.new}
     for name in args.cases.split(","):

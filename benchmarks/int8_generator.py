@@ -82,14 +82,12 @@ def main(argv=None) -> int:
     from megatron_rl.compat import activate
     from megatron_rl.models import get_preset
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
-    from megatron_rl.launch.spawn import free_port
 
     activate()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if gpu:
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1)
+    dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     g = build_topology([ExecutorPlacement("generator", ParallelLayout())])["generator"]
     dsize = torch.finfo(dtype).bits // 8
     result = {"benchmark": "int8_generator", "device": torch.cuda.get_device_name() if gpu else "cpu",

@@ -133,13 +133,9 @@ def main(argv=None) -> int:
         if gpu:
             if world != 1:
                 raise SystemExit("on a GPU this script runs one rank; use torchrun for more")
-            from megatron_rl.launch.spawn import free_port
-
             import torch.distributed as dist
 
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-            dist.init_process_group("nccl", rank=0, world_size=1)
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
             torch.cuda.set_device(0)
             out = _bench(0, 1, args)
             dist.destroy_process_group()

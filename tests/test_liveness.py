@@ -136,9 +136,7 @@ def test_store_watchers_report_a_silent_rank_once_and_every_rank_ends():
     and every rank's `end` runs."""
     import torch.distributed as dist
 
-    from megatron_rl.launch.spawn import free_port
-
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)  # port 0: the system picks one
     reports, ended = [], set()
     beats = [liveness.StoreBeats(store, r, 3, 0.3, lambda r, s, label: f"rank {r} hung in {label}", reports.append,
                                  lambda r=r: ended.add(r)) for r in range(3)]

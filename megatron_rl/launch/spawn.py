@@ -51,12 +51,6 @@ _PRELOAD = ["torch", "torch._dynamo", "megatron_rl.compat.megatron_core", "megat
 _FREEZE = "megatron_rl.launch.preloaded"  # imported last: gc.freeze() of everything preloaded
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def reserve_port() -> socket.socket:
     """A free TCP port for a local world's rendezvous, held by the returned socket until its owner closes it (when
     the world has ended): bound with SO_REUSEADDR and not listening, so that no other process on this machine is
