@@ -58,35 +58,32 @@ def warm_fork_server():
     start_fork_server(RANK_MODULES + COMMAND_MODULES + HF_MODULES)
 
 
-# The files whose tests keep two cores busy: worlds of ranks, and SmolLM2's real-model work (measured per test on the
-# 2-core machine, docs/benchmarks.md "Stop 50"). Under xdist they run in turn on one worker per four cores (at
-# least one), so that two of them rarely meet on two cores, while the other workers run the single-process tests
-# beside them. SmolLM2's files stay on one worker, which builds their session fixtures (the model, its conversion)
-# once. A file not named here runs on any worker, as xdist's `load` spreads it.
-_SMOLLM2_FILES = ("test_smollm2.py", "test_eval.py", "test_job_datasets.py")
-_WORLD_FILES = ("test_launch.py", "test_plan.py", "test_controller.py", "test_train_checkpoint.py",
-                "test_dist_checkpointing.py", "test_generator_pp.py", "test_kl_reference.py", "test_rl_trainer.py",
-                "test_parallel_equivalence.py", "test_generator.py", "test_quantized_generator.py",
-                "test_families.py", "test_storage_faults.py", "test_ddma_transport.py", "test_trainer_options.py")
+# Under xdist (`--dist loadgroup`), the tests that share a fixture built once per module, or one of SmolLM2's session
+# fixtures (its conversion, and transformers' model and tokenizer: about 35 s on the 2-core machine), run on one
+# worker, which builds it once; every other test goes to whichever worker is free. Without the groups, each worker
+# built them again (stop 51's timeline of the suite, docs/benchmarks.md).
+_SMOLLM2_FIXTURES = frozenset({"smollm2", "smollm2_hf", "smollm2_tokenizer"})
 
 
-def worker_group(file_name: str, cores: int) -> "str | None":
-    """The xdist group of a test file's tests on a machine of `cores` cores: one of max(1, cores // 4) groups for
-    the heavy files (SmolLM2's in the first), None for the others."""
-    groups = max(1, cores // 4)
-    if file_name in _SMOLLM2_FILES:
-        return "cores-0"
-    if file_name in _WORLD_FILES:
-        return f"cores-{(_WORLD_FILES.index(file_name) + 1) % groups}"
+def worker_group(file_name: str, fixture_scopes: dict) -> "str | None":
+    """The xdist group of a test in `file_name` that uses fixtures of these scopes (name -> scope): "smollm2" with
+    SmolLM2's session fixtures, the file's name with a module-scoped fixture, None (any worker) otherwise."""
+    if _SMOLLM2_FIXTURES & fixture_scopes.keys():
+        return "smollm2"
+    if "module" in fixture_scopes.values():
+        return file_name
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(config, items):
-    """Under xdist (`--dist loadgroup`), the heavy files' tests carry their worker group (`xdist_group`)."""
-    if _WORKERS <= 1:
+    """Under xdist, the tests carry their worker group (`xdist_group`)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     for item in items:
-        group = worker_group(item.path.name, _CORES)
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = {name: d[-1].scope for name, d in defs.name2fixturedefs.items() if d} if defs else {}
+        group = worker_group(item.path.name, scopes)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
 
