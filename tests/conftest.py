@@ -18,16 +18,14 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # Under pytest-xdist (README's command runs one worker per core) a worker's worlds share the machine with the other
 # workers': each rank takes the worker's share of the cores (`launch/spawn.py: threads_per_rank` reads this), and
-# so does this process's torch, which reads it at import, below.
+# so does this process's torch, which reads it at import (`pytest_configure`).
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _CORES // _WORKERS)))
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-import megatron_rl.compat.megatron_core  # noqa: E402,F401 - Megatron-Core as the ranks import it
 from megatron_rl.tokenizers import HF_TOKENIZER_MODULES  # noqa: E402
 
 # Worker modules in this folder must be importable by the fork server's children (the path is set above).
@@ -41,6 +39,15 @@ COMMAND_MODULES = ("megatron_rl.cli", "megatron_rl.controller.train", "matplotli
 # The jobs with a Hugging Face tokenizer (SmolLM2's, the tiny HF models'): their ranks find transformers imported, as
 # the local launcher's ranks do for such a job (`controller/train.py: rank_preload`).
 HF_MODULES = HF_TOKENIZER_MODULES if importlib.util.find_spec("transformers") is not None else ()
+
+
+def pytest_configure(config):
+    """Before any test module is imported: torch, and Megatron-Core as the ranks import it. Not in xdist's controller,
+    which runs no test and would only start its workers 7 s later."""
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    import torch  # noqa: F401
+    import megatron_rl.compat.megatron_core  # noqa: F401
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -182,6 +189,8 @@ _GGUF_METADATA: dict = {}  # transformers' metadata of those files (gguf_parsed_
 def smollm2_hf():
     """SmolLM2-135M-Instruct as transformers reads it from the GGUF (fp32, dequantized): the reference model, read
     once per session (dequantizing it takes seconds). Tests only read it."""
+    import torch
+
     transformers = pytest.importorskip("transformers")
     from megatron_rl.models.smollm2 import gguf_path
 
@@ -258,6 +267,7 @@ def tiny_hf():
 def make_tiny_llama(num_layers: int, seed: int, name: str):
     """A random transformers Llama (GQA, untied) with enlarged weights: (the HF model, its Megatron config, its
     weights in Megatron names)."""
+    import torch
     import transformers
 
     from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
