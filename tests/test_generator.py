@@ -130,3 +130,11 @@ def test_the_cpu_linear_equals_f_linear_at_decode_and_prefill_sizes(dtype, onedn
                 assert torch.all((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-4), rows
                 # F.linear's bf16 rounds the product, then its sum with the bias: a second rounding
                 assert torch.all((want.double() - exact).abs() <= 2 ** -8 * (product.abs() + exact.abs()) + 1e-4)
+    if dtype == torch.bfloat16:  # a weight of 2^24 elements is converted from 32 rows on only (its cost pays then)
+        big, x = torch.randn(16384, 1024, generator=g).to(dtype), torch.randn(1, 32, 1024, generator=g).to(dtype)
+        linear, kernels = torch.nn.functional.linear, []
+        monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: kernels.append(a[0].dtype) or linear(*a))
+        for rows in (31, 32):
+            kernels.clear()
+            assert _cpu_linear(x[:, :rows], big, None).dtype == dtype
+            assert (torch.bfloat16 in kernels) == (onednn_bf16 or rows < 32), (rows, kernels)

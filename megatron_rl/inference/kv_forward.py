@@ -40,8 +40,17 @@ def _rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 # The most rows (tokens x sequences) for which `_cpu_linear` takes the transposed product.
 SMALL_BATCH_ROWS = 64
-# The fewest rows for which `_cpu_linear` computes a bf16 product in fp32 on a CPU whose oneDNN has no bf16 matmul.
+# The fewest rows for which `_cpu_linear` computes a bf16 product in fp32 on a CPU whose oneDNN has no bf16 matmul
+# (more for a large weight: `_bf16_in_fp32_min_rows`).
 BF16_IN_FP32_MIN_ROWS = 16
+
+
+def _bf16_in_fp32_min_rows(weight: torch.Tensor) -> int:
+    """BF16_IN_FP32_MIN_ROWS, or one row per 2^19 elements of a larger weight: converting a weight too large for the
+    caches to fp32 takes a fresh allocation's page faults every call, as long as about 36 rows of its bf16 product
+    for SmolLM2's 28M-element output layer on the 2-core machine (16 rows: 62 ms in bf16, 128 ms converted; 48 rows:
+    204 against 168 ms), where a 0.9M-element layer's conversion already paid for itself at 16 rows."""
+    return max(BF16_IN_FP32_MIN_ROWS, weight.numel() >> 19)
 
 
 @functools.cache
@@ -59,11 +68,11 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     rows, docs/benchmarks.md). Longer fp32 chunks (prefill) keep `F.linear`, which was as fast or faster there.
 
     bf16 keeps `F.linear` where oneDNN computes it. Elsewhere, from BF16_IN_FP32_MIN_ROWS rows on (prefill, a
-    batch's forward), the product is taken in fp32 and rounded to bf16 once: what a GPU's bf16 GEMM computes (bf16
+    batch's forward; more for a large weight), the product is taken in fp32 and rounded to bf16 once: what a GPU's bf16 GEMM computes (bf16
     inputs, fp32 accumulation, one rounding, the bias included, where torch's CPU fallback rounds before adding the
     bias too), 4.5x faster there. Fewer rows keep the bf16 kernel, which beats converting the weight every call."""
     rows = x.numel() // x.shape[-1]
-    if x.dtype == torch.bfloat16 and rows >= BF16_IN_FP32_MIN_ROWS and not onednn_bf16_matmul():
+    if x.dtype == torch.bfloat16 and rows >= _bf16_in_fp32_min_rows(weight) and not onednn_bf16_matmul():
         return _cpu_linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
     if x.dtype != torch.float32 or rows > SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
