@@ -68,9 +68,10 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     rows, docs/benchmarks.md). Longer fp32 chunks (prefill) keep `F.linear`, which was as fast or faster there.
 
     bf16 keeps `F.linear` where oneDNN computes it. Elsewhere, from BF16_IN_FP32_MIN_ROWS rows on (prefill, a
-    batch's forward; more for a large weight), the product is taken in fp32 and rounded to bf16 once: what a GPU's bf16 GEMM computes (bf16
-    inputs, fp32 accumulation, one rounding, the bias included, where torch's CPU fallback rounds before adding the
-    bias too), 4.5x faster there. Fewer rows keep the bf16 kernel, which beats converting the weight every call."""
+    batch's forward; more for a large weight), the product is taken in fp32 and rounded to bf16 once: what a GPU's
+    bf16 GEMM computes (bf16 inputs, fp32 accumulation, one rounding, the bias included, where torch's CPU fallback
+    rounds before adding the bias too), 4.5x faster there. Fewer rows keep the bf16 kernel, which beats converting
+    the weight every call."""
     rows = x.numel() // x.shape[-1]
     if x.dtype == torch.bfloat16 and rows >= _bf16_in_fp32_min_rows(weight) and not onednn_bf16_matmul():
         return _cpu_linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
