@@ -102,17 +102,18 @@ def test_no_cache_slot_is_an_error_not_a_hang():
         Generator(None, 16, None, max_batch_size=0)
 
 
-@pytest.mark.parametrize("dtype, onednn_bf16", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
-def test_the_cpu_linear_equals_f_linear_at_decode_and_prefill_sizes(dtype, onednn_bf16, monkeypatch):
+@pytest.mark.parametrize("dtype, native",
+                         [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_the_cpu_linear_equals_f_linear_at_decode_and_prefill_sizes(dtype, native, monkeypatch):
     """The CPU decode's linear (`kv_forward._cpu_linear`: `W @ x^T` for a few fp32 rows) gives F.linear's result,
     with and without bias, for a strided input (SwiGLU's halves) too, and returns a contiguous tensor; long fp32
-    chunks are F.linear's own, and so is bf16 where oneDNN computes it. Where it does not, bf16 from
+    chunks are F.linear's own, and so is bf16 on a CPU with native bf16. Without it, bf16 from
     BF16_IN_FP32_MIN_ROWS rows on is within one bf16 rounding of the exact product of its inputs (F.linear's, with
     a bias, within two)."""
     from megatron_rl.inference import kv_forward
     from megatron_rl.inference.kv_forward import BF16_IN_FP32_MIN_ROWS, SMALL_BATCH_ROWS, _cpu_linear
 
-    monkeypatch.setattr(kv_forward, "onednn_bf16_matmul", lambda: onednn_bf16)
+    monkeypatch.setattr(kv_forward, "native_bf16", lambda: native)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(48, 40, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
     for rows in (1, 2, 7, BF16_IN_FP32_MIN_ROWS - 1, BF16_IN_FP32_MIN_ROWS, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1):
@@ -122,7 +123,7 @@ def test_the_cpu_linear_equals_f_linear_at_decode_and_prefill_sizes(dtype, onedn
             assert got.shape == want.shape == (1, rows, 48) and got.is_contiguous() and got.dtype == dtype
             if dtype == torch.float32:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            elif onednn_bf16 or rows < BF16_IN_FP32_MIN_ROWS:
+            elif native or rows < BF16_IN_FP32_MIN_ROWS:
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
             else:  # one rounding to bf16 (unit roundoff 2^-8); the fp32 sums add far less (atol)
                 product = torch.nn.functional.linear(x.double(), w.double())
@@ -137,4 +138,4 @@ def test_the_cpu_linear_equals_f_linear_at_decode_and_prefill_sizes(dtype, onedn
         for rows in (31, 32):
             kernels.clear()
             assert _cpu_linear(x[:, :rows], big, None).dtype == dtype
-            assert (torch.bfloat16 in kernels) == (onednn_bf16 or rows < 32), (rows, kernels)
+            assert (torch.bfloat16 in kernels) == (native or rows < 32), (rows, kernels)

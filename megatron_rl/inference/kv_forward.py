@@ -16,7 +16,6 @@ the query length and two batched matmuls around a compiled masked softmax; `benc
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,6 +28,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from megatron_rl.compat import cuda_rules
 from megatron_rl.models.fused import apply_rope
+from megatron_rl.models.precision import native_bf16
 
 
 def _rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -40,8 +40,8 @@ def _rotate_half_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 # The most rows (tokens x sequences) for which `_cpu_linear` takes the transposed product.
 SMALL_BATCH_ROWS = 64
-# The fewest rows for which `_cpu_linear` computes a bf16 product in fp32 on a CPU whose oneDNN has no bf16 matmul
-# (more for a large weight: `_bf16_in_fp32_min_rows`).
+# The fewest rows for which `_cpu_linear` computes a bf16 product in fp32 on a CPU without native bf16 (more for a
+# large weight: `_bf16_in_fp32_min_rows`).
 BF16_IN_FP32_MIN_ROWS = 16
 
 
@@ -53,27 +53,20 @@ def _bf16_in_fp32_min_rows(weight: torch.Tensor) -> int:
     return max(BF16_IN_FP32_MIN_ROWS, weight.numel() >> 19)
 
 
-@functools.cache
-def onednn_bf16_matmul() -> bool:
-    """Whether torch's bf16 matmuls on this CPU run in oneDNN (AVX-512 or AMX). Without it (AVX2), torch's fallback
-    bf16 GEMM ran 4.5-6x slower than the same product in fp32 on the 2-core AMD test machine (docs/benchmarks.md)."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return True if check is None else bool(check())
-
-
 def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """`F.linear(x, weight, bias)` on a CPU. For a decode-sized fp32 batch (at most SMALL_BATCH_ROWS rows) it is
     computed as `weight @ x^T`: MKL's fp32 GEMM with a handful of rows against a weight streamed from memory ran
     up to 2.5x slower than the transposed product on the 2-core test machine (SmolLM2-135M's layer shapes, 2 to 64
     rows, docs/benchmarks.md). Longer fp32 chunks (prefill) keep `F.linear`, which was as fast or faster there.
 
-    bf16 keeps `F.linear` where oneDNN computes it. Elsewhere, from BF16_IN_FP32_MIN_ROWS rows on (prefill, a
-    batch's forward; more for a large weight), the product is taken in fp32 and rounded to bf16 once: what a GPU's
-    bf16 GEMM computes (bf16 inputs, fp32 accumulation, one rounding, the bias included, where torch's CPU fallback
-    rounds before adding the bias too), 4.5x faster there. Fewer rows keep the bf16 kernel, which beats converting
-    the weight every call."""
+    bf16 keeps `F.linear` where the CPU multiplies bf16 natively (`models/precision.py: native_bf16`: AVX-512 BF16
+    or AMX). Elsewhere torch's fallback bf16 GEMM ran 4.5-6x slower than fp32 (the 2-core AVX2 test machine,
+    docs/benchmarks.md), so from BF16_IN_FP32_MIN_ROWS rows on (prefill, a batch's forward; more for a large
+    weight) the product is taken in fp32 and rounded to bf16 once: what a GPU's bf16 GEMM computes (bf16 inputs,
+    fp32 accumulation, one rounding, the bias included, where torch's CPU fallback rounds before adding the bias
+    too). Fewer rows keep the bf16 kernel, which beats converting the weight every call."""
     rows = x.numel() // x.shape[-1]
-    if x.dtype == torch.bfloat16 and rows >= _bf16_in_fp32_min_rows(weight) and not onednn_bf16_matmul():
+    if x.dtype == torch.bfloat16 and not native_bf16() and rows >= _bf16_in_fp32_min_rows(weight):
         return _cpu_linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
     if x.dtype != torch.float32 or rows > SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
