@@ -3,8 +3,6 @@ in-process path does, survives the reward rank's death, and refuses layouts that
 
 import json
 import os
-import signal
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,18 +36,8 @@ def _train_together(*jobs):
     """Independent jobs (args, failpoint) at the same time, each its own `megatron-rl train`: their results in
     order. Each job's ranks wait on one another much of the time; side by side, the two cores stay busy."""
     procs = [warm_cli.start(["train", *args], cwd=REPO, env=_env(failpoint)) for args, failpoint in jobs]
-
-    def finish(proc):
-        try:
-            return proc.communicate(300)
-        except subprocess.TimeoutExpired:  # as warm_cli.run: the command's process group goes with it
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-
     with ThreadPoolExecutor(len(procs)) as pool:  # every pipe read at once: none fills while another is awaited
-        outs = list(pool.map(finish, procs))
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+        return list(pool.map(warm_cli.finish, procs))
 
 
 def _rows(run_dir, name):

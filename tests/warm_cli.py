@@ -158,7 +158,12 @@ def run(args: Sequence[str], timeout: Optional[float] = 300, env: Optional[dict]
         before: Optional[str] = None, main: str = CLI) -> subprocess.CompletedProcess:
     """`subprocess.run(["megatron-rl", *args], capture_output=True, text=True, ...)`, warm. Past `timeout` the
     command's process group is killed and TimeoutExpired raised, as `subprocess.run` does."""
-    proc = start(args, env=env, cwd=cwd, before=before, main=main)
+    return finish(start(args, env=env, cwd=cwd, before=before, main=main), timeout)
+
+
+def finish(proc: WarmProcess, timeout: Optional[float] = 300) -> subprocess.CompletedProcess:
+    """A started command's result, as `run` returns it: past `timeout` its process group is killed and
+    TimeoutExpired raised."""
     try:
         out, err = proc.communicate(timeout)
     except subprocess.TimeoutExpired:
