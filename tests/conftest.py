@@ -136,6 +136,23 @@ def gpu_env(_gpu_probe):
         yield _gpu_probe
 
 
+SHARED_DATASETS = ("gsm8k/train.jsonl", "gsm8k/test.jsonl", "math500/test.jsonl")
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    """The folder holding GSM8K's and MATH-500's files (`default_data_dir`: `../shared/data` beside the repo, or
+    $MEGATRON_RL_DATA_DIR), for the tests that read them or validate a recipe naming them; skipped, saying where it
+    looked, where a file is absent: the datasets sit beside the repo, not in it, and a clone on its own has none."""
+    from megatron_rl.data import default_data_dir
+
+    data = default_data_dir()
+    missing = [f for f in SHARED_DATASETS if not (data / f).is_file()]
+    if missing:
+        pytest.skip(f"no shared datasets: {', '.join(missing)} not in {data} (set MEGATRON_RL_DATA_DIR)")
+    return data
+
+
 @contextlib.contextmanager
 def gguf_parsed_once():
     """While transformers reads SmolLM2's GGUF for the session's references: gguf's `GGUFReader` of a file, its
@@ -217,23 +234,18 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_hf, smollm2_tokenizer, tmp_path_factory):
+def smollm2(smollm2_hf, smollm2_tokenizer, shared_data, tmp_path_factory):
     """SmolLM2's GGUF converted to a Megatron checkpoint once per session, as a user converts it (`convert GGUF
     --to megatron`: dequantized weights and the GGUF's tokenizer in `tokenizer/`); with transformers' model and
     tokenizer read from the same GGUF, the reference. The GGUF round-trip test checks this very conversion, and the
-    eval and job tests start from it."""
+    eval and job tests start from it (and read GSM8K: without the shared datasets, they are skipped)."""
     pytest.importorskip("transformers")
-    from megatron_rl.data import default_data_dir
-    from megatron_rl.models.smollm2 import gguf_path
-
-    path, data = gguf_path(), default_data_dir()
-    if not (data / "gsm8k" / "test.jsonl").is_file():
-        pytest.skip(f"GSM8K is not at {data}")
     from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.models.smollm2 import gguf_path
 
     root = tmp_path_factory.mktemp("smollm2")
     with gguf_parsed_once():  # the conversion's tokenizer: transformers' of the GGUF
-        summary = convert(path, root / "smollm2", to="megatron")
+        summary = convert(gguf_path(), root / "smollm2", to="megatron")
     return root / "smollm2", smollm2_hf, smollm2_tokenizer.tok, summary
 
 

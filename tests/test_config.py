@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_defaults_are_valid_and_default_yaml_spells_them_out():
     assert validate(JobConfig(), world_size=3).name == "tiny"
     assert load_config(ROOT / "configs/default.yaml").to_dict() == JobConfig().to_dict()
+
+
+def test_the_smollm2_gsm8k_recipe_is_valid(shared_data):
     validate(load_config(ROOT / "configs/smollm2-gsm8k.yaml"))
 
 

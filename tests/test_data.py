@@ -102,8 +102,9 @@ def test_megatron_rl_data_dir_moves_every_default_file(tmp_path, monkeypatch):
     validate(cfg)
 
 
-def test_gsm8k_loader_matches_the_file():
-    raw = [json.loads(line) for line in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines() if line.strip()]
+def test_gsm8k_loader_matches_the_file(shared_data):
+    lines = (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()
+    raw = [json.loads(line) for line in lines if line.strip()]
     ds = load_gsm8k("test")
     assert len(ds) == len(raw) == 1319
     for record, row in zip(ds, raw):
@@ -127,8 +128,9 @@ def test_gsm8k_loader_from_a_user_path(tmp_path):
     assert ds[0].reference == "1234"
 
 
-def test_math500_loader_matches_the_file():
-    raw = [json.loads(line) for line in (DATA / "math500" / "test.jsonl").read_text().splitlines() if line.strip()]
+def test_math500_loader_matches_the_file(shared_data):
+    lines = (shared_data / "math500" / "test.jsonl").read_text().splitlines()
+    raw = [json.loads(line) for line in lines if line.strip()]
     ds = load_math500()
     assert len(ds) == 500
     for record, row in zip(ds, raw):
@@ -137,7 +139,7 @@ def test_math500_loader_matches_the_file():
     assert ds[0].reference == r"\left( 3, \frac{\pi}{2} \right)"
 
 
-def test_load_prompt_dataset_by_name(tmp_path):
+def test_load_prompt_dataset_by_name(shared_data, tmp_path):
     assert len(load_prompt_dataset("math-500", limit=3)) == 3
     assert load_prompt_dataset("gsm8k", limit=2)[1].reference == load_gsm8k(limit=2)[1].reference
     f = _write(tmp_path / "p.jsonl", [{"prompt": "hi", "target": "1"}])
@@ -164,7 +166,7 @@ def test_registry_resolves_names_and_aliases_in_any_case():
         resolve_dataset("jsonl", among=("gsm8k", "math500"))
 
 
-def test_train_eval_and_rewards_read_one_table():
+def test_train_eval_and_rewards_read_one_table(shared_data):
     from megatron_rl.controller.tasks import dataset_key as train_key
     from megatron_rl.evaluation.eval import dataset_key as eval_key
     from megatron_rl.rewards import REWARD_KINDS, kind_for_dataset
@@ -177,7 +179,7 @@ def test_train_eval_and_rewards_read_one_table():
                 assert kind_for_dataset(name) == spec.verifier
             if spec.test_file:  # what eval scores, it names as training does
                 assert eval_key(name) == spec.name
-                assert (DATA / spec.test_file).is_file()
+                assert (shared_data / spec.test_file).is_file()
     with pytest.raises(ValueError, match="cannot choose a verifier for dataset 'jsonl'"):
         kind_for_dataset("jsonl")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.cli import main
-from megatron_rl.data import GSM8K_INSTRUCTION, default_data_dir
+from megatron_rl.data import GSM8K_INSTRUCTION
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,9 +80,9 @@ def _reference(model, tok, rows):
     return out
 
 
-def test_eval_greedy_at_tp2_writes_what_transformers_generate_writes(families, tmp_path, capsys):
+def test_eval_greedy_at_tp2_writes_what_transformers_generate_writes(shared_data, families, tmp_path, capsys):
     rows = [json.loads(line) for line in
-            (default_data_dir() / "gsm8k" / "test.jsonl").read_text().splitlines()[:LIMIT]]
+            (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()[:LIMIT]]
     for family, (src, model, ckpt) in families.items():
         samples = tmp_path / f"{family}.jsonl"
         rc = main(["eval", str(ckpt), "--limit", str(LIMIT), "--max-new-tokens", str(NEW), "--tp", "2",

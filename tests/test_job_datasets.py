@@ -9,12 +9,11 @@ import pytest
 
 from megatron_rl.config import ConfigError, load_config, validate
 from megatron_rl.controller.tasks import AdditionTask, DatasetTask, build_task
-from megatron_rl.data import PromptRecord, default_data_dir
+from megatron_rl.data import PromptRecord
 from megatron_rl.tokenizers import ByteTokenizer
 import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = default_data_dir()
 
 
 # ---- the built-in task's demonstrations --------------------------------------------------------------------------
@@ -60,9 +59,7 @@ def test_dataset_batches_are_pure_epochs_and_long_prompts_are_left_out():
     assert task.prompt_text(train[1]) == "q 1 x"
 
 
-def test_gsm8k_trains_on_train_and_holds_out_test_through_the_chat_template():
-    if not (DATA / "gsm8k" / "train.jsonl").is_file():
-        pytest.skip(f"GSM8K is not at {DATA}")
+def test_gsm8k_trains_on_train_and_holds_out_test_through_the_chat_template(shared_data):
 
     class Chat(ByteTokenizer):
         def apply_chat_template(self, messages, add_generation_prompt=True):
@@ -73,7 +70,7 @@ def test_gsm8k_trains_on_train_and_holds_out_test_through_the_chat_template():
 
     cfg = load_config(None, ["data.dataset=gsm8k", "data.eval_size=5", "rollout.max_prompt_length=2000"])
     task = build_task(cfg, Tok())
-    test_questions = [json.loads(line)["question"] for line in open(DATA / "gsm8k" / "test.jsonl")][:5]
+    test_questions = [json.loads(line)["question"] for line in open(shared_data / "gsm8k" / "test.jsonl")][:5]
     assert [r.prompt for r in task.eval_records()] == test_questions
     assert len(task.train) == 7473 and task.eval_records()[0].reference == "18"
     text = task.prompt_text(task.eval_records()[0])

@@ -165,7 +165,7 @@ def test_too_small_world_fails_at_once_with_one_line(slurm_env, tmp_path):
 
 
 @pytest.mark.parametrize("script", RECIPES, ids=lambda p: p.name)
-def test_recipe_is_valid_bash_and_its_config_fits_its_allocation(script):
+def test_recipe_is_valid_bash_and_its_config_fits_its_allocation(shared_data, script):
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
     sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", text, re.M))

@@ -130,7 +130,7 @@ def plan_405b_cold(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def recipe_plans(plan_405b_cold):  # the cold 405B plan runs beside these
+def recipe_plans(shared_data, plan_405b_cold):  # the cold 405B plan runs beside these
     cal = load_calibration()
     plans = {}
     for name in ("llama3-8b", "llama3-70b", "llama3-405b-bf16", "qwen2.5-7b"):
@@ -170,7 +170,7 @@ def test_405b_plan_runs_in_a_minute_and_4_gib_and_fits(plan_405b_cold):
 
 
 @pytest.fixture(scope="module")
-def paper_rows():
+def paper_rows(shared_data):
     from megatron_rl.planning.paper import reproduce_paper
 
     return {r.model: r for r in reproduce_paper(CONFIGS, load_calibration())}

@@ -9,16 +9,12 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
 
 import pytest
 
 from megatron_rl.rewards import (FunctionReward, GSM8KReward, MathReward, RewardFunctionError, SyntheticReward,
                                  extract_gsm8k_answer, get_reward_fn, gsm8k_reward, last_boxed, leading_integer,
                                  normalize_answer, synthetic_reward)
-
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 
 
 # ---- functions run inside worker processes ------------------------------------------------------------------------
@@ -71,8 +67,8 @@ def _rows(path):
 # ---- GSM8K --------------------------------------------------------------------------------------------------------
 
 
-def test_every_gsm8k_test_answer_scores_one_and_off_by_one_scores_zero():
-    rows = _rows(DATA / "gsm8k" / "test.jsonl")
+def test_every_gsm8k_test_answer_scores_one_and_off_by_one_scores_zero(shared_data):
+    rows = _rows(shared_data / "gsm8k" / "test.jsonl")
     assert len(rows) == 1319
     fn = GSM8KReward()
     items, expected = [], []
@@ -236,8 +232,8 @@ def math_reward():
     fn.close()
 
 
-def test_hand_cases_use_real_math500_answers():
-    answers = {row["answer"] for row in _rows(DATA / "math500" / "test.jsonl")}
+def test_hand_cases_use_real_math500_answers(shared_data):
+    answers = {row["answer"] for row in _rows(shared_data / "math500" / "test.jsonl")}
     assert set(EQUIVALENT) <= answers and set(NOT_EQUIVALENT) <= answers
     assert len(EQUIVALENT) >= 15
 
@@ -264,9 +260,9 @@ def test_math_wrong_answers_score_zero(math_reward):
     assert not accepted
 
 
-def test_math500_solutions_match_their_answers(math_reward):
+def test_math500_solutions_match_their_answers(shared_data, math_reward):
     """The measured rate on MATH-500: the boxed answer of each reference solution against the answer field."""
-    rows = _rows(DATA / "math500" / "test.jsonl")
+    rows = _rows(shared_data / "math500" / "test.jsonl")
     scores = math_reward.score([(r["problem"], r["solution"], r["answer"]) for r in rows])
     assert len(scores) == 500 and sum(scores) == 500
     # A full solution as the reference works too (its last box is the answer).

@@ -121,7 +121,10 @@ def _refused_everywhere(ckpt: Path, f: Path, tmp: Path, capsys) -> None:
 
     assert inspect(ckpt) == 2
     _one_line(capsys.readouterr().err, f)
-    settings = EvalSettings(limit=1, max_new_tokens=2, tokenizer="byte")
+    data = tmp / "data"  # one GSM8K problem of its own: eval reads its problems, then the checkpoint
+    (data / "gsm8k").mkdir(parents=True)
+    (data / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n")
+    settings = EvalSettings(data_dir=str(data), limit=1, max_new_tokens=2, tokenizer="byte")
     for call, error in ((lambda: evaluate(ckpt, settings), EvalError),
                         (lambda: convert(ckpt, tmp / "hf_out", "hf"), ConversionError),
                         (lambda: checkpoint_report(ckpt, None, None, None), ReshardError)):
