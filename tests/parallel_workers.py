@@ -169,3 +169,31 @@ def threads_at_start(rank, world_size):
     import torch
 
     return torch.get_num_threads()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (exists and is not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def others_running_a_second_after_returning(rank, world_size, pid_dir):
+    """Every rank writes its pid to `pid_dir`; ranks 1.. then return at once, while rank 0 waits for all the pids,
+    waits a second more, and returns whether each of the others' processes still runs."""
+    import os
+    import time
+    from pathlib import Path
+
+    d = Path(pid_dir)
+    (d / f"{rank}.tmp").write_text(str(os.getpid()))
+    os.replace(d / f"{rank}.tmp", d / str(rank))
+    if rank != 0:
+        return None
+    while not all((d / str(r)).exists() for r in range(world_size)):
+        time.sleep(0.01)
+    time.sleep(1.0)
+    return [_running(int((d / str(r)).read_text())) for r in range(1, world_size)]

@@ -11,22 +11,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def allocated_worker(rank, world_size, cfg, run_dir):
     """Build the job's executors (`Job`, as `megatron-rl train` does), take one optimizer step so that Adam's state
-    exists, and report the bytes of every buffer the trainer and generator hold on this rank.
-
-    Every rank leaves together (a barrier of the world). A generator-only rank of a large model has no collective
-    after building the job, and may exit while a peer is still connecting the last gloo group the job built: gloo
-    connects a group's pairs one at a time, a rank that initiates its connections is done without waiting for the
-    peers' side, and a peer that already holds its pair to the exited rank reads end-of-file and fails the group
-    ("Gloo connectFullMesh failed ... Connection closed by peer", a CI run of 2026-11-27, 1 in 15 such 5-rank worlds
-    with two ranks a second late)."""
-    import torch.distributed as dist
-
-    out = _allocated(rank, world_size, cfg, run_dir)
-    dist.barrier()
-    return out
-
-
-def _allocated(rank, world_size, cfg, run_dir):
+    exists, and report the bytes of every buffer the trainer and generator hold on this rank."""
     from pathlib import Path
 
     from megatron_rl.config import validate

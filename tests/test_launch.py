@@ -264,6 +264,17 @@ def test_run_local_without_a_time_limit():
     assert run_local(rank_and_world_worker, 2, timeout=None) == [(0, 2), (1, 2)]
 
 
+def test_a_local_worlds_ranks_leave_together(tmp_path):
+    """A rank that has returned stays until every rank has (`run_local`): one that left at once could fail a peer
+    still connecting a process group with it (gloo; a CI run of 2026-11-27). Ranks 1 and 2 return at once, rank 0 a
+    second later, and finds them still running."""
+    from megatron_rl.launch.spawn import run_local
+
+    from parallel_workers import others_running_a_second_after_returning
+
+    assert run_local(others_running_a_second_after_returning, 3, str(tmp_path)) == [[True, True], None, None]
+
+
 def test_a_fork_servers_ranks_start_with_its_preloaded_modules():
     """The session's fork server (conftest.py) imported the job's modules once: its ranks start with them, and with
     Megatron-Core, instead of importing them each. A module nobody preloaded is not there."""

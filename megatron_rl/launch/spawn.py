@@ -13,7 +13,11 @@ ends all it started. With `stop_grace_s`, SIGTERM and SIGINT are forwarded to th
 ranks' groups are killed.
 
 However the ranks end, `run_local` returns every rank's result or raises `RanksFailed` with every rank that failed,
-the likely cause first (`launch/failures.py`, which also words the report). A rank learns where it meets the
+the likely cause first (`launch/failures.py`, which also words the report). A rank that has reported its result
+stays until every rank has, and the ranks then leave together: a rank that left early could fail a peer still
+setting up a process group with it (gloo connects a new group's pairs one at a time, and a rank that initiated its
+connections is done before its peers are; a peer already holding its pair to the rank that left reads end-of-file,
+"Gloo connectFullMesh failed ... Connection closed by peer", a CI run of 2026-11-27). A rank learns where it meets the
 others from `launch/world.py: set_rendezvous_env`, as a rank of a torchrun/srun world does.
 """
 
@@ -158,7 +162,7 @@ def _lead_own_group() -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s: float, note_signals: bool,
-            fn: Callable, args: tuple, queue, beats: Optional[liveness.LocalBeats], beat_s: float,
+            fn: Callable, args: tuple, queue, all_reported, beats: Optional[liveness.LocalBeats], beat_s: float,
             threads: int) -> None:
     import megatron_rl.compat.megatron_core  # noqa: F401 - a spawned rank's first import of it (the fork server's did)
 
@@ -176,6 +180,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s:
 
     set_rendezvous_env("127.0.0.1", port, rank, world_size, rank)
     torch.set_num_threads(threads)
+    reported = False
     try:
         bind_device(rank)
         activate()
@@ -186,9 +191,12 @@ def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s:
         buf = io.BytesIO()
         torch.save(result, buf)
         queue.put((rank, True, buf.getvalue()))
+        reported = True
     except BaseException as e:  # noqa: BLE001 - report every failure to the parent, with its traceback
         queue.put((rank, False, (cause_of(e), traceback.format_exc())))
     finally:
+        if reported:
+            all_reported.wait()  # set by the launcher once every rank has reported; a failure ends them all instead
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -421,7 +429,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     backend = resolve_backend(backend, world_size, cuda)
     threads = threads_per_rank(world_size)  # read here: a fork server's ranks see the environment of its start
     ctx = _start_context(cuda, preload)
-    queue = ctx.Queue()
+    queue, all_reported = ctx.Queue(), ctx.Event()
     reservation = reserve_port()
     port = reservation.getsockname()[1]
     # Not daemonic: ranks may start processes of their own (dist_checkpointing's writer does).
@@ -430,7 +438,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     beats = liveness.LocalBeats(ctx, world_size) if watched else None  # unwatched worlds run no heartbeat thread
     beat_s = liveness.beat_interval_s(hang_timeout_s) if watched else 0.0
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, note, fn, args, queue,
-                                               beats, beat_s, threads), daemon=False) for r in range(world_size)]
+                                               all_reported, beats, beat_s, threads), daemon=False)
+             for r in range(world_size)]
     ranks = _Ranks(procs, queue)
     forward = _Forwarder(procs, stop_grace_s or 0.0, on_signal)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -440,6 +449,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
             for p in procs:
                 p.start()
             killed = _wait(ranks, forward if note else None, deadline, timeout, beats, hang_timeout_s)
+            if not ranks.open() and not ranks.failures:
+                all_reported.set()  # the ranks leave together
     finally:
         died_alone = _end_world(ranks, killed)
         reservation.close()
