@@ -17,8 +17,10 @@ the likely cause first (`launch/failures.py`, which also words the report). A ra
 stays until every rank has, and the ranks then leave together: a rank that left early could fail a peer still
 setting up a process group with it (gloo connects a new group's pairs one at a time, and a rank that initiated its
 connections is done before its peers are; a peer already holding its pair to the rank that left reads end-of-file,
-"Gloo connectFullMesh failed ... Connection closed by peer", a CI run of 2026-11-27). A rank learns where it meets the
-others from `launch/world.py: set_rendezvous_env`, as a rank of a torchrun/srun world does.
+"Gloo connectFullMesh failed ... Connection closed by peer", a CI run of 2026-11-27). The price: a rank left in a
+collective that a returned rank never joins (a mismatched collective, a bug) fails at the process group's timeout,
+not at once. A rank learns where it meets the others from `launch/world.py: set_rendezvous_env`, as a rank of a
+torchrun/srun world does.
 """
 
 from __future__ import annotations
