@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rl.config import ConfigError, load_config, validate
 from megatron_rl.controller.tasks import AdditionTask, DatasetTask, build_task
-from megatron_rl.data import PromptRecord
+from megatron_rl.data import PromptRecord, ResumableSampler
 from megatron_rl.tokenizers import ByteTokenizer
 import warm_cli
 
@@ -44,17 +44,39 @@ class _Exact:
         pass
 
 
-def test_dataset_batches_are_pure_epochs_and_long_prompts_are_left_out():
-    train = _records(10)
+class _Counting(ByteTokenizer):
+    """The byte tokenizer, counting the texts it encodes."""
+
+    encoded = 0
+
+    def encode_batch(self, texts, add_bos=False):
+        self.encoded += len(texts)
+        return super().encode_batch(texts, add_bos)
+
+
+def test_dataset_batches_are_pure_epochs_measured_as_drawn_and_long_prompts_are_left_out():
+    train = _records(30)
     long = PromptRecord(id="long", prompt="y" * 100, reference="0")
-    task = DatasetTask(train + [long], _records(3, "e"), "plain", ByteTokenizer(), _Exact(), chat=False,
-                       max_prompt_tokens=40, seed=1)
-    assert task.skipped == {"train": 1, "eval": 0}
-    batches = [task.train_batch(k, 4) for k in range(5)]  # 20 items = two epochs of 10
+    records = train[:4] + [long] + train[4:]
+
+    def make():
+        task = DatasetTask(records, _records(3, "e"), "plain", _Counting(), _Exact(), chat=False,
+                           max_prompt_tokens=40, seed=1)
+        task.MEASURE_CHUNK = 4
+        return task
+
+    def epoch(e):  # the reference: the seeded order of every record, the long one left out
+        return [records[j].id for j in ResumableSampler(31, seed=1).epoch_order(e) if records[j] is not long]
+
+    task = make()
+    assert task.tok.encoded == 3 and task.skipped == {"train": 0, "eval": 0}  # the held-out prompts only
+    batches = [task.train_batch(0, 4)]
+    assert task.tok.encoded - 3 <= 8  # the first batch measured a chunk or two of the 31 training prompts
+    batches += [task.train_batch(k, 4) for k in range(1, 15)]  # 60 items = two epochs of 30
+    assert task.tok.encoded - 3 == 31 and task.skipped == {"train": 1, "eval": 0}  # each prompt measured once
     ids = [r.id for b in batches for r in b]
-    assert sorted(ids[:10]) == sorted(r.id for r in train) == sorted(ids[10:])
-    assert ids[:10] != ids[10:]  # each epoch in its own order
-    assert [r.id for r in task.train_batch(3, 4)] == [r.id for r in batches[3]]
+    assert ids == epoch(0) + epoch(1) and ids[:30] != ids[30:]
+    assert [r.id for r in make().train_batch(9, 4)] == ids[36:40]  # a resumed run's first batch, in epoch 1
     assert task.score(train[:2], [" 0", "7"]) == [1.0, 0.0]
     assert task.prompt_text(train[1]) == "q 1 x"
 

@@ -60,8 +60,9 @@ class HFTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
         """One call for the whole batch (a fast tokenizer encodes it in Rust): about 2x faster than one `encode` per
-        text on GSM8K's 7,473 training prompts, which a job encodes at its start to drop those longer than
-        `rollout.max_prompt_length` (docs/benchmarks.md)."""
+        text on GSM8K's 7,473 training prompts. A dataset job measures its training prompts this way, a chunk at a
+        time as its batches draw them, to leave out those longer than `rollout.max_prompt_length`
+        (`controller/tasks.py: DatasetTask`)."""
         if not texts:
             return []
         return [self._with_bos(ids, add_bos) for ids in self.tok(list(texts), add_special_tokens=False)["input_ids"]]
