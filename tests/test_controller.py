@@ -37,7 +37,7 @@ def test_short_job_end_to_end(tmp_path, mode):
     out = warm_cli.run(cmd)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    rows = [json.loads(line) for line in open(tmp_path / "t" / "metrics.jsonl")]
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     expected = [0, 0, 1, 2] if mode == "async" else [0, 1, 2, 3]
     assert [r["generated_with_version"] for r in rows] == expected
@@ -65,7 +65,7 @@ def test_each_correction_trains_a_stale_pipelined_job_and_resumes(tmp_path, corr
         again = warm_cli.run(base + ["run.steps=4"])
         assert again.returncode == 0, again.stderr[-3000:]
         assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from_step"] == 2
-    rows = [json.loads(line) for line in open(tmp_path / "c" / "metrics.jsonl")]
+    rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     # two versions behind; an extension generates afresh from the checkpoint's weights (version 2): the first run
     # ended with no batch beyond its last step
     versions = [(0, 0), (1, 0), (2, 2), (3, 2)] if resume else [(0, 0), (1, 0), (2, 0), (3, 1)]
@@ -131,7 +131,7 @@ def test_bf16_trainer_with_a_quantized_generator_trains_and_resumes(tmp_path, qu
     for k in matrices:
         main = opt[f"optimizer.state.param.{k}"]
         assert main.dtype == torch.float32 and torch.equal(main.to(torch.bfloat16), model[k]), k
-    rows = [json.loads(x) for x in open(tmp_path / "q" / "metrics.jsonl")]
+    rows = [json.loads(x) for x in (tmp_path / "q" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:  # sync mode: same weights on both sides, up to bf16 and 8-bit rounding
         assert abs(r["kl_mu_pi"]) < 1e-2 and abs(r["is_weight_mean"] - 1) < 1e-2 and r["skipped"] == 0
@@ -141,7 +141,7 @@ def test_bf16_trainer_with_a_quantized_generator_trains_and_resumes(tmp_path, qu
     again = warm_cli.run(base + ["run.steps=4"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from_step"] == 3
-    assert [json.loads(x)["step"] for x in open(tmp_path / "q" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [json.loads(x)["step"] for x in (tmp_path / "q" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
 
 
 def test_killed_runs_resume_to_the_same_result(tmp_path):
@@ -187,8 +187,8 @@ def test_killed_runs_resume_to_the_same_result(tmp_path):
     assert w_ref.keys() == w_new.keys() and len(w_ref) >= 9
     for k in w_ref:
         assert torch.equal(w_ref[k], w_new[k]), k
-    rows_ref = [json.loads(x) for x in open(tmp_path / "ref" / "metrics.jsonl")]
-    rows_new = [json.loads(x) for x in open(tmp_path / "crash" / "metrics.jsonl")]
+    rows_ref = [json.loads(x) for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    rows_new = [json.loads(x) for x in (tmp_path / "crash" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows_new] == list(range(6))  # nothing dropped, nothing counted twice
     for a, b in zip(rows_ref, rows_new):
         for key in ("reward", "loss", "generated_with_version", "response_length"):

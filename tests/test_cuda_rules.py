@@ -390,7 +390,7 @@ def test_a_colocated_job_runs_under_cuda_rules_within_its_graph_budget(reward_mo
     assert {"fused.rms_norm", "fused.rope", "logprobs.forward_chunk"} <= set(graphs), graphs
     over = {k: n for k, n in graphs.items() if n > GRAPH_BUDGET.get(k, 0)}
     assert not over, f"over budget: {over} (budget {GRAPH_BUDGET})"
-    rows = [json.loads(line) for line in open(tmp_path / "default" / "metrics.jsonl")]
+    rows = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and any("eval/reward" in r for r in rows) and any("kl" in k for k in rows[-1])
 
 

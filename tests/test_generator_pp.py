@@ -79,7 +79,7 @@ def test_job_with_a_pp2_generator_runs_and_resumes(tmp_path):
     def rows(name):
         skip = ("time/", "tokens_per_s", "warm_start_s")
         return [{k: v for k, v in json.loads(x).items() if not k.startswith(skip)}
-                for x in open(tmp_path / name / "metrics.jsonl")]
+                for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     assert launch("generator.pp=2", "run.steps=4", "run.name=pp2")["resumed_from_step"] == 0
     assert launch("generator.pp=2", "run.steps=6", "run.name=pp2")["resumed_from_step"] == 4

@@ -48,5 +48,5 @@ def test_a_colocated_job_on_the_gpu_is_killed_and_resumes(gpu_env, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_step"] == int(latest.removeprefix("step_")) and summary["backend"] == "nccl"
-    rows = [json.loads(x) for x in open(tmp_path / "gpu" / "metrics.jsonl")]
+    rows = [json.loads(x) for x in (tmp_path / "gpu" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(6))

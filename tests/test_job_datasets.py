@@ -92,7 +92,8 @@ def test_gsm8k_trains_on_train_and_holds_out_test_through_the_chat_template(shar
 
     cfg = load_config(None, ["data.dataset=gsm8k", "data.eval_size=5", "rollout.max_prompt_length=2000"])
     task = build_task(cfg, Tok())
-    test_questions = [json.loads(line)["question"] for line in open(shared_data / "gsm8k" / "test.jsonl")][:5]
+    test_lines = (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()
+    test_questions = [json.loads(line)["question"] for line in test_lines[:5]]
     assert [r.prompt for r in task.eval_records()] == test_questions
     assert len(task.train) == 7473 and task.eval_records()[0].reference == "18"
     text = task.prompt_text(task.eval_records()[0])
@@ -174,7 +175,7 @@ def test_job_starts_from_a_hf_model_with_its_tokenizer_and_a_user_reward(tmp_pat
     for k in start:
         real = slice(0, 16) if k.startswith(("embedding", "output_layer")) else slice(None)
         assert torch.equal(start[k][real], initial[k][real]), k
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     words = set(WORDS)
     for r in rows:  # the model's own tokenizer decoded the responses; the user function scored them
@@ -188,7 +189,7 @@ def test_job_starts_from_a_hf_model_with_its_tokenizer_and_a_user_reward(tmp_pat
     again = train(3)  # resumes from step 2; the initial model is not converted again
     assert again.returncode == 0, again.stderr[-3000:]
     assert "converting" not in again.stderr and "resumed from" in again.stderr
-    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [0, 1, 2]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
 
 
 def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_path):
@@ -209,7 +210,7 @@ def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_pat
                         "checkpoint.save_interval=0", f"checkpoint.dir={tmp_path}", "run.name=s"],
                        timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "s" / "metrics.jsonl")]
+    rows = [json.loads(line) for line in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0]
     for r in rows:
         assert r["skipped"] == 0.0 and abs(r["is_weight_mean"] - 1) < 1e-4 and abs(r["kl_mu_pi"]) < 1e-4

@@ -64,5 +64,5 @@ def test_a_reward_function_that_always_raises_is_counted_in_the_metrics_and_stop
                           "run.steps=200")
     assert out.returncode != 0
     assert ("more than half in each of the last 3 batches (last error: ValueError: cannot score" in text), text[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "raise" / "metrics.jsonl")]
+    rows = [json.loads(line) for line in (tmp_path / "raise" / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(r["reward_failures"] == 8 and r["reward"] == 0.0 for r in rows)

@@ -105,7 +105,7 @@ def test_job_with_kl_trains_against_its_reference_and_resumes_with_it(tmp_path):
                f"checkpoint.dir={tmp_path}", f"run.name={name}"]
         out = warm_cli.run(cmd, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
-        return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     first = job("run", 2)
     assert first[0]["kl_ref"] == 0.0 and first[1]["kl_ref"] > 0

@@ -109,7 +109,7 @@ class _ColdCommand:
     def _reap(self) -> None:
         _, status, usage = os.wait4(self.proc.pid, 0)
         self.wall, self.peak_kib = time.perf_counter() - self.t0, usage.ru_maxrss
-        self.returncode = os.waitstatus_to_exitcode(status)
+        self.returncode = self.proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
 
     def result(self, timeout: float) -> tuple[int, str, str]:
         self.ended.join(timeout)

@@ -41,7 +41,7 @@ def _train_together(*jobs):
 
 
 def _rows(run_dir, name):
-    return [json.loads(line) for line in open(run_dir / name / "metrics.jsonl")]
+    return [json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_reward_executor_trains_as_the_in_process_path_resumes_after_its_rank_dies_and_adds_to_a_verifier(

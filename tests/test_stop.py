@@ -122,6 +122,7 @@ def test_run_lock_takes_over_a_stale_lock_and_refuses_a_live_one(tmp_path):
     finally:
         other.stdin.close()
         other.wait(timeout=30)
+        other.stdout.close()
     with RunLock(tmp_path):  # released when its holder ended
         pass
 

@@ -137,8 +137,13 @@ class WarmProcess:
         self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: Optional[float] = None) -> tuple[str, str]:
+        """The command's output, once it has ended; its files are then closed."""
         self.wait(timeout)
-        return self._text(self._out), self._text(self._err)
+        try:
+            return self._text(self._out), self._text(self._err)
+        finally:
+            self._out.close()
+            self._err.close()
 
     @staticmethod
     def _text(f) -> str:

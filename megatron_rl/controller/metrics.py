@@ -248,11 +248,12 @@ class WandbLogger:
 
 def read_metrics(path: Path) -> list[dict]:
     rows = []
-    for line in open(path):
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line cut short by a crash
-            continue
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line cut short by a crash
+                continue
     return rows
 
 
