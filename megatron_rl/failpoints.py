@@ -8,17 +8,23 @@ one dictionary lookup.
 
 `MEGATRON_RL_FAILPOINT_ACTION=stop` makes the process SIGSTOP itself there instead, every thread at once: a stand-in
 for a rank stuck in a kernel, on a dead mount or on a frozen node (`parallel/liveness.py` must find it).
+`MEGATRON_RL_FAILPOINT_ACTION=sleep:S` makes it sleep S seconds there and go on: a stand-in for slow work (a large
+model's warm-start step) whose length does not depend on the test machine's speed.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 
 def failpoint(name: str, tag: str = "") -> None:
     if os.environ.get("MEGATRON_RL_FAILPOINT") in (name, f"{name}:{tag}"):
-        if os.environ.get("MEGATRON_RL_FAILPOINT_ACTION") == "stop":
+        action = os.environ.get("MEGATRON_RL_FAILPOINT_ACTION", "")
+        if action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif action.startswith("sleep:"):
+            time.sleep(float(action.removeprefix("sleep:")))
         else:
             os.killpg(os.getpgrp(), signal.SIGKILL)

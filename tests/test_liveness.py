@@ -124,15 +124,16 @@ def test_a_stopped_reward_model_rank_ends_the_job(reward_model_job, tmp_path):
 def test_a_warm_start_longer_than_the_timeout_is_not_a_hang(tmp_path):
     """The trainer's warm start takes several timeouts; the generator waits for it in a collective all along. The
     timeout is TIMEOUT_S: with 1 s, a healthy rank of this job on the loaded 2-core machine once went 1 s without a
-    beat (a clean-clone CI run, stop 51). 120 steps: 13 s alone on the slower of the 2-core test machines, 5.5 s on
-    the faster (a Zen 4 with AVX-512 BF16, 2026-11-27), so more than two timeouts: a generator rank whose beat stopped
-    while it waited would be called hung after one."""
-    cmd = ["train", "trainer.sft_warmup_steps=120", "run.steps=2",
-           f"checkpoint.dir={tmp_path}"]
-    out, _, _ = _run(cmd, _env(MEGATRON_RL_DIST_TIMEOUT_S=str(TIMEOUT_S)), tmp_path)
+    beat (a clean-clone CI run, stop 51). Each of the 20 steps also sleeps a quarter of a second (a failpoint), so
+    the warm start outlasts two timeouts on any machine (a generator whose beat stopped while it waited would be
+    called hung after one): 120 steps of compute alone took 13 s on one 2-core test machine and 5.5 s on another."""
+    cmd = ["train", "trainer.sft_warmup_steps=20", "run.steps=2", f"checkpoint.dir={tmp_path}"]
+    env = _env(MEGATRON_RL_DIST_TIMEOUT_S=str(TIMEOUT_S), MEGATRON_RL_FAILPOINT="warm_start_step",
+               MEGATRON_RL_FAILPOINT_ACTION="sleep:0.25")
+    out, _, _ = _run(cmd, env, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["warm_start_s"] > 2 * TIMEOUT_S and summary["steps"] == 2
+    assert summary["warm_start_s"] >= 20 * 0.25 > 2 * TIMEOUT_S and summary["steps"] == 2
 
 
 def test_store_watchers_report_a_silent_rank_once_and_every_rank_ends():

@@ -116,6 +116,7 @@ class TrainerExecutor:
         loss_fn = make_lm_loss(self.groups.pgs.tp, self.model_cfg.vocab_size)
         for step in range(steps):
             metrics = self.engine.step([self._demonstration_batch(step)], loss_fn)
+            failpoint("warm_start_step", str(step))
             progress("warm-start", step + 1, steps, f"warm-start loss {metrics['loss']:.3f}")
         self.engine.start_constant_schedule(self.cfg.trainer.lr, self.cfg.trainer.lr_warmup_steps)
 
