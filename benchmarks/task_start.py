@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--max-prompt-length", type=int, default=512)
     args = ap.parse_args()
 
-    from megatron_rl.controller.tasks import DatasetTask
+    from megatron_rl.controller.tasks import DatasetTask, _NoReward
     from megatron_rl.data import load_gsm8k
     from megatron_rl.models.smollm2 import gguf_path
     from megatron_rl.tokenizers import load_tokenizer
@@ -35,13 +35,6 @@ def main() -> None:
     tok = load_tokenizer(gguf_path())
     train = list(load_gsm8k("train")) * args.copies
     heldout = list(load_gsm8k("test"))[:64]
-
-    class _NoReward:
-        def score(self, items):
-            return [0.0] * len(items)
-
-        def close(self):
-            pass
 
     t0 = time.perf_counter()
     task = DatasetTask(train, heldout, "gsm8k", tok, _NoReward(), chat=True,
@@ -51,7 +44,7 @@ def main() -> None:
     task.train_batch(0, args.batch)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    task.tok.encode_batch([task.prompt_text(r) for r in train], add_bos=task.tok.bos_id is not None)
+    task._encode(train)  # the task's own measuring, of every training prompt
     every = time.perf_counter() - t0
     emit({"prompts": len(train), "batch": args.batch, "build_s": round(built, 3), "first_batch_s": round(first, 3),
           "start_s": round(built + first, 3), "measure_every_prompt_s": round(every, 3),

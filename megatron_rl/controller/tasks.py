@@ -121,14 +121,14 @@ def _load(path: Path, data, key: str) -> list[PromptRecord]:
 
 
 class DatasetTask(Task):
-    """Prompt records from files, shown through an instruction and the tokenizer's chat template, scored by a
-    verifier. Prompts longer than `max_prompt_tokens` are left out (counted in `skipped`), not cut.
+    """Prompt records from files, shown through an instruction and the tokenizer's chat template, scored by a verifier.
+    Prompts longer than `max_prompt_tokens` are left out (counted in `skipped`), not cut.
 
     Training prompts are measured as the batches draw them, not all at the start: a job on a million prompts would
-    otherwise tokenize every one of them on every rank before its first step, and again at every resume (GSM8K's
-    7,473 took 2.5 s a rank with SmolLM2's chat template on the 2-core machine). Epoch e is every training record
-    in the seeded order of (seed, e), the ones too long left out, so a batch is still a pure function of its index;
-    a record is measured once. The held-out prompts, few, are measured at the start."""
+    otherwise tokenize every one of them on every rank before its first step, and again at every resume
+    (`benchmarks/task_start.py`, docs/benchmarks.md). Epoch e is every training record in the seeded order of (seed,
+    e), the ones too long left out, so a batch is still a pure function of its index; a record is measured once. The
+    held-out prompts, few, are measured at the start."""
 
     MEASURE_CHUNK = 256  # training prompts tokenized together (a fast tokenizer's batch call), ahead of the batches
 
