@@ -50,16 +50,21 @@ def cmd_train(args) -> int:
     job's code: 0, 128 + a stop signal, 1 for a failure, 2 for a configuration that cannot run."""
     from megatron_rl.controller.summary import exit_code, stopped_line
     from megatron_rl.controller.train import below_bar, report_config_error, train, world_from
+    from megatron_rl.launch import console
     from megatron_rl.launch.failures import JobFailed
     from megatron_rl.launch.runlock import RunDirLocked
     from megatron_rl.launch.world import LocalWorld
 
     # A launched world's rank and size first: then only its rank 0 reports a bad configuration.
     world = world_from(args.launcher)
+    console.survive_hangup()  # a closed terminal stops the job (SIGHUP) and must not fail its last lines
     args.rank_in_process = not isinstance(world, LocalWorld)  # see `run`
-    # A SIGTERM before or after the ranks run ends this process through its `finally` clauses (the run lock);
-    # while they run, the local launcher forwards it to them, and a launched rank notes it (launch/signals).
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # A SIGTERM or SIGHUP before or after the ranks run ends this process through its `finally` clauses (the run
+    # lock); while they run, the local launcher forwards it to them, and a launched rank notes it (launch/signals).
+    # A SIGHUP this process ignores (`nohup`) stays ignored.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     try:
         if isinstance(world, LocalWorld):
             cfg, fit = _fitted(args, local_gpus())

@@ -1,13 +1,14 @@
 """How a run ends when it does not finish: a SIGTERM to `megatron-rl train` stops the job at a consistent point
 with a checkpoint, ends every process of the run, and a relaunch resumes with every step's metrics exactly once;
-one job per run directory (a second launch exits 2 with one line, a stale lock is taken over); a failed or killed
-rank is named in one line."""
+so does a closed terminal (SIGHUP); a killed launcher leaves no process behind; one job per run directory (a second
+launch exits 2 with one line, a stale lock is taken over); a failed or killed rank is named in one line."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,9 +23,10 @@ FAST = ["trainer.sft_warmup_steps=20", "checkpoint.save_interval=1000", "rollout
         "data.eval_size=4", "run.eval_interval=1000", "rollout.max_new_tokens=6"]
 
 
-def _train(tmp_path, *overrides):
+def _train(tmp_path, *overrides, terminal=None):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    return warm_cli.start(["train", *FAST, f"checkpoint.dir={tmp_path}", *overrides], cwd=REPO, env=env)
+    return warm_cli.start(["train", *FAST, f"checkpoint.dir={tmp_path}", *overrides], cwd=REPO, env=env,
+                          terminal=terminal)
 
 
 def _rows(run_dir):
@@ -81,6 +83,84 @@ def test_sigterm_stops_at_a_checkpoint_ends_every_process_and_a_relaunch_resumes
     assert "after finishing" not in err
     assert f"resumed from {run / f'step_{step:08d}'}" in err
     assert [r["step"] for r in _rows(run)] == list(range(step + 2))  # every step exactly once
+
+
+def _family(proc):
+    """The processes of a running job: its fork server, its ranks and what they started."""
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
+def _running(processes):
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _gone_within(processes, seconds):
+    deadline = time.monotonic() + seconds
+    while _running(processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _running(processes)
+
+
+def test_a_killed_launcher_leaves_no_process_behind_and_a_relaunch_takes_over_and_resumes(tmp_path):
+    run = tmp_path / "k"
+    args = ["run.name=k", "checkpoint.save_interval=4"]
+    proc = _train(tmp_path, *args, "run.steps=300")
+    _wait_for(lambda: len(_rows(run)) >= 6 and (run / "latest").exists(), 120, proc)
+    family = _family(proc)
+    ranks = [p for p in family if p.pid == os.getpgid(p.pid)]
+    assert len(ranks) == 3
+    rows_at_kill = len(_rows(run))
+    proc.kill()
+    assert _gone_within(family, 5.0) == []  # the ranks ended with their launcher, and so did the fork server
+    rows = len(_rows(run))
+    assert rows <= rows_at_kill + 1  # at most the row being written as the launcher died
+    latest = (run / "latest").read_text().strip()
+    time.sleep(1.0)
+    assert len(_rows(run)) == rows and (run / "latest").read_text().strip() == latest  # nothing written since
+    step = int(latest.removeprefix("step_"))
+
+    again = _train(tmp_path, *args, f"run.steps={step + 2}")
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err[-3000:]
+    assert (f"taking over the stale lock of pid {proc.pid} on host {os.uname().nodename}" in err
+            and "that job is no longer running (its launcher and the 3 processes it started have ended)" in err)
+    assert f"resumed from {run / latest}" in err
+    assert [r["step"] for r in _rows(run)] == list(range(step + 2))  # every step exactly once
+
+
+def test_a_closed_terminal_stops_the_job_at_a_checkpoint_and_a_relaunch_resumes(tmp_path):
+    """The job writes to a terminal (a pty) that hangs up: its writes fail from then on (EIO), and the SIGHUP the
+    terminal's session gets stops it like a SIGTERM: exit 129, a checkpoint, no process left."""
+    run = tmp_path / "h"
+    master, slave = os.openpty()
+    proc = _train(tmp_path, "run.name=h", "run.steps=300", terminal=slave)
+    os.close(slave)
+    drain = threading.Thread(target=lambda: _read_until_hangup(master), daemon=True)
+    drain.start()
+    _wait_for(lambda: len(_rows(run)) >= 2, 120, proc)
+    family = _family(proc)
+    os.close(master)  # the terminal goes away: the rank's progress bar and the launcher's lines now fail to write
+    proc.send_signal(signal.SIGHUP)  # what the kernel sends the session of a terminal that hung up
+    proc.communicate(timeout=60)
+    assert proc.returncode == 129
+    summary = json.loads((run / "summary.json").read_text())
+    step = summary["stopped_after_step"]
+    assert summary["stopped_by"] == "SIGHUP" and (run / "latest").read_text().strip() == f"step_{step:08d}"
+    assert [r["step"] for r in _rows(run)] == list(range(step))
+    assert _gone_within(family, 2.0) == [] and not (run / LOCK_FILE).exists()
+
+    again = _train(tmp_path, "run.name=h", f"run.steps={step + 1}")
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err[-3000:]
+    assert [r["step"] for r in _rows(run)] == list(range(step + 1))
+
+
+def _read_until_hangup(fd):
+    try:
+        while os.read(fd, 65536):
+            pass
+    except OSError:
+        pass
 
 
 def test_a_second_launch_on_a_running_run_dir_exits_2_and_the_first_finishes(tmp_path):

@@ -103,14 +103,14 @@ class WarmProcess:
     when it raises, as multiprocessing reports it)."""
 
     def __init__(self, args: Sequence[str], env: Optional[dict] = None, cwd=None, start_new_session: bool = False,
-                 before: Optional[str] = None, main: str = CLI):
+                 before: Optional[str] = None, main: str = CLI, terminal: Optional[int] = None):
         self.args = [str(a) for a in args]
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         self._lock = threading.Lock()  # poll() reads the exit status from a pipe: once, by one thread
+        out, err = (self._out.fileno(), self._err.fileno()) if terminal is None else (terminal, terminal)
         self._proc = multiprocessing.get_context("forkserver").Process(
             target=_command, args=(self.args, dict(os.environ if env is None else env), str(cwd or os.getcwd()),
-                                   start_new_session, DupFd(self._out.fileno()), DupFd(self._err.fileno()), before,
-                                   main),
+                                   start_new_session, DupFd(out), DupFd(err), before, main),
             name=f"megatron-rl {' '.join(self.args)[:60]}")
         self._proc.start()
         self.pid = self._proc.pid
@@ -152,11 +152,13 @@ class WarmProcess:
 
 
 def start(args: Sequence[str], env: Optional[dict] = None, cwd=None, before: Optional[str] = None,
-          main: str = CLI) -> WarmProcess:
+          main: str = CLI, terminal: Optional[int] = None) -> WarmProcess:
     """`subprocess.Popen(["megatron-rl", *args], stdout=PIPE, stderr=PIPE, text=True, start_new_session=True)`,
     warm. `before` ("module:function"): called in the command's process before its fork server is forked, so the
-    ranks inherit what it changes (a test's fault)."""
-    return WarmProcess(args, env=env, cwd=cwd, start_new_session=True, before=before, main=main)
+    ranks inherit what it changes (a test's fault). `terminal`: a file descriptor (a pty's) that the command writes
+    its standard output and error to instead, as a command started from a terminal does; `communicate` then
+    returns nothing for them."""
+    return WarmProcess(args, env=env, cwd=cwd, start_new_session=True, before=before, main=main, terminal=terminal)
 
 
 def run(args: Sequence[str], timeout: Optional[float] = 300, env: Optional[dict] = None, cwd=None,

@@ -25,9 +25,11 @@ both worlds, written once:
 Every rank checks the configuration against the launched world before any collective, so a world of the wrong
 size ends at once, with one line (printed by rank 0), on every rank.
 
-How a run ends, in both worlds: a SIGTERM or SIGINT stops it at the next weight push with a checkpoint
+How a run ends, in both worlds: a SIGTERM, SIGINT or SIGHUP stops it at the next weight push with a checkpoint
 (`launch/signals.py`), exit code 128 + the signal; a rank that fails is named in one line (`JobFailed`), its
-traceback, and every other rank's, in `failure.log` in the run directory, exit code 1 (`launch/failures.py`).
+traceback, and every other rank's, in `failure.log` in the run directory, exit code 1 (`launch/failures.py`); a
+rank whose launcher is gone (killed, or torchrun's agent dead) ends at once, with all it started
+(`launch/lifeline.py`).
 
 The launch scripts' helpers are subcommands of `megatron-rl` (cli.py): `world-size`, `check-world`, `failure-line`.
 """
@@ -48,7 +50,7 @@ from megatron_rl.controller.metrics import import_plotting_in_background
 from megatron_rl.controller.rank import RANK_MODULES, rank_main, rank_role
 from megatron_rl.controller.rundir import check_run_dir, prepare_run_dir, run_dir_of
 from megatron_rl.controller.summary import write_summary
-from megatron_rl.launch import signals
+from megatron_rl.launch import lifeline, signals
 from megatron_rl.launch.failures import (JobFailed, RankFailure, RanksFailed, cause_of, rank_failed, ranks_failed,
                                          write_failure_log)
 from megatron_rl.launch.runlock import RunLock
@@ -88,7 +90,8 @@ def train(cfg: JobConfig, world: World, fit: str = "") -> Optional[dict]:
     backend = _local_backend(cfg, world.world_size) if local else _join_world(cfg, world)
     hang_s, collective_s = timeouts()
     run_dir = run_dir_of(cfg)
-    with RunLock(run_dir, warn=_say) if world.rank == 0 else contextlib.nullcontext():
+    lock = RunLock(run_dir, warn=_say) if world.rank == 0 else None
+    with lock if lock is not None else contextlib.nullcontext():
         if world.rank == 0:
             prepare_run_dir(cfg)
         model_name = cfg.model.name  # the source's name: a converted source becomes run_dir/initial_model
@@ -98,7 +101,7 @@ def train(cfg: JobConfig, world: World, fit: str = "") -> Optional[dict]:
             cfg = initial.prepare(cfg, run_dir, log=_say)
         t0 = time.perf_counter()
         if local:
-            result = _run_ranks(cfg, model_cfg, run_dir, world.world_size, backend, hang_s, collective_s)
+            result = _run_ranks(cfg, model_cfg, run_dir, world.world_size, backend, hang_s, collective_s, lock)
         else:
             result = _run_this_rank(cfg, model_cfg, run_dir, world, backend, hang_s, collective_s)
         if world.rank != 0:
@@ -203,10 +206,11 @@ def _local_backend(cfg: JobConfig, world_size: int) -> str:
 
 
 def _run_ranks(cfg: JobConfig, model_cfg: ModelConfig, run_dir: Path, world_size: int, backend: str, hang_s: float,
-               collective_s: float) -> dict:
+               collective_s: float, lock: RunLock) -> dict:
     """`rank_main` on `world_size` ranks started here; rank 0's result, or JobFailed once every rank has ended.
     No time limit on the whole job (a run takes as long as its steps); a dead rank ends it at once, a hung one
-    when its heartbeat has been silent for the hang timeout."""
+    when its heartbeat has been silent for the hang timeout. The ranks are named in the run directory's `lock`
+    as they start."""
     def on_signal(signum: int) -> None:
         print(below_bar(f"megatron-rl: {signals.name(signum)}: stopping at the next weight push with a checkpoint "
                         f"(ranks killed after run.stop_grace_s={cfg.run.stop_grace_s:g} s"
@@ -217,7 +221,7 @@ def _run_ranks(cfg: JobConfig, model_cfg: ModelConfig, run_dir: Path, world_size
     try:
         return run_local(rank_main, world_size, cfg, model_cfg, str(run_dir), backend=backend, timeout=None,
                          dist_timeout_s=collective_s, hang_timeout_s=hang_s, preload=rank_preload(cfg),
-                         stop_grace_s=cfg.run.stop_grace_s, on_signal=on_signal)[0]
+                         stop_grace_s=cfg.run.stop_grace_s, on_signal=on_signal, on_started=lock.record)[0]
     except RanksFailed as e:
         raise failure_report(cfg, run_dir, e) from None
 
@@ -249,7 +253,9 @@ def _join_world(cfg: JobConfig, world: EnvWorld) -> str:
     and the model checked, this rank's backend, rendezvous and GPU; and a run directory the job may not resume
     refused on every rank (it only reads), so that a refusal does not leave the others waiting. Returns the
     backend."""
-    signals.install()  # from here on a SIGTERM or SIGINT stops the job at its next consistent point
+    signals.install()  # from here on a SIGTERM, SIGINT or SIGHUP stops the job at its next consistent point
+    lifeline.watch_parent(partial(lifeline.end_this_rank, f"megatron-rl: rank {world.rank}: the process that started "
+                                  f"it (pid {os.getppid()}: torchrun's agent or srun's step) has ended; so does the rank"))
     if not 0 <= world.rank < world.world_size:
         raise ConfigError(f"rank {world.rank} is outside the world of {world.world_size}")
     from megatron_rl.checkpointing.initial import megatron_checkpoint

@@ -1,10 +1,14 @@
 """One job per run directory: an advisory lock file naming its holder.
 
 `RUN_DIR/megatron-rl.lock` holds the holder's host, pid and start time as JSON, and the holder keeps an exclusive
-`flock` on it while it runs. The kernel drops that lock when the holder ends in any way (SIGKILL included), so a
-file left behind by a dead holder is stale: the next job takes it over with a warning. Where the file system has
-no `flock` (some network mounts), a file whose holder runs on this host under a pid that no longer exists is stale;
-a holder on another host is then trusted to be alive.
+`flock` on it while it runs. Once the holder has started its job's processes (the local launcher's ranks), it
+records them there too (`RunLock.record`: pid and start time of each). The kernel drops the flock when the holder
+ends in any way (SIGKILL included), so a file left behind by a dead holder is stale, and the next job takes it
+over, with a line saying what it checked, but only once no process the file names still runs on this host: ranks
+end with their launcher (`launch/lifeline.py`), and a rank that has not ended yet (frozen, or in an uninterruptible
+write) would otherwise write the same run directory as the new job. Where the file system has no `flock` (some
+network mounts), a file whose holder runs on this host under a pid that no longer exists is stale; a holder on
+another host is then trusted to be alive.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
+
+import psutil
 
 LOCK_FILE = "megatron-rl.lock"
 
@@ -35,6 +41,22 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _still_running(holder: dict) -> list[int]:
+    """The pids of the processes that `holder` records (`RunLock.record`) that still run on this host, named by pid
+    and start time so that a reused pid does not count (a zombie, ended but not reaped, does not either)."""
+    if holder.get("host") != socket.gethostname():
+        return []
+    running = []
+    for entry in holder.get("processes") or []:
+        try:
+            p = psutil.Process(int(entry["pid"]))
+            if p.create_time() == float(entry["started"]) and p.status() != psutil.STATUS_ZOMBIE:
+                running.append(p.pid)
+        except (psutil.Error, KeyError, TypeError, ValueError):
+            pass
+    return running
+
+
 def _describe(holder: dict) -> str:
     return (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} "
             f"(started {holder.get('started', '?')})")
@@ -48,6 +70,7 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.warn = warn or (lambda text: None)
         self._fd: Optional[int] = None
+        self._me: dict = {}
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,17 +85,50 @@ class RunLock:
                 if not self._same_file(fd):  # the holder removed the file while we opened it: start over
                     os.close(fd)
                     continue
+                running = _still_running(holder)
+                if running:
+                    pids = " ".join(map(str, running))
+                    raise RunDirLocked(f"{self.path.parent} is still written by a megatron-rl job whose launcher has "
+                                       f"ended: {_describe(holder)} left processes {pids} running; end them (kill "
+                                       f"-9 {pids}) or wait for them, or use another run.name")
             except BaseException:
                 os.close(fd)
                 raise
             break
         if holder:
-            self.warn(f"taking over the stale lock of {_describe(holder)}: that job is no longer running")
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        os.fsync(fd)
+            self.warn(f"taking over the stale lock of {_describe(holder)}: {self._checked(holder)}")
+        self._me = {"host": socket.gethostname(), "pid": os.getpid(),
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         self._fd = fd
+        self._write(self._me)
+
+    def record(self, pids: Sequence[int]) -> None:
+        """Name the job's processes (`pids`, on this host) in the lock file, beside its holder: a later job takes
+        the lock over only once none of them runs. A process already gone is left out."""
+        processes = []
+        for pid in pids:
+            try:
+                processes.append({"pid": pid, "started": psutil.Process(pid).create_time()})
+            except psutil.Error:
+                pass
+        self._write({**self._me, "processes": processes})
+
+    def _write(self, holder: dict) -> None:
+        assert self._fd is not None, "the lock is not held"
+        text = (json.dumps(holder) + "\n").encode()
+        os.pwrite(self._fd, text, 0)
+        os.ftruncate(self._fd, len(text))
+        os.fsync(self._fd)
+
+    @staticmethod
+    def _checked(holder: dict) -> str:
+        """What was checked before a stale lock is taken over, for its line."""
+        if holder.get("host") != socket.gethostname():
+            return (f"it no longer holds the file's lock; its processes on host {holder.get('host', '?')} cannot be "
+                    f"seen from here")
+        n = len(holder.get("processes") or [])
+        return (f"that job is no longer running (its launcher and the {n} process{'es' if n != 1 else ''} it "
+                f"started have ended)" if n else "that job is no longer running")
 
     def release(self) -> None:
         if self._fd is None:

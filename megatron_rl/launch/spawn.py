@@ -6,11 +6,12 @@ instead of paying the import on every rank. With CUDA they are spawned (fresh in
 inherit CUDA state through fork, and importing Megatron-Core or a preloaded extension may touch it), rank r takes
 GPU r, and the default backend is NCCL.
 
-Each rank leads a process group of its own, which every process it starts joins (checkpoint writers, reward
-workers): a terminal's Ctrl-C reaches only this process, which decides what the ranks do, and ending a rank's group
-ends all it started. With `stop_grace_s`, SIGTERM and SIGINT are forwarded to the ranks, which note them
+Each rank leads a process group of its own, which every process it starts joins (reward workers): a terminal's
+Ctrl-C reaches only this process, which decides what the ranks do, and ending a rank's group ends all it started.
+With `stop_grace_s`, SIGTERM, SIGINT and SIGHUP (a closed terminal) are forwarded to the ranks, which note them
 (`launch/signals.py`) and stop at their next consistent point; past the grace time, or at a second SIGINT, the
-ranks' groups are killed.
+ranks' groups are killed. If this process ends without ending them (SIGKILL, a crash), each rank's lifeline
+(`launch/lifeline.py`) ends its group at once: no rank outlives the process that started it.
 
 However the ranks end, `run_local` returns every rank's result or raises `RanksFailed` with every rank that failed,
 the likely cause first (`launch/failures.py`, which also words the report). A rank that has reported its result
@@ -39,6 +40,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl import quiet
+from megatron_rl.launch import console, lifeline, signals
 from megatron_rl.launch.failures import (HUNG, KILLED_AFTER, RankFailure, RanksFailed, cause_of, death, is_peer_error,
                                          likely_cause_first)
 from megatron_rl.launch.world import LaunchError, set_rendezvous_env
@@ -152,28 +154,30 @@ def threads_per_rank(world_size: int, environ: Optional[dict] = None) -> int:
     return max(1, usable_cores() // world_size)
 
 
-def _lead_own_group() -> None:
-    """Make this rank the leader of a process group of its own, and end it (SIGKILL) if its parent dies: a rank
-    whose launcher was killed must not train on as an orphan. (PR_SET_PDEATHSIG is Linux's; elsewhere a no-op.)"""
+def _lead_own_group(owner: lifeline.Owner) -> None:
+    """Make this rank the leader of a process group of its own, and end that group (SIGKILL) when `owner`, the
+    launcher, ends: a rank whose launcher was killed must not train on as an orphan (`launch/lifeline.py`). Where
+    the parent is the launcher (spawned ranks), its death signal also ends the rank, at once.
+    (PR_SET_PDEATHSIG is Linux's; elsewhere a no-op.)"""
     os.setpgid(0, 0)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    lifeline.watch(owner, lifeline.end_this_rank)
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, dist_timeout_s: float, note_signals: bool,
             fn: Callable, args: tuple, queue, all_reported, beats: Optional[liveness.LocalBeats], beat_s: float,
-            threads: int) -> None:
+            threads: int, owner: lifeline.Owner) -> None:
     import megatron_rl.compat.megatron_core  # noqa: F401 - a spawned rank's first import of it (the fork server's did)
 
     quiet.install()  # the warnings' filters came through the environment; the loggers' are set in each process
-    _lead_own_group()
+    _lead_own_group(owner)
+    console.survive_hangup()  # a rank's output is its launcher's terminal, which may hang up
     heartbeat = beats.heartbeat(rank, beat_s).start() if beats is not None else None
     if note_signals:
-        from megatron_rl.launch import signals
-
         signals.install()
     import torch
     import torch.distributed as dist
@@ -234,8 +238,9 @@ def _end_groups(procs) -> None:
 
 
 class _Forwarder:
-    """The launcher's SIGTERM and SIGINT handlers while its ranks run: the first signal goes on to every rank and
-    starts the grace time; a second SIGINT (Ctrl-C twice) asks for the ranks to be killed at once."""
+    """The launcher's SIGTERM, SIGINT and SIGHUP handlers while its ranks run: the first signal goes on to every
+    rank and starts the grace time; a second SIGINT (Ctrl-C twice) asks for the ranks to be killed at once. A
+    signal this process ignores stays ignored (SIGHUP under `nohup`)."""
 
     def __init__(self, procs, grace_s: float, on_signal: Optional[Callable[[int], None]]):
         self.procs, self.grace_s, self.on_signal = procs, grace_s, on_signal
@@ -244,7 +249,8 @@ class _Forwarder:
 
     def __enter__(self) -> "_Forwarder":
         if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+            self._old = {s: signal.signal(s, self._handle) for s in signals.STOP_SIGNALS
+                         if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -410,7 +416,8 @@ def _end_world(ranks: _Ranks, killed: str) -> dict[int, str]:
 def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo",
               timeout: Optional[float] = 300.0, dist_timeout_s: float = 120.0,
               stop_grace_s: Optional[float] = None, on_signal: Optional[Callable[[int], None]] = None,
-              hang_timeout_s: Optional[float] = None, preload: Sequence[str] = ()) -> list:
+              hang_timeout_s: Optional[float] = None, preload: Sequence[str] = (),
+              on_started: Optional[Callable[[list[int]], None]] = None) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return the results in rank order.
 
     `fn` must be importable (a module-level function). `backend`: gloo, nccl, or auto (NCCL when CUDA is present).
@@ -422,8 +429,9 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     then) and kill them that many seconds later if they have not ended. Raises LaunchError when the machine cannot
     host the world, RanksFailed (a RuntimeError) when a rank fails, dies or is killed, TimeoutError past the
     timeout. However it ends, every rank's process group is killed before it returns: nothing a rank started
-    outlives it. `preload`: modules the ranks import, imported once by the fork server where this call starts it
-    (`start_fork_server`).
+    outlives it, and if this process ends first (SIGKILL), each rank ends with it (`launch/lifeline.py`).
+    `preload`: modules the ranks import, imported once by the fork server where this call starts it
+    (`start_fork_server`). `on_started(pids)`: called with the ranks' pids once all have started.
     """
     import torch
 
@@ -439,8 +447,9 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
     watched = hang_timeout_s is not None
     beats = liveness.LocalBeats(ctx, world_size) if watched else None  # unwatched worlds run no heartbeat thread
     beat_s = liveness.beat_interval_s(hang_timeout_s) if watched else 0.0
+    owner = lifeline.Owner.this_process()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, dist_timeout_s, note, fn, args, queue,
-                                               all_reported, beats, beat_s, threads), daemon=False)
+                                               all_reported, beats, beat_s, threads, owner), daemon=False)
              for r in range(world_size)]
     ranks = _Ranks(procs, queue)
     forward = _Forwarder(procs, stop_grace_s or 0.0, on_signal)
@@ -450,6 +459,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, backend: str = "gl
         with forward if note else contextlib.nullcontext():
             for p in procs:
                 p.start()
+            if on_started is not None:
+                on_started([p.pid for p in procs])
             killed = _wait(ranks, forward if note else None, deadline, timeout, beats, hang_timeout_s)
             if not ranks.open() and not ranks.failures:
                 all_reported.set()  # the ranks leave together
