@@ -191,9 +191,13 @@ def _check_blobs(d: Path, md) -> None:
 
 def check_dist_dir(d: Path) -> None:
     """Every pickle of the dist_checkpointing directory `d` (its index, the blobs in its shards, `common.pt`)
-    holds only what a checkpoint may hold; else CheckpointError naming the file, in one line."""
+    holds only what a checkpoint may hold, and its index holds every element of every tensor exactly once
+    (`coverage.py`); else CheckpointError naming the file, in one line."""
+    from megatron_rl.checkpointing.coverage import check_coverage
+
     d = Path(d)
     md = read_dcp_metadata(d)
+    check_coverage(d, md)
     try:
         _check_blobs(d, md)
     except (AttributeError, TypeError) as e:  # built from the admitted classes, but not as torch builds them
