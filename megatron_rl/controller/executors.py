@@ -26,6 +26,7 @@ from megatron_rl.ddma.sync import WeightSync, parameters_of
 from megatron_rl.ddma.transport import TransportSettings
 from megatron_rl.failpoints import failpoint
 from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+from megatron_rl.inference.sampling import stream_seed
 from megatron_rl.models import ModelConfig, build_gpt_model
 from megatron_rl.models.precision import resolve_dtype
 from megatron_rl.parallel.topology import ExecutorGroups, new_group
@@ -39,15 +40,21 @@ from megatron_rl.training.settings import LRSchedule
 SFT_BATCH_SIZE = 32
 SFT_LR_WARMUP_STEPS = 10
 SFT_MIN_DECAY_STEPS = 11
-# Held-out evaluation samples prompt i with seed EVAL_SEED + i: the same draws at every evaluation, so the curve
-# moves only with the weights.
+# Held-out evaluation samples prompt i with seed eval_seed(i), whatever the run seed: the same draws at every
+# evaluation, so the curve moves only with the weights.
 EVAL_SEED = 424242
 
 
 def rollout_seed(run_seed: int, batch: int, prompt: int) -> int:
     """The sampling seed of prompt `prompt` (its index in the batch) of training batch `batch`: a pure function of
-    the run's seed and the position, so a resumed run redraws exactly the samples it would have drawn."""
-    return run_seed * 7919 + batch * 1000 + prompt
+    the run's seed and the position, so a resumed run redraws exactly the samples it would have drawn; `stream_seed`
+    keeps it apart from every other (run seed, batch, prompt)'s."""
+    return stream_seed(run_seed, batch, prompt)
+
+
+def eval_seed(prompt: int) -> int:
+    """The sampling seed of held-out prompt `prompt`: fixed for the run and across runs."""
+    return stream_seed(EVAL_SEED, prompt)
 
 
 def build_policy(cfg: JobConfig, model_cfg: ModelConfig, t: ExecutorGroups, initialize: bool = True) -> torch.nn.Module:
@@ -201,7 +208,7 @@ class GeneratorExecutor:
         the same weights); None on ranks other than the leader."""
         n = self.cfg.data.eval_samples
         problems = self.task.eval_records()
-        reqs = [GenerationRequest(self.encode(self.task.prompt_text(p)), self._sampling(EVAL_SEED + i, n))
+        reqs = [GenerationRequest(self.encode(self.task.prompt_text(p)), self._sampling(eval_seed(i), n))
                 for i, p in enumerate(problems)]
         outs = self.generator.generate(reqs)
         if not self.is_leader:

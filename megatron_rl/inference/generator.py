@@ -4,7 +4,8 @@ Requests are expanded into sequences (n per request), which wait for a free cach
 sequences that just got a slot (one batched chunk, right-padded) and decodes one token for every running one;
 a finished sequence frees its slot at once, so a long tail does not idle the batch. Every tensor-parallel rank
 of a replica runs the same loop on the same requests (the vocabulary is gathered for the sampled positions
-only) and draws the same tokens from the same per-sequence seeds.
+only) and draws the same tokens from the same per-sequence seeds: sample k of a request seeded s is seeded
+stream_seed(s, k).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from megatron_rl.compat import cuda_rules
 from megatron_rl.inference.kv_forward import IncrementalForward
 from megatron_rl.inference.pipeline import PipelinedDecode
-from megatron_rl.inference.sampling import SamplingParams, sample
+from megatron_rl.inference.sampling import SamplingParams, sample, stream_seed
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class Generator:
                                                     error=err))
                     continue
                 outputs.append(None)
-                seed = (int(base) * 1_000_003 + k) & 0x7FFFFFFF
+                seed = stream_seed(base, k)
                 pending.append(_Seq(len(outputs) - 1, k, list(r.prompt_ids), r.params, seed, r.request_id))
         if pending:
             from megatron_rl.compat import suspended
