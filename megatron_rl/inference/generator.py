@@ -6,6 +6,11 @@ a finished sequence frees its slot at once, so a long tail does not idle the bat
 of a replica runs the same loop on the same requests (the vocabulary is gathered for the sampled positions
 only) and draws the same tokens from the same per-sequence seeds: sample k of a request seeded s is seeded
 stream_seed(s, k).
+
+With `turns` (`inference/episodes.py`), a sequence is an episode: when a turn ends, the sequence keeps its slot and
+its cache while its environment answers and the other sequences decode; the observation's token ids are appended
+(no loss: `SampledResponse.policy_mask`), only they are prefilled into the slot, and decoding resumes, with the
+sequence's sampling stream continuing where the last turn left it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.compat import cuda_rules
+from megatron_rl.inference.episodes import EndedTurn, Turns
 from megatron_rl.inference.kv_forward import IncrementalForward
 from megatron_rl.inference.pipeline import PipelinedDecode
 from megatron_rl.inference.sampling import SamplingParams, sample, stream_seed
@@ -40,9 +46,11 @@ class SampledResponse:
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]  # log mu(token) under softmax(logits / T), T = 1 for greedy
-    finish_reason: str  # "stop" (stop token or string), "length", or "error"
+    finish_reason: str  # "stop" (stop token or string), "length", or "error"; an episode's: "done", "turns" too
     text: Optional[str] = None
     error: Optional[str] = None
+    policy_mask: Optional[list[bool]] = None  # an episode's: True at sampled tokens, False at observations
+    turns: int = 1  # an episode's model turns
 
 
 @dataclass
@@ -57,6 +65,19 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     slot: int = -1
     finish: Optional[str] = None
+    # Episodes (`inference/episodes.py`): False where `tokens` holds an observation's ids; where this turn's tokens
+    # start; model turns so far; tokens sampled so far (the sampling stream's counter); cache positions filled
+    # before the slot was (re)admitted.
+    policy: list[bool] = field(default_factory=list)
+    turn_start: int = 0
+    turns: int = 0
+    sampled: int = 0
+    cached: int = 0
+    budget: Optional[int] = None  # an episode's most tokens after its prompt (`Turns.max_tokens`)
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.tokens
 
 
 def _to_device(t: torch.Tensor, device: torch.device, cuda_rules_on: bool) -> torch.Tensor:
@@ -119,14 +140,15 @@ class _DecodeStep:
         return tokens, logprobs
 
     def admit(self, seqs: list) -> None:
-        """Point the given slots at newly admitted sequences (their last prompt token, position, parameters)."""
+        """Point the given slots at newly admitted sequences (their last token, its position, their parameters, and
+        their sampling stream's counter: 0, or where an episode's last turn left it)."""
         if not seqs:
             return
         dev, rules = self.tokens.device, self.gen.cuda_rules_on
         idx = _to_device(torch.tensor([s.slot for s in seqs]), dev, rules)
-        for buf, values in ((self.tokens, [s.prompt[-1] for s in seqs]),
-                            (self.positions, [len(s.prompt) - 1 for s in seqs]),
-                            (self.steps, [0] * len(seqs)), (self.seeds, [s.seed for s in seqs]),
+        for buf, values in ((self.tokens, [s.history[-1] for s in seqs]),
+                            (self.positions, [len(s.prompt) + len(s.tokens) - 1 for s in seqs]),
+                            (self.steps, [s.sampled for s in seqs]), (self.seeds, [s.seed for s in seqs]),
                             (self.temperature, [s.params.temperature for s in seqs]),
                             (self.top_p, [s.params.top_p for s in seqs]), (self.top_k, [s.params.top_k for s in seqs])):
             buf.index_copy_(0, idx, _to_device(torch.tensor(values, dtype=buf.dtype), dev, rules))
@@ -231,13 +253,17 @@ class Generator:
             tail = self.tokenizer.decode(seq.tokens[-16:])
             if any(s in tail for s in p.stop_strings):
                 return "stop"
-        if len(seq.tokens) >= p.max_new_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_len:
+        if (len(seq.tokens) - seq.turn_start >= p.max_new_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_len
+                or (seq.budget is not None and len(seq.tokens) >= seq.budget)):
             return "length"
         return None
 
     @torch.no_grad()
-    def generate(self, requests: list[GenerationRequest]) -> list[SampledResponse]:
-        """Outputs in request order, n per request; a bad request gets finish_reason "error", the rest run."""
+    def generate(self, requests: list[GenerationRequest], turns: Optional[Turns] = None) -> list[SampledResponse]:
+        """Outputs in request order, n per request; a bad request gets finish_reason "error", the rest run. With
+        `turns`, each sequence is an episode (`inference/episodes.py`; one pipeline stage only)."""
+        if turns is not None and self.pipeline is not None:
+            raise ValueError("episodes (multi-turn generation) need a generator of one pipeline stage")
         t0 = time.perf_counter()
         self.model.eval()
         device = next(self.model.parameters()).device
@@ -253,46 +279,53 @@ class Generator:
                     continue
                 outputs.append(None)
                 seed = stream_seed(base, k)
-                pending.append(_Seq(len(outputs) - 1, k, list(r.prompt_ids), r.params, seed, r.request_id))
+                pending.append(_Seq(len(outputs) - 1, k, list(r.prompt_ids), r.params, seed, r.request_id,
+                                    budget=turns.max_tokens if turns is not None else None))
         if pending:
             from megatron_rl.compat import suspended
 
-            longest = max(len(s.prompt) + s.params.max_new_tokens for s in pending)
+            longest = max(len(s.prompt) + (s.params.max_new_tokens if turns is None else turns.max_tokens)
+                          for s in pending)
             # Round the cache length up so that consecutive batches reuse the cache and its captured graphs.
             max_len = min(-(-longest // 128) * 128, self.max_len)
             cache = self._cache_for(min(self.max_batch_size, len(pending)), max_len)
             self.forward.prepare(cache.max_len)  # Megatron-Core's RoPE table names the CUDA device: build it here
             with suspended():  # the decode loop allocates only on the model's device
-                self._run(pending, cache, device)
+                self._run(pending, cache, device, turns)
         for s in pending:
             text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
             outputs[s.req] = SampledResponse(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish,
-                                              text=text)
-        n_tokens = sum(len(s.tokens) for s in pending)
+                                              text=text, policy_mask=s.policy if turns is not None else None,
+                                              turns=max(s.turns, 1))
+        n_tokens = sum(len(s.tokens) if turns is None else s.sampled for s in pending)
         elapsed = time.perf_counter() - t0
         self.stats = {"generated_tokens": n_tokens, "time_s": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9),
                       "cuda_graph": any(step.graph is not None for step in self._steps.values())}
         return outputs  # type: ignore[return-value]
 
     def _prefill(self, admitted: list[_Seq], cache, device) -> None:
-        """Run all but the last prompt token of newly admitted sequences (one right-padded chunk)."""
-        prefill = [s for s in admitted if len(s.prompt) > 1]
+        """Fill the cache of newly admitted sequences from position `cached` up to their last token, exclusive (one
+        right-padded chunk): a new sequence's prompt but its last token; an episode's turn that resumes, its last
+        reply token and the observation but its last token."""
+        prefill = [s for s in admitted if len(s.history) - 1 > s.cached]
         if not prefill:
             return
-        width = max(len(s.prompt) - 1 for s in prefill)
+        width = max(len(s.history) - 1 - s.cached for s in prefill)
         toks = torch.zeros(len(prefill), width, dtype=torch.long)
         for j, s in enumerate(prefill):
-            toks[j, : len(s.prompt) - 1] = torch.tensor(s.prompt[:-1])
-        # Padding sits at positions >= its prompt length: decoding overwrites those cache entries before any
-        # query attends to them.
-        pos = torch.arange(width).expand(len(prefill), width)
+            chunk = s.history[s.cached:-1]
+            toks[j, : len(chunk)] = torch.tensor(chunk)
+        # Padding sits at positions past its own tokens: decoding overwrites those cache entries before any query
+        # attends to them (clamped to the cache: an episode resuming near its end pads at its last position).
+        start = torch.tensor([s.cached for s in prefill])
+        pos = (start[:, None] + torch.arange(width)[None, :]).clamp_(max=cache.max_len - 1)
         slots = torch.tensor([s.slot for s in prefill])
         # kv_len given: no device-to-host read, so a step launched ahead keeps running meanwhile.
         rules = self.cuda_rules_on
         self.forward(_to_device(toks, device, rules), _to_device(pos, device, rules), _to_device(slots, device, rules),
-                     cache, kv_len=width, logits=False)
+                     cache, kv_len=min(int(start.max()) + width, cache.max_len), logits=False)
 
-    def _run(self, pending: list[_Seq], cache, device) -> None:
+    def _run(self, pending: list[_Seq], cache, device, turns: Optional[Turns] = None) -> None:
         filtering = any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in pending)
         noise = any(s.params.temperature > 0 for s in pending)
         if self.pipeline is not None:
@@ -312,14 +345,21 @@ class Generator:
         free = list(range(cache.slots))
         in_flight = None  # (tokens, logprobs, ready event or None, {slot: sequence} when launched)
         launched = 0
-        while waiting or by_slot or in_flight:
-            admitted = []
+        # Episodes: turns handed to `turns.start` at the last iteration (their slots held), and the sequences whose
+        # observation came at the last iteration, to resume in their own slots at this one.
+        answering: list[_Seq] = []
+        resuming: list[_Seq] = []
+        while waiting or by_slot or in_flight or answering or resuming:
+            admitted = resuming
+            resuming = []
+            for seq in admitted:
+                by_slot[seq.slot] = seq
             while waiting and free:
                 seq = waiting.pop(0)
                 seq.slot = free.pop(0)
                 by_slot[seq.slot] = seq
                 admitted.append(seq)
-            if not (by_slot or in_flight):  # nothing runs and nothing could start: never spin
+            if not (by_slot or in_flight or answering):  # nothing runs and nothing could start: never spin
                 raise RuntimeError(f"{len(waiting)} sequences wait for a cache of {cache.slots} slots")
             self._prefill(admitted, cache, device)
             step.admit(admitted)
@@ -339,18 +379,59 @@ class Generator:
                 done, in_flight = in_flight, current
             else:
                 done = current
-            if done is None:
+            ended = self._take(done, by_slot, free, turns) if done is not None else []
+            if answering:  # this iteration's step launched: the observations of the turns that ended at the last
+                resuming = self._observe(answering, turns.finish(), turns, free)
+            answering = ended
+            if ended:
+                turns.start([EndedTurn(s.req, s.sample, tuple(s.tokens[s.turn_start:]), s.finish) for s in ended])
+
+    def _take(self, done, by_slot: dict, free: list[int], turns: Optional[Turns]) -> list[_Seq]:
+        """Append a finished step's tokens to its sequences; a sequence that stops frees its slot, or, in an
+        episode, holds it: those are returned (their turn has ended)."""
+        toks_h, lps_h, ready, slots = done
+        if ready is not None:
+            ready.synchronize()
+        tokens, logprobs = toks_h.tolist(), lps_h.tolist()
+        ended = []
+        for slot, s in slots.items():
+            if s.finish is not None:  # ended at the previous step: this one ran ahead for nothing
                 continue
-            toks_h, lps_h, ready, slots = done
-            if ready is not None:
-                ready.synchronize()
-            tokens, logprobs = toks_h.tolist(), lps_h.tolist()
-            for slot, s in slots.items():
-                if s.finish is not None:  # ended at the previous step: this one ran ahead for nothing
-                    continue
-                s.tokens.append(tokens[slot])
-                s.logprobs.append(logprobs[slot])
-                s.finish = self._stopped(s, tokens[slot])
-                if s.finish is not None:
-                    del by_slot[slot]
+            s.tokens.append(tokens[slot])
+            s.logprobs.append(logprobs[slot])
+            s.policy.append(True)
+            s.sampled += 1
+            s.finish = self._stopped(s, tokens[slot])
+            if s.finish is not None:
+                del by_slot[slot]
+                if turns is None:
                     free.append(slot)
+                else:  # its slot is held while the environment answers
+                    s.turns += 1
+                    ended.append(s)
+        return ended
+
+    def _observe(self, ended: list[_Seq], observations: list, turns: Turns, free: list[int]) -> list[_Seq]:
+        """Apply the environments' answers to the turns that ended: an episode that is over (its environment said
+        so, or its turns, token budget or context are used up) frees its slot; the others get their observation's
+        ids appended and are returned, to resume in their own slots (prefilled from their last reply token)."""
+        resuming = []
+        for s, obs in zip(ended, observations):
+            used = len(s.tokens) + (len(obs) if obs is not None else 0)
+            if obs is None:
+                s.finish = "done"
+            elif s.turns >= turns.max_turns:
+                s.finish = "turns"
+            elif not obs or used + 1 > turns.max_tokens or len(s.prompt) + used + 1 >= self.max_len:
+                s.finish = "length"
+            else:
+                s.cached = len(s.prompt) + len(s.tokens) - 1  # the last reply token was sampled, never fed
+                s.tokens += obs
+                s.logprobs += [0.0] * len(obs)
+                s.policy += [False] * len(obs)
+                s.turn_start = len(s.tokens)
+                s.finish = None
+                resuming.append(s)
+                continue
+            free.append(s.slot)
+        return resuming

@@ -1,0 +1,55 @@
+"""What the generator asks between the turns of an episode: the environment side, as the decode loop sees it.
+
+An episode is one sequence of the generator that alternates between the model and an environment: the model
+samples a reply (a turn ends at a stop token or after `max_new_tokens` of the turn), the environment answers with
+an observation, whose token ids are appended to the sequence, and the model continues from there, in the same KV
+cache slot: only the observation's tokens are prefilled, never the history. The generator knows token ids only;
+`Turns` turns replies into observations (decoding the reply, calling the environment, rendering its message into
+the ids of one chat turn) and keeps the episode's rewards.
+
+Timing is part of the contract, for exactness: the turns that end at decode iteration i are handed to `start` at
+iteration i, on every rank of the replica, and their observations are taken with `finish` at iteration i + 1, after
+that iteration's decode step has been launched (so the environment calls overlap a decode step), also on every
+rank. A sequence that waits for its environment keeps its slot while the others decode. Because the iteration at
+which an observation enters is fixed, which sequences share a decode step never depends on how long an environment
+took, and a batch of episodes is a pure function of its requests, seeds and environments: a resumed run draws the
+same episodes. (An environment slower than a decode step makes the generator wait for it at iteration i + 1.)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class EndedTurn:
+    """A turn of an episode that has just ended: the request and sample it belongs to, the reply's token ids (this
+    turn's sampled tokens only), and why it ended ("stop": a stop token; "length": the turn's or the episode's
+    token limit)."""
+
+    request: int
+    sample: int
+    reply: tuple[int, ...]
+    reason: str
+
+
+class Turns(ABC):
+    """The environments of one `Generator.generate` call (one batch of episodes), as every rank of a generator
+    replica sees them. `max_turns`: the most model turns an episode has; `max_tokens`: its budget of tokens after
+    the prompt (the model's and the environments' together)."""
+
+    max_turns: int
+    max_tokens: int
+
+    @abstractmethod
+    def start(self, ended: list[EndedTurn]) -> None:
+        """Begin answering `ended` (every rank calls it with the same list; the replica's leader starts the
+        environment calls)."""
+
+    @abstractmethod
+    def finish(self) -> list[Optional[list[int]]]:
+        """The observations of the turns of the last `start`, in its order: each one's token ids to append, or None
+        when its episode is over (the environment said done, or failed). Every rank of the replica gets the same
+        answer (a collective where the replica has several ranks)."""

@@ -1,0 +1,93 @@
+"""Worker functions for the multi-turn generation tests: a scripted environment over token ids (no text), the same
+on every rank, and a reference that plays each episode turn by turn with fresh single-turn requests."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+from megatron_rl.inference.episodes import EndedTurn, Turns
+from gen_workers import _setup
+
+
+def observation(request: int, sample: int, turn: int, reply: tuple) -> Optional[list[int]]:
+    """The scripted environment: episode (request, sample) ends after 2 + request % 3 turns; until then it answers
+    with 1 to 3 ids that depend on the reply (so an episode's course depends on what the model said)."""
+    if turn >= 2 + request % 3:
+        return None
+    return [(sum(reply) + 7 * turn + request) % 200 + 3, 250 - turn, 11][: 1 + (request + turn) % 3]
+
+
+class ScriptedTurns(Turns):
+    def __init__(self, max_turns: int, max_tokens: int):
+        self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.turns: dict = {}
+        self.started: list = []
+        self.log: list[list[EndedTurn]] = []
+
+    def start(self, ended: list[EndedTurn]) -> None:
+        self.started = ended
+        self.log.append(list(ended))
+
+    def finish(self) -> list[Optional[list[int]]]:
+        out = []
+        for e in self.started:
+            t = self.turns[(e.request, e.sample)] = self.turns.get((e.request, e.sample), 0) + 1
+            out.append(observation(e.request, e.sample, t, e.reply))
+        self.started = []
+        return out
+
+
+def episodes_worker(rank, world_size, cfg, full, tp, requests, max_batch, max_turns, max_tokens, lookahead=None,
+                    count_prefill=False):
+    """Episodes from one `generate` call: (tokens, logprobs, policy mask, finish reason, turns) each; and, with
+    `count_prefill`, the positions each prefill call filled."""
+    g, model = _setup(cfg, full, tp)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=max_batch, max_len=128, lookahead=lookahead)
+    filled = []
+    if count_prefill:  # the positions each prefill fills, per admitted sequence: [cached, last token)
+        prefill = gen._prefill
+
+        def counting(admitted, cache, device):
+            filled.append([(s.req, s.cached, len(s.history) - 1) for s in admitted])
+            return prefill(admitted, cache, device)
+
+        gen._prefill = counting
+    turns = ScriptedTurns(max_turns, max_tokens)
+    outs = gen.generate(requests, turns=turns)
+    return [(o.token_ids, o.logprobs, o.policy_mask, o.finish_reason, o.turns) for o in outs], filled
+
+
+def reference_worker(rank, world_size, cfg, full, tp, requests, max_turns, max_tokens):
+    """Each greedy episode played turn by turn: the whole history sent again as a fresh prompt every turn (no cache
+    kept between turns), the scripted environment's ids appended."""
+    g, model = _setup(cfg, full, tp)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=128)
+    out = []
+    for i, r in enumerate(requests):
+        history, tokens, logprobs, mask, finish = list(r.prompt_ids), [], [], [], None
+        for turn in range(1, max_turns + 1):
+            budget = min(r.params.max_new_tokens, max_tokens - len(tokens))
+            params = SamplingParams(temperature=0, max_new_tokens=budget, stop_token_ids=r.params.stop_token_ids)
+            reply = gen.generate([GenerationRequest(history, params)])[0]
+            tokens += reply.token_ids
+            logprobs += reply.logprobs
+            mask += [True] * len(reply.token_ids)
+            history += reply.token_ids
+            obs = observation(i, 0, turn, tuple(reply.token_ids))
+            if obs is None:
+                finish = "done"
+                break
+            if turn == max_turns:
+                finish = "turns"
+                break
+            if len(tokens) + len(obs) + 1 > max_tokens:
+                finish = "length"
+                break
+            tokens += obs
+            logprobs += [0.0] * len(obs)
+            mask += [False] * len(obs)
+            history += obs
+        out.append((tokens, logprobs, mask, finish, turn))
+    return out
+
