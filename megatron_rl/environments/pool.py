@@ -1,0 +1,349 @@
+"""Environments of multi-turn episodes, run in worker processes with the guarantees reward functions have.
+
+An environment is a user class given as `module:Class` (or `path/file.py:Class`), built per episode as
+`Class(record, seed)` (`record`: every field of the prompt record). `reset()` returns the first user message;
+`step(response)` takes the model's reply as text and returns `(message, reward, done)`: the next message (a str for
+the user's turn, or a {"role", "content"} dict such as a tool result; None when done), the turn's reward (a finite
+number) and whether the episode is over.
+
+Environment code is as untrusted as reward code, so it runs in the worker processes of `rewards.workers.WorkerPool`:
+per-call and per-batch deadlines, a hung or dead worker killed and replaced, every call answered. Each worker imports
+the class when it starts, so a spec that cannot be used fails at construction with one line. Whatever an
+environment does wrong in a call (raises, hangs, kills its process, returns something ill-typed) ends that episode
+with an error `Turn` whose one line names the class and the method; the other episodes of the batch are unaffected.
+An environment that fails on more than half of a batch's episodes, MAX_FAILING_BATCHES batches in a row (the rule of
+`FunctionReward`), is broken, not unlucky: EnvironmentFailureError, one line.
+
+The worker side is stateless: a call carries (record, seed, the model's responses so far), and the environment after
+them is `Class(record, seed)`, reset and stepped through those responses. Environments must therefore be
+deterministic given (record, seed, responses) (draw any randomness from `seed`); then a replaced worker loses
+nothing and a resumed run redraws exactly. Replaying costs O(turns^2) steps per episode, so each worker keeps the
+instances it stepped last (up to LIVE_PER_WORKER, keyed by the episode and its responses so far): a call finds its
+episode live and steps it once, and replays only when the episode's previous call went to another worker (or the
+instance was evicted, or its worker replaced). A call's deadline covers its replay.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import math
+import numbers
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from megatron_rl.rewards.function import MAX_FAILING_BATCHES
+from megatron_rl.rewards.workers import RewardFunctionError, WorkerPool, resolve_function
+
+log = logging.getLogger(__name__)
+
+LIVE_PER_WORKER = 256  # environment instances a worker keeps between calls (least recently stepped evicted first)
+_RUNNER_PREFIX = "cls_"  # `RUNNERS.cls_<the class's spec in hex>`: the worker-side function of one class
+
+
+class EnvironmentSpecError(ValueError):
+    """An environment spec that cannot be used (bad form, import fails, not a class, no `reset` or `step`)."""
+
+
+class EnvironmentFailureError(RuntimeError):
+    """The environment failed on most episodes, batch after batch; the message is one line."""
+
+
+# ---- the class and its messages -----------------------------------------------------------------------------------
+
+
+def spec_problem(spec: str) -> Optional[str]:
+    """What is wrong with the form of an environment spec (`module:Class` or `path/file.py:Class`), or None."""
+    module, _, attr = spec.rpartition(":")
+    return None if module and attr else "must look like 'module:Class' (or 'path/file.py:Class')"
+
+
+def environment_problem(spec: str) -> Optional[str]:
+    """What stops `spec` from naming an environment class, found by importing it in this process (None: nothing):
+    a bad form, a module or file that cannot be imported, a missing attribute, not a class, no callable `reset` or
+    `step`. One line, without the spec (the caller names it)."""
+    problem = spec_problem(spec)
+    if problem:
+        return problem
+    try:
+        cls = resolve_function(spec)
+    except RewardFunctionError as e:  # its lines say "reward function 'spec': ..."; the reason follows
+        return str(e).removeprefix(f"reward function {spec!r}").lstrip(": ")
+    except (Exception, SystemExit) as e:  # what importing a user's module may raise besides ImportError
+        return f"importing it raised {type(e).__name__}: {e}"
+    attr = spec.rpartition(":")[2]
+    if not isinstance(cls, type):
+        return f"{attr!r} is {_a(type(cls).__name__)}, not a class"
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    return f"class {attr} has no callable {' or '.join(missing)}" if missing else None
+
+
+def resolve_environment(spec: str) -> type:
+    """The environment class `spec` names, imported; EnvironmentSpecError (one line) when it cannot be used."""
+    problem = environment_problem(spec) if isinstance(spec, str) else "must be a string 'module:Class'"
+    if problem:
+        raise EnvironmentSpecError(f"env {spec!r}: {problem}")
+    return resolve_function(spec)
+
+
+def as_message(value: Any) -> Optional[dict]:
+    """An environment's message as a chat message: a str is the user's turn, a dict must be exactly {"role": str,
+    "content": str} (a non-empty role), None stays None. ValueError, saying what it got, for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return {"role": "user", "content": value}
+    if (isinstance(value, dict) and set(value) == {"role", "content"} and isinstance(value["role"], str)
+            and value["role"] and isinstance(value["content"], str)):
+        return {"role": value["role"], "content": value["content"]}
+    shown = f"{value!r:.80}" if isinstance(value, dict) else f"{value!r:.50} ({_a(type(value).__name__)})"
+    raise ValueError(f"{shown}, expected a str or a {{'role', 'content'}} dict of strings")
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in tuple('aeiou') else 'a'} {noun}"
+
+
+def _one_line(text: str) -> str:
+    return (str(text).splitlines() or [""])[0][:300]
+
+
+@dataclass
+class Turn:
+    """What the environment answered to one call: after `reset` (the first message; reward 0, not done) or after
+    the model's latest response.
+
+    message: the next chat message, {"role", "content"} (a str given here becomes the user's turn); None when the
+        episode is over. A message given with done=True is kept, but no model turn follows it.
+    reward: the turn's reward; the episode's return is the sum over its turns.
+    done: whether the episode is over.
+    error: one line when the call failed (raised, timed out, worker died, ill-typed result); the episode is then
+        over: done=True, reward 0.0, no message.
+    seconds: how long the call took in its worker (replay included).
+    """
+
+    message: Optional[dict]
+    reward: float = 0.0
+    done: bool = False
+    error: Optional[str] = None
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.message = as_message(self.message)
+        if self.message is None and not self.done:
+            raise ValueError("a Turn without a message must end the episode (done=True)")
+        if self.error is not None and (self.message is not None or not self.done or self.reward != 0.0):
+            raise ValueError("a failed Turn has no message, done=True and reward 0.0")
+
+    @classmethod
+    def failed(cls, error: str, seconds: float = 0.0) -> "Turn":
+        return cls(None, 0.0, True, _one_line(error), seconds)
+
+
+# ---- the worker side ----------------------------------------------------------------------------------------------
+
+
+class _Failed(Exception):
+    """A call of the environment went wrong; the message is the error Turn's line."""
+
+
+@dataclass
+class _Answer:
+    """A worker's answer to one call: the Turn, and how many earlier responses it replayed to rebuild the episode."""
+
+    turn: Turn
+    replayed: int = 0
+
+
+class _Runner:
+    """The worker-side function of one environment class: (record, seed, responses) -> _Answer; reset when
+    `responses` is empty. Keeps the instances it stepped last, keyed by (episode, responses so far)."""
+
+    def __init__(self, spec: str, cls: type):
+        self.spec, self.cls = spec, cls
+        self.live: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+
+    def __call__(self, record: dict, seed: int, responses: tuple) -> _Answer:
+        episode = hashlib.sha1(pickle.dumps((record, seed), protocol=4)).digest()
+        env = self.live.pop((episode, responses[:-1]), None) if responses else None
+        replayed = 0
+        try:
+            if env is None:
+                env = self._call(f"{self.spec}(record, seed)", self.cls, record, seed)
+                first = self._call(f"{self.spec}.reset", env.reset)
+                if first is None:
+                    raise _Failed(f"env {self.spec}.reset returned None, expected a str or a {{'role', 'content'}} "
+                                  f"dict of strings")
+                try:
+                    first = as_message(first)
+                except ValueError as e:
+                    raise _Failed(f"env {self.spec}.reset returned {e}") from None
+                if not responses:
+                    self._keep((episode, ()), env)
+                    return _Answer(Turn(first))
+                for k, response in enumerate(responses[:-1]):
+                    replayed += 1
+                    _, _, ended = self._step(env, response)
+                    if ended:
+                        raise _Failed(f"env {self.spec}.step ended the episode at response {k + 1} of "
+                                      f"{len(responses)} when replayed: responses after the end, or an environment "
+                                      f"that is not deterministic given (record, seed, responses)")
+            message, reward, done = self._step(env, responses[-1])
+        except _Failed as e:
+            return _Answer(Turn.failed(str(e)), replayed)
+        if not done:
+            self._keep((episode, responses), env)
+        return _Answer(Turn(message, reward, done), replayed)
+
+    def _keep(self, key: tuple, env: Any) -> None:
+        self.live[key] = env
+        while len(self.live) > LIVE_PER_WORKER:
+            self.live.popitem(last=False)
+
+    @staticmethod
+    def _call(where: str, fn, *args):
+        try:
+            return fn(*args)
+        except BaseException as e:  # noqa: BLE001 - SystemExit included: the episode fails, not the worker
+            raise _Failed(f"env {where} raised {type(e).__name__}: {e}") from None
+
+    def _step(self, env: Any, response: str) -> tuple[Optional[dict], float, bool]:
+        value = self._call(f"{self.spec}.step", env.step, response)
+        where = f"env {self.spec}.step returned"
+        if not isinstance(value, tuple) or len(value) != 3:
+            got = f"a tuple of {len(value)}" if isinstance(value, tuple) else (
+                "None" if value is None else _a(type(value).__name__))
+            raise _Failed(f"{where} {got}, expected (message, reward, done)")
+        message, reward, done = value
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise _Failed(f"{where} reward {reward!r:.50} ({_a(type(reward).__name__)}), expected a finite number")
+        if not isinstance(done, bool):
+            raise _Failed(f"{where} done={done!r:.50} ({_a(type(done).__name__)}), expected a bool")
+        if message is None and not done:
+            raise _Failed(f"{where} message None with done=False, expected the next message")
+        try:
+            return as_message(message), float(reward), done
+        except ValueError as e:
+            raise _Failed(f"{where} message {e}") from None
+
+
+class _Runners:
+    """The workers' entry points: attribute `cls_<the spec in hex>` is the `_Runner` of that class, made (and the
+    class imported) on first access. A WorkerPool worker resolves its function when it starts, so naming the class
+    in the function's spec (`worker_spec`) makes each worker import it then: under the start-up deadline, as reward
+    workers import their function, and a class that cannot be used is reported to the pool, which fails at
+    construction. Only worker processes touch it."""
+
+    def __getattr__(self, name: str) -> _Runner:
+        if not name.startswith(_RUNNER_PREFIX):
+            raise AttributeError(name)
+        spec = bytes.fromhex(name[len(_RUNNER_PREFIX):]).decode()
+        problem = environment_problem(spec)
+        if problem:  # a worker sends a RewardFunctionError's text to the pool as it is
+            raise RewardFunctionError(f"env {spec!r}: {problem}")
+        runner = _Runner(spec, resolve_function(spec))
+        setattr(self, name, runner)
+        return runner
+
+
+RUNNERS = _Runners()
+
+
+def worker_spec(spec: str) -> str:
+    """The spec of the worker-side function that runs environment class `spec` (see `_Runners`)."""
+    return f"{__name__}:RUNNERS.{_RUNNER_PREFIX}{spec.encode().hex()}"
+
+
+# ---- the controller side ------------------------------------------------------------------------------------------
+
+
+class EnvironmentPool:
+    """Worker processes running environment class `spec` (`module:Class` or `path/file.py:Class`): `first` starts
+    episodes, `step` answers the model's latest responses; one `Turn` per episode, in order, never an exception for
+    what the environment does (see the module's docstring). `timeout_s` bounds one call, `batch_timeout_s` (None:
+    `rewards.workers.default_batch_timeout`) a batch.
+
+    Not thread-safe: one thread drives it. Keep one per run and `close()` it at the end (or use `with`)."""
+
+    def __init__(self, spec: str, num_workers: int, timeout_s: float, start_method: Optional[str] = None,
+                 batch_timeout_s: Optional[float] = None):
+        problem = spec_problem(spec) if isinstance(spec, str) else "must be a string 'module:Class'"
+        if problem:
+            raise EnvironmentSpecError(f"env {spec!r} {problem}")
+        self.spec = spec
+        worker = worker_spec(spec)
+        try:
+            self._pool = WorkerPool(worker, num_workers=num_workers, timeout_s=timeout_s, start_method=start_method,
+                                    batch_timeout_s=batch_timeout_s)
+        except RewardFunctionError as e:  # the workers' own lines name the class; the pool's name its function
+            line = str(e).replace(f"reward function {worker!r}", f"env {spec!r}")
+            raise EnvironmentSpecError(line if line.startswith("env ") else f"env {spec!r}: {line}") from None
+        self.failures = 0  # episodes of the last call that failed
+        self.failing_batches = 0  # calls in a row in which more than half of the episodes failed
+        self._counts = {"calls": 0, "errors": 0, "seconds": 0.0, "replayed_steps": 0}
+
+    @property
+    def stats(self) -> dict:
+        """Episode calls, the failed ones (errors: raised, ill-typed, timed out or crashed), timeouts, crashes and
+        worker restarts, the seconds spent waiting on batches, and the steps replayed to rebuild episodes (0 when
+        every call found its episode live)."""
+        s = self._pool.stats
+        return {"calls": self._counts["calls"], "errors": self._counts["errors"], "timeouts": s["timeouts"],
+                "crashes": s["crashes"], "restarts": s["restarts"], "seconds": self._counts["seconds"],
+                "replayed_steps": self._counts["replayed_steps"]}
+
+    def first(self, episodes: Sequence[tuple[dict, int]]) -> list[Turn]:
+        """Start each (record, seed) episode: `Class(record, seed).reset()`'s message (reward 0, not done)."""
+        return self._run("reset", [(record, seed, ()) for record, seed in episodes])
+
+    def step(self, episodes: Sequence[tuple[dict, int, list[str]]]) -> list[Turn]:
+        """For each (record, seed, the model's responses so far): the environment's answer to the last response,
+        the environment being `Class(record, seed)` after reset and the earlier responses."""
+        calls = []
+        for record, seed, responses in episodes:
+            if not responses:
+                raise ValueError("step needs the episode's responses so far, at least one; first() starts episodes")
+            calls.append((record, seed, tuple(responses)))
+        return self._run("step", calls)
+
+    def _run(self, method: str, calls: list[tuple]) -> list[Turn]:
+        if not calls:
+            return []
+        t0 = time.monotonic()
+        outcomes = self._pool.map(calls)
+        self._counts["seconds"] += time.monotonic() - t0
+        turns = []
+        for outcome in outcomes:
+            if outcome.ok:  # an _Answer: what the environment did wrong is in its Turn
+                turns.append(dataclasses.replace(outcome.value.turn, seconds=outcome.seconds))
+                self._counts["replayed_steps"] += outcome.value.replayed
+            else:  # timed out, or the worker died
+                turns.append(Turn.failed(f"env {self.spec}.{method}: {outcome.error}", outcome.seconds))
+        errors = [t.error for t in turns if t.error is not None]
+        if errors:  # one line per call, each distinct error once
+            counts = collections.Counter(errors)
+            log.warning("environment %s failed on %d of %d episodes, which end with reward 0: %s", self.spec,
+                        len(errors), len(turns), "; ".join(f"{e} (x{n})" if n > 1 else e for e, n in counts.items()))
+        self._counts["calls"] += len(calls)
+        self._counts["errors"] += len(errors)
+        self.failures = len(errors)
+        self.failing_batches = self.failing_batches + 1 if 2 * len(errors) > len(turns) else 0
+        if self.failing_batches >= MAX_FAILING_BATCHES:
+            raise EnvironmentFailureError(
+                f"env {self.spec!r} failed on {len(errors)} of {len(turns)} episodes, and on more than half in each "
+                f"of the last {self.failing_batches} batches (last error: {errors[-1]}); stopping: fix the "
+                f"environment, or raise env.timeout_s / env.num_workers")
+        return turns
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> "EnvironmentPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
