@@ -137,10 +137,11 @@ def test_run_lock_is_not_taken_over_while_a_process_of_the_old_job_runs(tmp_path
         (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
         with pytest.raises(RunDirLocked) as e:
             RunLock(tmp_path).acquire()
+        host = os.uname().nodename
         assert str(e.value) == (f"{tmp_path} is still written by a megatron-rl job whose launcher has ended: pid "
-                                f"{dead.stdout.strip()} on host {os.uname().nodename} (started 2026-01-01T00:00:00+0000) "
-                                f"left processes {rank.pid} running; end them (kill -9 {rank.pid}) or wait for them, "
-                                f"or use another run.name")
+                                f"{dead.stdout.strip()} on host {host} (started 2026-01-01T00:00:00+0000) left "
+                                f"processes {rank.pid} running; end them (kill -9 {rank.pid}) or wait for them, or use "
+                                f"another run.name")
     finally:
         rank.kill()
         rank.wait()

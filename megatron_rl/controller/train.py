@@ -255,7 +255,8 @@ def _join_world(cfg: JobConfig, world: EnvWorld) -> str:
     backend."""
     signals.install()  # from here on a SIGTERM, SIGINT or SIGHUP stops the job at its next consistent point
     lifeline.watch_parent(partial(lifeline.end_this_rank, f"megatron-rl: rank {world.rank}: the process that started "
-                                  f"it (pid {os.getppid()}: torchrun's agent or srun's step) has ended; so does the rank"))
+                                  f"it (pid {os.getppid()}: torchrun's agent or srun's step) has ended; so does the "
+                                  f"rank"))
     if not 0 <= world.rank < world.world_size:
         raise ConfigError(f"rank {world.rank} is outside the world of {world.world_size}")
     from megatron_rl.checkpointing.initial import megatron_checkpoint
