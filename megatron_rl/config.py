@@ -27,11 +27,13 @@ import yaml
 
 from megatron_rl.algorithms.settings import AIPOSettings
 from megatron_rl.checkpointing.settings import CheckpointSettings
+from megatron_rl.data.registry import GUESS
 from megatron_rl.data.settings import DataSettings
 from megatron_rl.inference.settings import GeneratorSettings, RolloutSettings
 from megatron_rl.models.presets import PRESETS, ModelConfig
 from megatron_rl.models.section import ModelSection, model_problems
 from megatron_rl.parallel.layout import layout_problems
+from megatron_rl.environments.settings import EnvSettings
 from megatron_rl.rewards.settings import RewardSettings
 from megatron_rl.run_settings import RunSettings
 from megatron_rl.settings import Section
@@ -51,6 +53,7 @@ class JobConfig:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     data: DataSettings = field(default_factory=DataSettings)
     reward: RewardSettings = field(default_factory=RewardSettings)
+    env: EnvSettings = field(default_factory=EnvSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     run: RunSettings = field(default_factory=RunSettings)
 
@@ -62,6 +65,14 @@ class JobConfig:
             d["model"]["preset"] = self.model.name
         d["model"].update(model["overrides"])
         return d
+
+    @property
+    def episode_length(self) -> int:
+        """The generator's context: a prompt and its response, or, with episodes (`env.cls`), a prompt and the
+        episode's token budget."""
+        if self.env.cls is None:
+            return self.rollout.context_length
+        return self.rollout.max_prompt_length + self.env.max_tokens
 
     @property
     def world_size_needed(self) -> int:
@@ -330,18 +341,45 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
         dataset = cfg.data.key
     except ValueError:
         dataset = None  # the data section names the problem
-    if dataset is not None and cfg.trainer.sft_warmup_steps > 0:
+    if dataset not in (None, GUESS) and cfg.trainer.sft_warmup_steps > 0:
         out.append(f"trainer.sft_warmup_steps={cfg.trainer.sft_warmup_steps}: the supervised warm start needs "
-                   f"demonstrations, which only the synthetic task has; set it to 0 for data.dataset="
+                   f"demonstrations, which only the built-in tasks have; set it to 0 for data.dataset="
                    f"{cfg.data.dataset!r} (start from trained weights with model.checkpoint)")
     if cluster_files:
         out += cfg.data.file_problems() + cfg.model.tokenizer_problems()
-    out += cfg.reward.job_problems(dataset, cfg.generator.dp, import_function=cluster_files)
+    if cfg.env.cls is None and dataset == GUESS:
+        out.append(f"data.dataset={cfg.data.dataset!r} is played in episodes: set env.cls="
+                   f"megatron_rl.environments.guess:GuessNumber")
+    elif cfg.env.cls is None:
+        out += cfg.reward.job_problems(dataset, cfg.generator.dp, import_function=cluster_files)
+    else:
+        out += _episode_problems(cfg, model, dataset, cluster_files)
     if cluster_files and cfg.run.name_is_plain:
         out += cfg.checkpoint.dir_problems(cfg.run.name)
     if cfg.generator.colocated and cfg.generator.layout.size != cfg.trainer.layout.size:
         out.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp (both executors span "
                    "the same ranks)")
+    return out
+
+
+def _episode_problems(cfg: JobConfig, model: Optional[ModelConfig], dataset: Optional[str],
+                      cluster_files: bool) -> list[str]:
+    """A job whose rollouts are episodes (`env.cls`): what it cannot be combined with yet, and its class imported
+    here, as its workers will."""
+    out = []
+    if dataset is None:
+        out.append("env.cls needs prompt records for its episodes: set data.dataset (jsonl, gsm8k, ... or "
+                   "guess-number, the built-in multi-turn task)")
+    if cfg.reward.kind != "auto" or cfg.reward.function or cfg.reward.model:
+        out.append(f"env.cls: an episode's reward is the sum of its environment's rewards; reward.kind="
+                   f"{cfg.reward.kind!r}, reward.function and reward.model do nothing with it (leave them unset)")
+    if cfg.generator.pp > 1:
+        out.append(f"env.cls: episodes need a generator of one pipeline stage (generator.pp={cfg.generator.pp})")
+    if model is not None and cfg.episode_length > model.max_position_embeddings:
+        out.append(f"rollout.max_prompt_length + env.max_tokens = {cfg.episode_length} exceeds "
+                   f"model.max_position_embeddings={model.max_position_embeddings}")
+    if cluster_files:
+        out += cfg.env.problems_importing()
     return out
 
 

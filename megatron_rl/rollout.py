@@ -15,7 +15,10 @@ class RolloutBatch:
     tokens [n, s]: prompt then response then padding. Position t of `behaviour_logprobs` [n, s] holds
     log mu(tokens[t] | tokens[<t]) for response tokens (0 elsewhere), mu being the generator's sampling
     distribution (after temperature). `group_ids` [n] tie responses to their prompt; `weight_versions` [n] is
-    the trainer step whose weights generated each sequence.
+    the trainer step whose weights generated each sequence. `policy_mask` [n, s], for episodes (multi-turn): True
+    at the tokens the generator sampled, False at the environments' observations inside the response, which carry
+    no loss, importance weight, KL or entropy term (`response_mask` leaves them out); None when every response
+    token was sampled.
     """
 
     tokens: torch.Tensor
@@ -26,6 +29,7 @@ class RolloutBatch:
     group_ids: torch.Tensor
     weight_versions: torch.Tensor
     advantages: Optional[torch.Tensor] = None
+    policy_mask: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         n, s = self.tokens.shape
@@ -33,7 +37,7 @@ class RolloutBatch:
             v = getattr(self, f.name)
             if v is None:
                 continue
-            expected = (n, s) if f.name in ("tokens", "behaviour_logprobs") else (n,)
+            expected = (n, s) if f.name in ("tokens", "behaviour_logprobs", "policy_mask") else (n,)
             if tuple(v.shape) != expected:
                 raise ValueError(f"RolloutBatch.{f.name} has shape {tuple(v.shape)}, expected {expected}")
         if torch.any(self.prompt_lengths < 1) or torch.any(self.prompt_lengths + self.response_lengths > s):
@@ -44,10 +48,11 @@ class RolloutBatch:
         return self.tokens.shape[0]
 
     def response_mask(self) -> torch.Tensor:
-        """[n, s] True at response token positions."""
+        """[n, s] True at the response tokens the generator sampled (the positions the trainer learns from)."""
         pos = torch.arange(self.tokens.shape[1]).unsqueeze(0)
         start = self.prompt_lengths.unsqueeze(1)
-        return (pos >= start) & (pos < start + self.response_lengths.unsqueeze(1))
+        mask = (pos >= start) & (pos < start + self.response_lengths.unsqueeze(1))
+        return mask if self.policy_mask is None else mask & self.policy_mask
 
     def select(self, index: torch.Tensor) -> "RolloutBatch":
         return RolloutBatch(**{f.name: (getattr(self, f.name)[index] if getattr(self, f.name) is not None else None)

@@ -149,19 +149,13 @@ def test_killed_runs_resume_to_the_same_result(tmp_path):
     of a trainer step; each time the launcher
     names the dead rank in one line and the same command resumes. Final weights and every step's metrics equal an
     uninterrupted run's."""
-    import os
-
     import torch
 
     args = ["run.steps=6", "trainer.sft_warmup_steps=10", "run.eval_interval=100", "rollout.prompts_per_step=4",
             "data.eval_size=4", "rollout.max_new_tokens=6", "checkpoint.save_interval=2", f"checkpoint.dir={tmp_path}"]
 
     def launch(name, failpoint=None):
-        env = dict(os.environ)
-        env.pop("MEGATRON_RL_FAILPOINT", None)
-        if failpoint:
-            env["MEGATRON_RL_FAILPOINT"] = failpoint
-        return warm_cli.run(["train", *args, f"run.name={name}"], env=env)
+        return warm_cli.run_with_failpoint(["train", *args, f"run.name={name}"], failpoint)
 
     ref = launch("ref")
     assert ref.returncode == 0, ref.stderr[-3000:]

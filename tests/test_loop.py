@@ -11,7 +11,7 @@ import pytest
 from megatron_rl.controller import loop
 from megatron_rl.controller import scoring
 from megatron_rl.controller.collector import Collector, batch_with_advantages, metrics_row, pack
-from megatron_rl.controller.scoring import ModelScores, ScoredRollouts
+from megatron_rl.controller.scoring import Evaluated, ModelScores, ScoredRollouts, UnscoredRollouts
 from megatron_rl.controller.schedule import (Checkpoint, Generate, PushWeights, Train, generation_version, job_plan,
                                              pull_before_batch, push_after_step, save_after, syncs_needed)
 
@@ -151,12 +151,12 @@ class _FakeJob:
                 job.log.append(("generate", batch, version))
                 outs = [SimpleNamespace(prompt_ids=[1], token_ids=[2] * (1 + i), logprobs=[-1.0] * (1 + i))
                         for i in range(4)]
-                return SimpleNamespace(batch=batch, version=version, problems=[None] * 4, groups=[0, 0, 1, 1],
-                                       outputs=outs, texts=["y" * (1 + i) for i in range(4)], gen_s=0.0)
+                return UnscoredRollouts(batch=batch, version=version, problems=[None] * 4, groups=[0, 0, 1, 1],
+                                        outputs=outs, texts=["y" * (1 + i) for i in range(4)], gen_s=0.0)
 
             def evaluate(self):
                 job.log.append(("evaluate", job.version))
-                return SimpleNamespace(problems=[None] * 4, texts=["y", "yy", "yy", "yy"])  # mean reward 0.25
+                return Evaluated(problems=[None] * 4, texts=["y", "yy", "yy", "yy"])  # mean reward 0.25
 
         class Trainer:
             def start(self, progress):

@@ -168,6 +168,16 @@ def run(args: Sequence[str], timeout: Optional[float] = 300, env: Optional[dict]
     return finish(start(args, env=env, cwd=cwd, before=before, main=main), timeout)
 
 
+def run_with_failpoint(args: Sequence[str], failpoint: Optional[str] = None,
+                       timeout: Optional[float] = 300) -> subprocess.CompletedProcess:
+    """`run(args)` with MEGATRON_RL_FAILPOINT set to `failpoint` for the command and its ranks (unset with None)."""
+    env = dict(os.environ)
+    env.pop("MEGATRON_RL_FAILPOINT", None)
+    if failpoint:
+        env["MEGATRON_RL_FAILPOINT"] = failpoint
+    return run(args, timeout=timeout, env=env)
+
+
 def finish(proc: WarmProcess, timeout: Optional[float] = 300) -> subprocess.CompletedProcess:
     """A started command's result, as `run` returns it: past `timeout` its process group is killed and
     TimeoutExpired raised."""

@@ -38,8 +38,8 @@ PACKAGE = "megatron_rl"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("settings", "run_settings", "quiet", "failpoints", "compat", "rollout"),  # foundations
     ("parallel", "launch"),  # process groups and layouts; starting and stopping processes
-    ("models", "checkpointing", "tokenizers", "data", "rewards", "algorithms", "training", "inference", "ddma",
-     "evaluation"),  # the components
+    ("models", "checkpointing", "tokenizers", "data", "rewards", "environments", "algorithms", "training",
+     "inference", "ddma", "evaluation"),  # the components
     ("config",),  # the job's configuration: the components' sections composed
     ("planning",),  # what a configuration needs
     ("controller",),  # the executors, the RL loop, the launcher

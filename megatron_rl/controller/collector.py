@@ -38,8 +38,13 @@ def pack(rollouts: list[ScoredRollouts], pad_id: int) -> RolloutBatch:
     rewards = torch.tensor([x for r in rollouts for x in r.rewards])
     groups = torch.tensor([x for r in rollouts for x in r.group_ids])
     versions = torch.tensor([r.version for r in rollouts for _ in r.rewards])
+    policy = None
+    if any(r.policy_masks is not None for r in rollouts):  # episodes: observations inside the responses
+        masks = [m for r in rollouts for m in (r.policy_masks or [[True] * len(t) for t in r.token_ids])]
+        policy = torch.tensor([[False] * len(p) + list(m) + [False] * (s - len(p) - len(m))
+                               for p, m in zip(prompts, masks)], dtype=torch.bool)
     return RolloutBatch(toks, torch.tensor([len(p) for p in prompts]), torch.tensor([len(t) for t in tokens]),
-                        logp, rewards, groups, versions)
+                        logp, rewards, groups, versions, policy_mask=policy)
 
 
 def batch_with_advantages(parts: list[ScoredRollouts], pad_id: int, advantage: str) -> RolloutBatch:
@@ -126,6 +131,7 @@ def metrics_row(k: int, parts: list[ScoredRollouts], batch: RolloutBatch, stats:
            **({"time/reward_model_s": max(p.reward_model_s for p in parts)}
               if all(p.reward_model_s is not None for p in parts) else {}),
            "reward_failures": sum(p.reward_failures for p in parts),
+           **episode_metrics(parts),
            "samples": [t for p in parts for t in p.texts][:4]}
     evals = [p.eval_reward for p in parts if p.eval_reward is not None]
     if evals:
@@ -135,3 +141,18 @@ def metrics_row(k: int, parts: list[ScoredRollouts], batch: RolloutBatch, stats:
         v = stats.get(key)
         row[key] = float(v) if isinstance(v, (int, float, bool)) else v
     return row
+
+
+def episode_metrics(parts: list[ScoredRollouts]) -> dict:
+    """A step's episode statistics (multi-turn rollouts; none for single responses): model turns per episode, the
+    model's and the environments' tokens per episode, the environments' time (the slowest replica's) and their
+    failed calls."""
+    stats = [p.episodes for p in parts if p.episodes is not None]
+    if not stats:
+        return {}
+    n = max(sum(s["episodes"] for s in stats), 1)
+    return {"episode/turns": sum(s["turns"] for s in stats) / n,
+            "episode/policy_tokens": sum(s["policy_tokens"] for s in stats) / n,
+            "episode/env_tokens": sum(s["env_tokens"] for s in stats) / n,
+            "time/env_s": max(s["env_s"] for s in stats),
+            "env_failures": sum(s["failures"] for s in stats)}

@@ -133,7 +133,9 @@ class TrainerExecutor:
         call: per-row copies cost a tensor operation per row, a share of the step to notice on a CPU."""
         bs, dp = SFT_BATCH_SIZE, self.groups.layout.dp
         mine = self.task.demonstrations(step, bs * dp)[self.groups.dp_rank * bs:(self.groups.dp_rank + 1) * bs]
-        enc = [(self.encode(prompt), self.tok.encode(answer) + [self.tok.eos_id]) for prompt, answer in mine]
+        # (a multi-turn task's prompt is a transcript, as token ids)
+        enc = [(prompt if isinstance(prompt, list) else self.encode(prompt),
+                self.tok.encode(answer) + [self.tok.eos_id]) for prompt, answer in mine]
         width = max(len(a) + len(b) for a, b in enc)
         toks = torch.tensor([a + b + [self.tok.pad_id] * (width - len(a) - len(b)) for a, b in enc], dtype=torch.long)
         mask = torch.tensor([[0.0] * len(a) + [1.0] * len(b) + [0.0] * (width - len(a) - len(b)) for a, b in enc])
@@ -168,8 +170,14 @@ class GeneratorExecutor:
             self.model = build_gpt_model(model_cfg, groups.layout, groups.pgs, initialize=False, **build)
         self.generator = Generator(self.model, model_cfg.vocab_size, groups.pgs.tp,
                                    max_batch_size=cfg.generator.max_batch_size,
-                                   max_len=cfg.rollout.context_length,
+                                   max_len=cfg.episode_length,
                                    tokenizer=tokenizer, pp_group=groups.pgs.pp)
+        self.episodes = None  # with env.cls: the replica's environments (`controller/episodes.py`)
+        if cfg.env.cls is not None:
+            from megatron_rl.controller.episodes import Episodes
+
+            chat = tokenizer.has_chat_template if cfg.data.chat is None else cfg.data.chat
+            self.episodes = Episodes(cfg.env, tokenizer, chat, groups.pgs.tp, self.is_leader, self._sampling(0, 1))
 
     @property
     def is_leader(self) -> bool:
@@ -186,34 +194,51 @@ class GeneratorExecutor:
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids, n=n, seed=seed)
 
+    def close(self) -> None:
+        """Not collective: end the environments' worker processes, if any."""
+        if self.episodes is not None:
+            self.episodes.close()
+
     def generate(self, batch: int, version: int) -> Optional[UnscoredRollouts]:
-        """This replica's samples of training batch `batch`; None on ranks other than the leader."""
+        """This replica's samples of training batch `batch` (episodes with env.cls); None on ranks other than the
+        leader."""
         r = self.cfg.rollout
         per, n = r.prompts_per_step, r.samples_per_prompt
         problems = self.task.train_batch(batch, per)
         mine = r.replica_prompts(self.groups.dp_rank, self.groups.layout.dp)
         t0 = time.perf_counter()
-        reqs = [GenerationRequest(self.encode(self.task.prompt_text(problems[i])),
-                                  self._sampling(rollout_seed(self.cfg.run.seed, batch, i), n)) for i in mine]
-        outs = self.generator.generate(reqs)
+        seeds = [rollout_seed(self.cfg.run.seed, batch, i) for i in mine]
+        turns = None
+        if self.episodes is not None:
+            reqs, turns = self.episodes.requests([problems[i] for i in mine], seeds, n)
+        else:
+            reqs = [GenerationRequest(self.encode(self.task.prompt_text(problems[i])), self._sampling(seed, n))
+                    for i, seed in zip(mine, seeds)]
+        outs = self.generator.generate(reqs, turns=turns)
         gen_s = time.perf_counter() - t0
         if not self.is_leader:
             return None
         groups = [mine[j // n] for j in range(len(outs))]
+        episodes = dict(returns=turns.returns(), episodes=turns.statistics(outs)) if turns is not None else {}
         return UnscoredRollouts(batch, version, [problems[i] for i in groups], groups, outs,
-                                [self.tok.decode(o.token_ids) for o in outs], gen_s)
+                                [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes)
 
     def evaluate(self) -> Optional[Evaluated]:
         """Responses to the held-out problems, sampled as in training (every replica sees the same set and holds
         the same weights); None on ranks other than the leader."""
         n = self.cfg.data.eval_samples
         problems = self.task.eval_records()
-        reqs = [GenerationRequest(self.encode(self.task.prompt_text(p)), self._sampling(eval_seed(i), n))
-                for i, p in enumerate(problems)]
-        outs = self.generator.generate(reqs)
+        turns = None
+        if self.episodes is not None:
+            reqs, turns = self.episodes.requests(problems, [eval_seed(i) for i in range(len(problems))], n)
+        else:
+            reqs = [GenerationRequest(self.encode(self.task.prompt_text(p)), self._sampling(eval_seed(i), n))
+                    for i, p in enumerate(problems)]
+        outs = self.generator.generate(reqs, turns=turns)
         if not self.is_leader:
             return None
-        return Evaluated([problems[j // n] for j in range(len(outs))], [self.tok.decode(o.token_ids) for o in outs])
+        return Evaluated([problems[j // n] for j in range(len(outs))], [self.tok.decode(o.token_ids) for o in outs],
+                         returns=turns.returns() if turns is not None else None)
 
 
 class RewardModelExecutor:

@@ -191,6 +191,8 @@ class Job:
         as the rank does (`launch/signals.py`), so the terminate that multiprocessing sends its children at exit
         does not end them: a rank left with them running waited, finished, until its launcher killed it (5 s)."""
         self.task.close()
+        if self.generator is not None:
+            self.generator.close()
 
     def raise_if_checkpoint_failed(self) -> None:
         """Not collective, cheap: CheckpointError now if this rank's part of the save in the background failed."""

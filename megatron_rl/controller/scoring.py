@@ -36,6 +36,8 @@ class UnscoredRollouts:
     outputs: list  # SampledResponse per sample
     texts: list[str]  # the decoded responses
     gen_s: float
+    returns: Optional[list[float]] = None  # episodes: each one's return (the sum of its turns' rewards)
+    episodes: Optional[dict] = None  # episodes: their statistics (`ScoredRollouts.episodes`)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Evaluated:
 
     problems: list
     texts: list[str]
+    returns: Optional[list[float]] = None  # episodes: each one's return
 
 
 @dataclass
@@ -69,6 +72,10 @@ class ScoredRollouts:
     eval_reward: Optional[float] = None
     reward_failures: int = 0  # responses the reward function could not score (raised, timed out): scored 0.0
     reward_model_s: Optional[float] = None  # the reward-model executor's time on it, once its scores are added
+    # Episodes (multi-turn): each sample's policy mask over its token_ids (False at observations), and the batch's
+    # episode statistics (`collector.episode_metrics`); None for single responses.
+    policy_masks: Optional[list[list[bool]]] = None
+    episodes: Optional[dict] = None
 
 
 @dataclass
@@ -98,16 +105,20 @@ def score(task: Task, gen: UnscoredRollouts, evaluated: Optional[Evaluated], *, 
     message for the controller. `wait_s`: the leader's time at the weight push before the batch
     (`ScoredRollouts.wait_s`)."""
     t0 = time.perf_counter()
-    rewards = task.score(gen.problems, gen.texts)
-    failures = task.score_failures  # read before the held-out responses are scored
+    episodes = gen.returns is not None  # episodes come with their returns: the environments scored them
+    rewards = gen.returns if episodes else task.score(gen.problems, gen.texts)
+    failures = 0 if episodes else task.score_failures  # read before the held-out responses are scored
     eval_reward = None
     if evaluated is not None:
-        eval_scores = task.score(evaluated.problems, evaluated.texts)
+        eval_scores = evaluated.returns if evaluated.returns is not None else \
+            task.score(evaluated.problems, evaluated.texts)
         eval_reward = sum(eval_scores) / len(eval_scores)
     reward_s = time.perf_counter() - t0
     return ScoredRollouts(gen.batch, gen.version, [o.prompt_ids for o in gen.outputs],
                           [o.token_ids for o in gen.outputs], [o.logprobs for o in gen.outputs], rewards, gen.groups,
-                          gen.texts[:4], gen.gen_s, reward_s, wait_s, eval_reward, reward_failures=failures)
+                          gen.texts[:4], gen.gen_s, reward_s, wait_s, eval_reward, reward_failures=failures,
+                          policy_masks=[o.policy_mask for o in gen.outputs] if episodes else None,
+                          episodes=gen.episodes)
 
 
 def score_request(task: Task, replica: int, gen: UnscoredRollouts, evaluated: Optional[Evaluated]) -> ScoreRequest:

@@ -7,6 +7,8 @@ Two kinds of task, one interface (`Task`):
   supervised warm start imitates. Its held-out problems are a fixed set of pairs that training never samples.
 * `DatasetTask`: prompt records from a dataset (GSM8K, MATH-500, any JSONL with a field mapping), an instruction
   and the tokenizer's chat template around each problem, and a verifier from `megatron_rl.rewards`.
+* `GuessTask`, the built-in multi-turn task: hidden numbers found in episodes, against the environment
+  `environments/guess.py: GuessNumber` (`env.cls`), which scores them; demonstrations are careless players' games.
 
 Every training batch is a pure function of its index, so a resumed run continues on exactly the prompts it would
 have seen; nothing about the data position needs saving beyond the step.
@@ -23,7 +25,7 @@ from typing import Optional, Sequence
 from megatron_rl.data import (ChatPromptBuilder, DataError, JsonlPromptDataset, PromptRecord, ResumableSampler,
                               load_gsm8k, load_math500)
 from megatron_rl.data.datasets import dataset_files
-from megatron_rl.data.registry import DATASETS, dataset_key
+from megatron_rl.data.registry import DATASETS, GUESS, dataset_key
 from megatron_rl.data.word_problems import WordProblems
 from megatron_rl.rewards import get_reward_fn
 
@@ -104,6 +106,60 @@ class AdditionTask(Task):
             if rnd.random() >= self.demo_accuracy:
                 answer += 1 if answer == 0 or rnd.random() < 0.5 else -1
             out.append((rec.prompt, str(answer)))
+        return out
+
+
+# ---- the built-in multi-turn task ----------------------------------------------------------------------------------
+class GuessTask(Task):
+    """Find a hidden number in 1..16 from "higher" / "lower" replies, in episodes (`env.cls` GuessNumber,
+    `environments/guess.py`): one turn finds it 1 time in 16, an optimal player always within 5. The warm start
+    imitates a careless player, who guesses at random whatever the replies say: demonstrations are its games cut at
+    a random turn, as token ids (the transcript holds the replies' stop tokens and the observations as the episode
+    renders them), with the next random guess as the answer. RL then has to learn to use the replies."""
+
+    LOW, HIGH = 1, 16
+
+    def __init__(self, eval_size: int = 64, seed: int = 0, template=None, stop_id: Optional[int] = None,
+                 max_turns: int = 4):
+        from megatron_rl.environments.guess import guess_records
+
+        self.seed, self.template, self.stop_id, self.max_turns = seed, template, stop_id, max_turns
+        self.heldout = [self._record(r) for r in guess_records(eval_size, seed=10_000 + seed)]
+
+    @staticmethod
+    def _record(r: dict) -> PromptRecord:
+        return PromptRecord(id=r["id"], prompt=r["prompt"], reference=r["reference"])
+
+    def train_batch(self, index: int, size: int) -> list[PromptRecord]:
+        from megatron_rl.environments.guess import guess_records
+
+        return [self._record(r) for r in guess_records(size, seed=self.seed * 7_919_000 + index)]
+
+    def eval_records(self) -> list[PromptRecord]:
+        return self.heldout
+
+    def prompt_text(self, record: PromptRecord) -> str:
+        return record.prompt
+
+    def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
+        raise RuntimeError("the guessing game is scored by its environment, in episodes")
+
+    def demonstrations(self, index: int, size: int) -> list[tuple[list[int], str]]:
+        from megatron_rl.environments.guess import GuessNumber
+
+        rnd = random.Random(f"guess-demo:{self.seed}:{index}")
+        out = []
+        for rec in self.train_batch(10_000_000 + index, size):
+            env = GuessNumber({"prompt": rec.prompt, "reference": rec.reference}, 0)
+            ids = self.template.prompt({"role": "user", "content": env.reset()})
+            for _ in range(rnd.randrange(self.max_turns)):
+                guess = f" {rnd.randint(self.LOW, self.HIGH)}"
+                message, _, done = env.step(guess)
+                if done:
+                    break
+                ids = ids + self.template.tok.encode(guess) + [self.stop_id] + \
+                    self.template.observation({"role": "user", "content": message})
+            out.append((ids, f" {rnd.randint(self.LOW, self.HIGH)}"))
         return out
 
 
@@ -207,6 +263,11 @@ def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
     if key is None:
         return AdditionTask(max_operand=20, eval_size=data.eval_size, seed=cfg.run.seed,
                             demo_accuracy=data.demo_accuracy)
+    if key == GUESS:
+        from megatron_rl.controller.episodes import TurnTemplate
+
+        return GuessTask(data.eval_size, cfg.run.seed, TurnTemplate(tokenizer, chat=False), tokenizer.eos_id,
+                         cfg.env.max_turns)
     instruction = DATASETS[key].instruction
     if key == "word-problems":
         problems = WordProblems()  # one fixed problem set, whatever the run seed

@@ -47,6 +47,7 @@ class DatasetSpec:
 
 
 SYNTHETIC = "synthetic-arithmetic"
+GUESS = "guess-number"
 
 DATASETS: dict[str, DatasetSpec] = {s.name: s for s in (
     # The built-in default ("a+b=", controller.tasks.AdditionTask): no files, byte tokenizer, exact match.
@@ -61,6 +62,8 @@ DATASETS: dict[str, DatasetSpec] = {s.name: s for s in (
     # The answer is one number, checked as GSM8K's are (megatron_rl.data.word_problems).
     DatasetSpec("word-problems", "arithmetic word problems", verifier="gsm8k", instruction="number",
                 generated=True),
+    # A multi-turn task: find a hidden number from "higher"/"lower" replies (env.cls, environments/guess.py).
+    DatasetSpec(GUESS, "guess the number", verifier=None, instruction=None, aliases=("guess",), generated=True),
 )}
 
 _BY_NAME: dict[str, DatasetSpec] = {n: s for s in DATASETS.values() for n in (s.name, *s.aliases)}

@@ -1,0 +1,203 @@
+"""Episodes in the job: the environments' side of multi-turn rollouts on a generator replica (`env.cls`).
+
+    GeneratorExecutor.generate / evaluate (controller/executors.py)
+      Episodes.requests      the first message of each episode (its environment's `reset`, on the replica's
+                             leader), rendered into prompt ids once and shared with the replica's other ranks
+      Generator.generate     with `EpisodeTurns` (`inference/episodes.py`): each reply decoded to text, the
+                             environments stepped in their worker processes while the replica decodes (a thread of
+                             the leader), each observation rendered into the ids of one turn once, as it arrives,
+                             and shared with the other ranks
+      EpisodeTurns.returns   each episode's return (the sum of its turns' rewards) and the batch's statistics, on
+                             the leader, for scoring (`controller/scoring.py`)
+
+Token in, token out: an episode's tokens are the prompt's ids, then each reply's sampled ids and each
+observation's ids as they were rendered; nothing is decoded and encoded again, so the trainer learns from exactly
+the ids the generator sampled (`TurnTemplate` renders one new turn at a time).
+
+An environment must be deterministic given (record, seed, replies): its calls replay it from them where a worker
+lost it (`environments/pool.py`), and so does a resumed run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron_rl.inference import GenerationRequest, SamplingParams
+from megatron_rl.inference.episodes import EndedTurn, Turns
+from megatron_rl.inference.sampling import stream_seed
+
+# What an episode's observation looks like with a tokenizer that has no chat template (the tiny model's bytes):
+# the message on a line of its own after the reply's stop token.
+PLAIN_SEPARATOR = "\n"
+
+
+class TurnTemplate:
+    """The token ids of one turn of a conversation, rendered alone: the first user message (the prompt, as the chat
+    template wraps prompts), and each later message (a user's or a tool's) as the template renders a new turn after
+    the assistant's reply, from the reply's stop token on. Without a chat template (`chat=False`), plain text: the
+    first message as it is, each later one after PLAIN_SEPARATOR."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tok, self.chat = tokenizer, chat
+
+    def prompt(self, message: dict) -> list[int]:
+        if self.chat:
+            return self.tok.encode(self.tok.apply_chat_template([message], add_generation_prompt=True),
+                                   add_bos=False)
+        return self.tok.encode(message["content"], add_bos=self.tok.bos_id is not None)
+
+    def observation(self, message: dict) -> list[int]:
+        return self.tok.encode(self._observation_text(message), add_bos=False)
+
+    def _observation_text(self, message: dict) -> str:
+        if not self.chat:
+            return PLAIN_SEPARATOR + message["content"]
+        # The template's text for the new turn: a conversation with and without it, cut after the assistant's
+        # end-of-turn marker (the reply's stop token, which the generator has already sampled).
+        before = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        base = self.tok.apply_chat_template(before, add_generation_prompt=False)
+        full = self.tok.apply_chat_template(before + [message], add_generation_prompt=True)
+        if not full.startswith(base):
+            raise ValueError("the chat template renders an earlier turn differently once a turn follows it: its "
+                             "turns cannot be rendered one at a time")
+        cut = base.rfind("a") + 1
+        for stop in sorted({self.tok.decode([i], skip_special_tokens=False) for i in self.tok.stop_ids}, key=len,
+                           reverse=True):
+            at = base.find(stop, cut) if stop else -1
+            if at >= 0:
+                cut = at + len(stop)
+                break
+        return full[cut:]
+
+
+@dataclass
+class _Episode:
+    record: dict
+    seed: int
+    prompt: list[int] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    failures: int = 0
+    env_s: float = 0.0
+
+
+def record_dict(record) -> dict:
+    """Every field of a prompt record, as the environment gets it: id, prompt, reference and the metadata's."""
+    return {**dict(record.metadata), "id": record.id, "prompt": record.prompt, "reference": record.reference}
+
+
+class Episodes:
+    """The environments of one generator replica: their worker processes on its leader (`pool`, None on the other
+    ranks), the rendering of turns, and the replica's TP group, over which the leader shares what it renders."""
+
+    def __init__(self, env, tokenizer, chat: bool, tp_group, is_leader: bool, sampling: SamplingParams):
+        self.env, self.tok, self.is_leader, self.tp_group = env, tokenizer, is_leader, tp_group
+        self.template = TurnTemplate(tokenizer, chat)
+        self.sampling = sampling
+        self.pool = None
+        if is_leader:
+            from megatron_rl.environments.pool import EnvironmentPool
+
+            self.pool = EnvironmentPool(env.cls, num_workers=env.num_workers, timeout_s=env.timeout_s)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def share(self, obj):
+        """The leader's `obj` on every rank of the replica (a broadcast over its TP group, where it has several)."""
+        if self.tp_group is None or self.tp_group.size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        return box[0]
+
+    def requests(self, records: list, base_seeds: list[int], n: int) -> tuple[list[GenerationRequest], "EpisodeTurns"]:
+        """One request per episode: `n` episodes of each record, episode k of record i seeded stream_seed(base_seeds
+        [i], k) (its environment and its sampling alike), each prompt its environment's first message; and the
+        `Turns` that plays them."""
+        episodes = [_Episode(record_dict(rec), stream_seed(base, k)) for rec, base in zip(records, base_seeds)
+                    for k in range(n)]
+        prompts, failed = None, None
+        if self.is_leader:
+            t0 = time.perf_counter()
+            firsts = self.pool.first([(e.record, e.seed) for e in episodes])
+            failed = [t.error for t in firsts]
+            prompts = [self.template.prompt(t.message) if t.error is None else [] for t in firsts]
+            for e, t in zip(episodes, firsts):
+                e.env_s += t.seconds if t.seconds else 0.0
+            self.first_s = time.perf_counter() - t0
+        prompts = self.share(prompts)
+        for e, p in zip(episodes, prompts):
+            e.prompt = p
+        if failed is not None:
+            for e, error in zip(episodes, failed):
+                e.failures += error is not None
+        reqs = [GenerationRequest(e.prompt, SamplingParams(**{**self.sampling.__dict__, "n": 1, "seed": e.seed}))
+                for e in episodes]
+        return reqs, EpisodeTurns(self, episodes)
+
+
+class EpisodeTurns(Turns):
+    """`inference.episodes.Turns` for one batch of episodes (see the module docstring)."""
+
+    def __init__(self, owner: Episodes, episodes: list[_Episode]):
+        self.owner, self.episodes = owner, episodes
+        self.max_turns, self.max_tokens = owner.env.max_turns, owner.env.max_tokens
+        self._ended: list[EndedTurn] = []
+        self._thread: Optional[threading.Thread] = None
+        self._answers: list = []
+
+    def start(self, ended: list[EndedTurn]) -> None:
+        self._ended = ended
+        if not self.owner.is_leader:
+            return
+        tok, stops = self.owner.tok, self.owner.tok.stop_ids
+        calls = []
+        for turn in ended:
+            e = self.episodes[turn.request]
+            reply = list(turn.reply)
+            while reply and reply[-1] in stops:
+                reply.pop()
+            e.replies.append(tok.decode(reply))
+            calls.append((e.record, e.seed, list(e.replies)))
+        self._answers = []
+
+        def step():
+            self._answers = self.owner.pool.step(calls)
+
+        self._thread = threading.Thread(target=step, name="megatron-rl-environments", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> list[Optional[list[int]]]:
+        observations = None
+        if self.owner.is_leader:
+            self._thread.join()
+            observations = []
+            for turn, answer in zip(self._ended, self._answers):
+                e = self.episodes[turn.request]
+                e.rewards.append(answer.reward)
+                e.env_s += answer.seconds or 0.0
+                e.failures += answer.error is not None
+                done = answer.done or answer.message is None
+                observations.append(None if done else self.owner.template.observation(answer.message))
+        return self.owner.share(observations)
+
+    # ---- on the leader, once the batch has been generated ----------------------------------------------------------
+    def returns(self) -> list[float]:
+        """Each episode's return: the sum of its turns' rewards (0 for an episode whose environment failed at its
+        start)."""
+        return [float(sum(e.rewards)) for e in self.episodes]
+
+    def statistics(self, outputs: list) -> dict:
+        """The batch's episode statistics (`collector.episode_metrics`) from the generator's outputs."""
+        policy = sum(sum(o.policy_mask or []) for o in outputs)
+        total = sum(len(o.token_ids) for o in outputs)
+        return {"episodes": len(outputs), "turns": sum(o.turns for o in outputs), "policy_tokens": policy,
+                "env_tokens": total - policy, "env_s": sum(e.env_s for e in self.episodes),
+                "failures": sum(e.failures for e in self.episodes)}

@@ -1,0 +1,106 @@
+"""Jobs whose rollouts are episodes (`env.cls`, `controller/episodes.py`): the built-in guessing game runs in the
+default disjoint layout (trainer TP2, generator TP1) and colocated, reports its episode metrics, and a job killed
+mid-run resumes to the same weights and metrics as an uninterrupted one; turns are rendered one at a time, so the
+ids a job trains on are the ids the generator sampled and the observations' ids, never re-tokenized; the trainer
+learns only from sampled tokens."""
+
+import json
+import re
+
+import torch
+
+from megatron_rl.controller.collector import pack
+from megatron_rl.controller.episodes import TurnTemplate
+from megatron_rl.controller.scoring import ScoredRollouts
+from megatron_rl.training.rl_trainer import make_micro_batches
+import warm_cli
+from test_controller import _final_weights
+
+GUESS = ["data.dataset=guess-number", "env.cls=megatron_rl.environments.guess:GuessNumber", "env.max_tokens=40",
+         "rollout.max_new_tokens=6", "trainer.sft_warmup_steps=10", "run.eval_interval=100",
+         "rollout.prompts_per_step=4", "data.eval_size=4"]
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_episode_job_resumes_to_the_same_weights_and_metrics(tmp_path):
+    args = [*GUESS, "run.steps=5", "checkpoint.save_interval=2", f"checkpoint.dir={tmp_path}"]
+
+    def launch(name, failpoint=None):
+        return warm_cli.run_with_failpoint(["train", *args, f"run.name={name}"], failpoint)
+
+    ref = launch("ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    rows = _rows(tmp_path / "ref")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for r in rows:  # every episode plays at least one turn, and the environment answers between turns
+        assert r["episode/turns"] >= 1 and r["episode/policy_tokens"] > 0 and r["env_failures"] == 0
+    assert any(r["episode/env_tokens"] > 0 for r in rows) and any("\nhigher" in s or "\nlower" in s
+                                                                 for r in rows for s in r["samples"])
+    crash = launch("crash", "train_step:4")  # dies in step 4, after the checkpoint of step 2 (and maybe 4)
+    assert crash.returncode == 1 and re.search(r"died with signal 9", crash.stderr), crash.stderr[-3000:]
+    again = launch("crash")
+    assert again.returncode == 0 and "resumed from" in again.stderr, again.stderr[-3000:]
+    name_ref, w_ref = _final_weights(tmp_path / "ref")
+    name_new, w_new = _final_weights(tmp_path / "crash")
+    assert name_ref == name_new and w_ref.keys() == w_new.keys()
+    for k in w_ref:
+        assert torch.equal(w_ref[k], w_new[k]), k
+    keep = ("step", "reward", "episode/turns", "episode/policy_tokens", "episode/env_tokens", "loss", "samples")
+    assert [{k: r[k] for k in keep} for r in _rows(tmp_path / "crash")] == [{k: r[k] for k in keep} for r in rows]
+
+
+def test_a_colocated_episode_job_runs(tmp_path):
+    proc = warm_cli.run(["train", *GUESS, "run.steps=2", "trainer.tp=1", "generator.colocated=true",
+                         f"checkpoint.dir={tmp_path}", "run.name=c"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(r["episode/turns"] >= 1 for r in _rows(tmp_path / "c"))
+
+
+def test_episode_settings_that_cannot_work_are_one_line_each(tmp_path):
+    proc = warm_cli.run(["train", "data.dataset=guess-number", "reward.kind=gsm8k", "generator.pp=2",
+                         "env.cls=megatron_rl.environments.guess:GuessNumber", f"checkpoint.dir={tmp_path}"])
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "reward.kind='gsm8k', reward.function and reward.model do nothing with it" in line
+    assert "episodes need a generator of one pipeline stage (generator.pp=2)" in line
+    proc = warm_cli.run(["train", "data.dataset=guess-number", f"checkpoint.dir={tmp_path}"])
+    assert proc.returncode == 2 and "set env.cls=megatron_rl.environments.guess:GuessNumber" in proc.stderr
+    proc = warm_cli.run(["train", "data.dataset=guess-number", "env.cls=tests_nowhere:Env",
+                         f"checkpoint.dir={tmp_path}"])
+    assert proc.returncode == 2 and "env.cls='tests_nowhere:Env'" in proc.stderr
+
+
+def test_observations_are_rendered_one_turn_at_a_time_and_never_re_tokenized(smollm2_tokenizer):
+    """SmolLM2's chat template: an observation's ids are the template's new turn after the reply's end-of-turn
+    token, and the episode's ids (prompt, sampled reply, observation) are kept as they are, though decoding them
+    and encoding the text again gives other ids."""
+    tok = smollm2_tokenizer
+    template = TurnTemplate(tok, chat=True)
+    first = {"role": "user", "content": "What is 17 * 3?"}
+    prompt = template.prompt(first)
+    assert prompt == tok.encode(tok.apply_chat_template([first], add_generation_prompt=True))
+    end = [i for i in tok.stop_ids if tok.decode([i], skip_special_tokens=False) == "<|im_end|>"]
+    reply = tok.encode(" hel") + tok.encode("lo") + end  # sampled in two pieces: not how " hello" encodes
+    assert tok.encode(" hello") != tok.encode(" hel") + tok.encode("lo")
+    obs = template.observation({"role": "tool", "content": "51"})
+    episode = prompt + reply + obs
+    text = tok.decode(episode, skip_special_tokens=False)
+    assert tok.encode(text) != episode  # re-tokenizing the episode would change what was sampled
+    turns = [first, {"role": "assistant", "content": " hello"}, {"role": "tool", "content": "51"}]
+    whole = tok.apply_chat_template(turns, add_generation_prompt=True)
+    assert text == whole  # the turns rendered one by one are the template's conversation
+    rollouts = ScoredRollouts(0, 0, [prompt], [reply + obs + reply], [[-0.5] * (2 * len(reply) + len(obs))], [1.0],
+                              [0], [""], 0.0, 0.0, 0.0,
+                              policy_masks=[[True] * len(reply) + [False] * len(obs) + [True] * len(reply)])
+    batch = pack([rollouts], pad_id=0)
+    assert batch.tokens[0, : len(prompt) + 2 * len(reply) + len(obs)].tolist() == prompt + reply + obs + reply
+    learned = batch.response_mask()[0].nonzero().flatten().tolist()
+    start = len(prompt)
+    assert learned == list(range(start, start + len(reply))) + list(
+        range(start + len(reply) + len(obs), start + 2 * len(reply) + len(obs)))
+    batch.advantages = torch.ones(1)
+    (mb,) = make_micro_batches(batch, 4, 64)
+    assert mb["loss_mask"][0].nonzero().flatten().tolist() == learned  # no loss, weight, KL or entropy at the tool's
