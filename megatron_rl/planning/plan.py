@@ -162,8 +162,11 @@ def model_cost(model: ModelConfig) -> ModelCost:
 
 
 def workload(cfg: JobConfig) -> Workload:
+    """Every sequence at its longest: a response of `rollout.max_new_tokens`, or an episode (`env.cls`) of
+    `env.max_tokens` after its prompt (the model's tokens and the environments' together)."""
     r = cfg.rollout
-    return Workload(r.prompts_per_step * r.samples_per_prompt, r.max_prompt_length, r.max_new_tokens)
+    return Workload(r.prompts_per_step * r.samples_per_prompt, r.max_prompt_length,
+                    cfg.episode_length - r.max_prompt_length)
 
 
 def _trainer_batch(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
@@ -252,7 +255,7 @@ def _build_trainer(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, c
 
 def _build_generator(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration,
                      pp_rank: int = 0) -> RankModules:
-    max_len = cfg.rollout.context_length
+    max_len = cfg.episode_length
     return build_rank_modules(model, layout, pp_rank=pp_rank, params_dtype=_dtype(cfg.generator.dtype, cal),
                               attention=cfg.generator.model_attention, quantization=cfg.generator.quantization,
                               kv_cache=(cfg.generator.max_batch_size, max_len))
@@ -356,7 +359,7 @@ def predict_steps(cfg: JobConfig, model: ModelConfig, cal: Calibration, device_b
     gpus = tl.size if colocated else tl.size + gl.size
     sync_gen, sync_train, baseline = _colocated_baseline(cfg, model, tl, gpus, cal, device_bytes, cost, w)
     seq, rows, _ = _trainer_batch(cfg, tl.dp)
-    max_len = cfg.rollout.context_length
+    max_len = cfg.episode_length
     kv_token = gen.kv_cache_bytes / (cfg.generator.max_batch_size * max_len)
     gshape = GeneratorShape(gl.tp, gl.pp, gl.dp, _generator_slots(cfg, gl.dp), gen.weight_bytes, kv_token,
                             micro_batches=gl.pp, sequences_per_replica=cfg.rollout.samples_per_replica(gl.dp))
