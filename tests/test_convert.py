@@ -350,3 +350,48 @@ def test_overwrite_replaces_only_an_empty_dir_or_a_checkpoint(hf_dir, converted,
     for dst in (empty, old_conversion, hf):
         convert(root / "tp1", dst, "hf", overwrite=True)
         assert (dst / "config.json").is_file() and not (dst / META).exists()
+
+
+def test_a_converted_checkpoint_carries_checksums_and_a_flipped_byte_is_one_line_for_every_reader(
+        hf_dir, converted, tmp_path, capsys):
+    """Issue 53: what a 405B job starts from, often copied between clusters, is checked like a training checkpoint:
+    `inspect`, `convert --to hf`, `eval` and a job's `model.checkpoint` each name the changed file in one line."""
+    import os
+    from pathlib import Path
+
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.checkpointing.inspect import format_text, inspect_path, run
+    from megatron_rl.checkpointing.layout import CHECKSUMS, MANIFEST, META, ConversionError, verify_weights
+    from megatron_rl.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(converted[0] / "tp1", ckpt)
+    meta = json.loads((ckpt / META).read_text())
+    files = sorted(str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file() and f.name != META)
+    assert sorted(meta[MANIFEST]) == sorted(meta[CHECKSUMS]) == files and any(f.startswith("tokenizer/") for f in files)
+    assert f"checksums    {len(files)} files match their CRC-32" in format_text(inspect_path(ckpt))
+    shard = sorted((ckpt / "model").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit; the size stays
+    shard.write_bytes(bytes(data))
+    line = f"{shard}: checksum mismatch (flipped bits or a partial copy)"
+
+    assert run(ckpt) == 2
+    assert capsys.readouterr().err == f"megatron-rl inspect: {line}\n"
+    with pytest.raises(ConversionError) as e:
+        convert(ckpt, tmp_path / "hf", "hf")
+    assert str(e.value) == line and not (tmp_path / "hf").exists()
+    assert main(["eval", str(ckpt), "--tokenizer", "byte", "--limit", "1"]) == 2
+    assert capsys.readouterr().err == f"megatron-rl: eval: {line}\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    job = warm_cli.run(["train", f"model.checkpoint={ckpt}", "model.tokenizer=byte", "trainer.tp=1",
+                        "trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "data.eval_size=4",
+                        "rollout.max_new_tokens=4", "run.steps=1", f"checkpoint.dir={tmp_path}", "run.name=j"], env=env)
+    last = job.stderr.strip().splitlines()[-1]  # the launcher's line naming the rank that found it
+    assert job.returncode == 1 and f"failed: CheckpointError: {line};" in last, job.stderr[-3000:]
+    # A checkpoint converted before conversions carried checksums still loads, and says it has none.
+    for key in (MANIFEST, CHECKSUMS):
+        del meta[key]
+    (ckpt / META).write_text(json.dumps(meta))
+    verify_weights(ckpt, meta)
+    assert "checksums    none recorded" in format_text(inspect_path(ckpt))

@@ -44,9 +44,10 @@ import torch
 
 from megatron_rl.checkpointing.hf_sources import (detect_format, gguf_model_config, gguf_to_safetensors,
                                                   hf_model_config, hf_tensor_files, read_gguf)
-from megatron_rl.checkpointing.inspect import dist_tensors, is_run_root, model_config, resolve_checkpoint
+from megatron_rl.checkpointing.inspect import dist_tensors, is_run_root, model_config, reading
 from megatron_rl.checkpointing.layout import (CONVERT_FORMAT, META, MODEL_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
-                                              CheckpointError, ConversionError, InspectError, read_meta, write_meta)
+                                              CheckpointError, ConversionError, InspectError, read_meta, record_files,
+                                              removed_line, verify_weights, write_meta)
 from megatron_rl.checkpointing import safe_load
 from megatron_rl.checkpointing.safetensors_io import write_sharded
 from megatron_rl.checkpointing.tokenizer import MODEL_TYPE_FILE, TOKENIZER_FILES, save_tokenizer, tokenizer_dir
@@ -264,7 +265,7 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
         meta = {"format": CONVERT_FORMAT, "dtype": dtype, "source": str(src), "layout": {"tp": tp, "pp": pp, "dp": 1},
                 "model": dataclasses.asdict(cfg), "tokenizer": tokenizer,
                 "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        write_meta(tmp, meta)
+        write_meta(tmp, record_files(tmp, meta))  # each file's CRC-32, checked by `inspect` and by every reader
         model_bytes = sum(f.stat().st_size for f in (tmp / MODEL_DIR).iterdir())
         _finish(tmp, dst)
     except BaseException:
@@ -354,12 +355,28 @@ def _stored_box(reader: DistSliceReader, name: str, cfg: ModelConfig):
 
 
 def megatron_to_hf_checkpoint(src: Path, dst: Path, overwrite: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
+    """Convert checkpoint `src` (or the latest of a run root, held against the run's retention while it is read)."""
+    try:
+        held = reading(src)
+    except InspectError as e:
+        raise ConversionError(str(e)) from None
+    with held as ckpt:
+        try:
+            return _to_hf(ckpt, dst, overwrite, shard_bytes)
+        except Exception:
+            removed = removed_line(ckpt)  # gone anyway: read without a lease (a run directory it cannot write)
+            if removed is None:
+                raise
+            raise ConversionError(removed) from None
+
+
+def _to_hf(ckpt: Path, dst: Path, overwrite: bool, shard_bytes: int) -> dict:
     start = time.perf_counter()
     meter = MemoryMeter()
     try:
-        ckpt = resolve_checkpoint(src)
         meta = read_meta(ckpt)
         dist_tensors(ckpt / MODEL_DIR)  # one-line error for a missing or half-written model/
+        verify_weights(ckpt, meta)  # the files read match their checksums
         safe_load.check_checkpoint(ckpt)  # its pickles hold only data, before torch reads them
     except (InspectError, CheckpointError) as e:
         raise ConversionError(str(e)) from None

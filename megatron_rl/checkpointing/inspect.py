@@ -13,7 +13,9 @@ every tensor). A checkpoint missing any of that is reported in one line naming t
 Read beyond metadata, to check them: the files of a checkpoint with checksums (a file whose content changed is
 named in one line), and every pickled file, which may hold only data (`safe_load`: a file that would run code is
 named in one line, and nothing in it runs).
-The metadata, the step directories and `latest` are read through `layout.py`, as training reads them.
+The metadata, the step directories and `latest` are read through `layout.py`, as training reads them. Here too:
+`reading`, how every reader (`inspect`, `eval`, `convert --to hf`, `plan --checkpoint`, a job's `model.checkpoint`)
+resolves a path to a checkpoint and holds it against the run's retention while it reads (`leases.py`).
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from megatron_rl.checkpointing.layout import (CHECKSUMS, DCP_METADATA, LATEST, MANIFEST, META, MODEL_DIR,
-                                              OPTIMIZER_DIR, RL_STATE, RNG_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
+from megatron_rl.checkpointing.layout import (CHECKSUMS, CONVERT_FORMAT, DCP_METADATA, LATEST, MANIFEST, META,
+                                              MODEL_DIR, OPTIMIZER_DIR, RL_STATE, RNG_DIR, STEP_DIR, TOKENIZER_DIR,
+                                              TRAIN_FORMAT,
                                               CheckpointError, InspectError, checksum_mismatches, dir_bytes,
-                                              manifest_problems, mismatch_line, read_latest, read_meta, step_dirs)
-from megatron_rl.checkpointing import safe_load
+                                              manifest_problems, mismatch_line, read_latest, read_meta, removed_line,
+                                              step_dirs)
+from megatron_rl.checkpointing import leases, safe_load
 from megatron_rl.checkpointing.storage import human_bytes
 from megatron_rl.models.presets import ModelConfig
 
@@ -114,11 +118,17 @@ def _latest_name(root: Path) -> Optional[str]:
     return None if target is None else target.name
 
 
+def _missing(path: Path) -> InspectError:
+    """The error for a path that does not exist: a step that retention removed says so (`layout.removed_line`)."""
+    return InspectError(removed_line(path) or f"{path}: does not exist")
+
+
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory from a checkpoint or a run root (its `latest`, else its newest complete step)."""
+    """A checkpoint directory from a checkpoint or a run root (its `latest`, else its newest complete step).
+    A reader holds it with `reading`, so that the run's retention does not remove it meanwhile."""
     path = Path(path)
     if not path.exists():
-        raise InspectError(f"{path}: does not exist")
+        raise _missing(path)
     if (path / META).is_file():
         return path
     if is_run_root(path):
@@ -131,6 +141,17 @@ def resolve_checkpoint(path: Path) -> Path:
         return path / name
     raise InspectError(f"{path}: not a megatron-rl checkpoint ({META} missing) nor a run directory "
                        f"({LATEST} and step_* directories missing)")
+
+
+def reading(path: Path) -> leases.Lease:
+    """`resolve_checkpoint(path)` with a lease on the step it names when it is a run's (`leases.py`): `with
+    reading(path) as ckpt:` reads `ckpt`, which the run's retention keeps until the block ends. InspectError
+    (one line) as `resolve_checkpoint`."""
+    path = Path(path)
+    root = path if is_run_root(path) else path.parent if STEP_DIR.match(path.name) else None
+    if root is None or not is_run_root(root):
+        return leases.Lease(resolve_checkpoint(path))
+    return leases.take(root, lambda: resolve_checkpoint(path))
 
 
 # ---- inspection --------------------------------------------------------------------------------------------------
@@ -163,6 +184,8 @@ def inspect_checkpoint(ckpt: Path) -> dict:
         checksums = f"{len(meta[CHECKSUMS])} files match their CRC-32"
     elif meta.get(MANIFEST):
         checksums = "none (written before checkpoints carried checksums): file sizes checked only"
+    elif fmt == CONVERT_FORMAT:
+        checksums = "none recorded (converted before conversions carried checksums)"
     else:
         checksums = "none recorded"
     cfg = model_config(meta) if meta.get("model") else None
@@ -186,20 +209,33 @@ def inspect_checkpoint(ckpt: Path) -> dict:
     return info
 
 
+def _inspect_held(ckpt: Path) -> dict:
+    """`inspect_checkpoint`; a checkpoint removed by its run's retention while it was read (by a reader without a
+    lease: a run directory it cannot write) is named as removed."""
+    try:
+        return inspect_checkpoint(ckpt)
+    except Exception:
+        removed = removed_line(ckpt)
+        if removed is None:
+            raise
+        raise InspectError(removed) from None
+
+
 def inspect_path(path: Path) -> dict:
     """`inspect` of a checkpoint, a run root (the latest checkpoint plus every step present) or a bare
     dist_checkpointing directory."""
     path = Path(path)
     if not path.exists():
-        raise InspectError(f"{path}: does not exist")
+        raise _missing(path)
     if (path / META).is_file():
-        return inspect_checkpoint(path)
+        with reading(path) as ckpt:
+            return _inspect_held(ckpt)
     if is_run_root(path):
-        steps = list_run(path)
-        latest = _latest_name(path)
-        shown = resolve_checkpoint(path)
-        return {"kind": "run", "path": str(path), "latest": latest, "checkpoints": steps,
-                "checkpoint": inspect_checkpoint(shown)}
+        with reading(path) as shown:
+            steps = list_run(path)
+            latest = _latest_name(path)
+            return {"kind": "run", "path": str(path), "latest": latest, "checkpoints": steps,
+                    "checkpoint": _inspect_held(shown)}
     if path.is_dir() and (is_dist_checkpoint(path) or (path / "metadata.json").is_file()):
         tensors = dist_tensors(path, path.name)
         return {"kind": "dist_checkpointing", "path": str(path), "format": "torch_dist",

@@ -4,10 +4,11 @@ file, the step directories of a run, the `latest` pointer, the manifest check, a
 The one module every other module reads these from (nobody else parses `megatron_rl.json`, lists step directories
 or touches `latest`); it imports nothing from the project.
 
-    DIR/megatron_rl.json      META: format (CONVERT_FORMAT or TRAIN_FORMAT), model shape, tokenizer, ... and, in a
-                              training checkpoint, its manifest under MANIFEST (every file with its size) and
-                              each file's CRC-32 under CHECKSUMS (absent in checkpoints written before checksums):
-                              `read_meta`, `write_meta`; `verify` checks a training checkpoint against it
+    DIR/megatron_rl.json      META: format (CONVERT_FORMAT or TRAIN_FORMAT), model shape, tokenizer, ... and its
+                              manifest under MANIFEST (every file with its size) and each file's CRC-32 under
+                              CHECKSUMS (`record_files`; absent in checkpoints written before checksums):
+                              `read_meta`, `write_meta`; `verify` checks a training checkpoint against it,
+                              `verify_weights` the files a reader of the weights reads, in either format
     DIR/model/                MODEL_DIR: Megatron-Core dist_checkpointing (torch_dist), DCP_METADATA inside
     DIR/optimizer/            OPTIMIZER_DIR (training checkpoints)
     DIR/rng/rank_00000.pt     RNG_DIR (training checkpoints)
@@ -17,6 +18,8 @@ or touches `latest`); it imports nothing from the project.
                               writes in progress or killed (`unfinished_writes`, `remove_unfinished`)
     ROOT/latest               LATEST: the name of the newest complete checkpoint (`read_latest`; `publish` renames
                               a finished write and points `latest` at it)
+    ROOT/.step_00000042.removed/  a checkpoint that retention is deleting (`retire`, `retired`): hidden from readers
+    ROOT/.readers/, .readers.lock the leases of processes reading the run's checkpoints (`leases.py`)
 """
 
 from __future__ import annotations
@@ -179,6 +182,42 @@ def publish(tmp: Path, final: Path) -> None:
     _fsync_dir(root)
 
 
+RETIRED = ".removed"  # the suffix of a checkpoint being deleted by retention, under a hidden name
+
+
+def retire(ckpt: Path) -> Path:
+    """Rename checkpoint `ckpt` to a hidden name that no reader resolves (atomic), to be deleted after; returns
+    the new path."""
+    ckpt = Path(ckpt)
+    hidden = ckpt.with_name(f".{ckpt.name}{RETIRED}")
+    os.rename(ckpt, hidden)
+    return hidden
+
+
+def retired(root: Path) -> list[Path]:
+    """The checkpoints under `root` that `retire` renamed and that are not deleted yet (also those of a job killed
+    between the two)."""
+    root = Path(root)
+    return sorted(p for p in root.glob(f".step_*{RETIRED}") if p.is_dir()) if root.is_dir() else []
+
+
+def removed_line(path: Path) -> Optional[str]:
+    """The line for a checkpoint `ROOT/step_N` that does not exist while `root` has newer ones: retention removed
+    it (None when `path` is not a step directory of a run with a newer checkpoint)."""
+    path = Path(path)
+    m = STEP_DIR.match(path.name)
+    if not m or path.exists():
+        return None
+    newer = [p for step, p in list_checkpoints(path.parent) if step > int(m.group(1))]
+    if not newer:
+        return None
+    try:
+        newest = read_latest(path.parent, must_exist=True) or newer[-1]
+    except CheckpointError:
+        newest = newer[-1]
+    return f"{path}: removed by the run's checkpoint retention (checkpoint.keep_last); the newest is {newest}"
+
+
 def rng_file(ckpt: Path, rank: int) -> Path:
     """Where checkpoint `ckpt` keeps the RNG states of `rank` (`rng.py`)."""
     return Path(ckpt) / RNG_DIR / f"rank_{rank:05d}.pt"
@@ -260,6 +299,30 @@ def mismatch_line(ckpt: Path, mismatches: list[str]) -> str:
     """The one line naming the files of `checksum_mismatches` (the first by path, and how many more)."""
     more = f" (and {len(mismatches) - 1} more files)" if len(mismatches) > 1 else ""
     return f"{Path(ckpt) / mismatches[0]}: {CHECKSUM_MISMATCH}{more}"
+
+
+def record_files(ckpt: Path, meta: dict) -> dict:
+    """`meta` with the manifest and the checksums of every file written into `ckpt` so far (all but META, which is
+    written last): what a conversion records, as a training save does."""
+    files = manifest(ckpt)
+    return {**meta, MANIFEST: files, CHECKSUMS: file_checksums(Path(ckpt), list(files))}
+
+
+def verify_weights(ckpt: Path, meta: dict, part: slice = slice(None)) -> None:
+    """Check the files a reader of the weights reads (MODEL_DIR and TOKENIZER_DIR; `part` of them, by path: rank r
+    of w checks `slice(r, None, w)`) against the manifest and the checksums in `meta` (a converted or a training
+    checkpoint; one written without them has nothing to check): CheckpointError in one line naming the first file
+    that is missing, truncated or changed (`mismatch_line`)."""
+    ckpt = Path(ckpt)
+    read = (MODEL_DIR + "/", TOKENIZER_DIR + "/")
+    sizes = meta.get(MANIFEST) or {}
+    files = sorted(rel for rel in {*sizes, *(meta.get(CHECKSUMS) or {})} if rel.startswith(read))[part]
+    problems = manifest_problems(ckpt, {MANIFEST: {rel: sizes[rel] for rel in files if rel in sizes}})
+    if problems:
+        raise CheckpointError(f"{ckpt}: corrupt checkpoint ({problems[0]})")
+    mismatches = checksum_mismatches(ckpt, meta, files)
+    if mismatches:
+        raise CheckpointError(mismatch_line(ckpt, mismatches))
 
 
 def verify(path: Path, checksums: bool = False) -> dict:

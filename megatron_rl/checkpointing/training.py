@@ -30,7 +30,8 @@ corrupt shard is named in one line and `fallback` can skip it.
 
 Here: `TrainCheckpointer` (save in the background, find, load) and the save's own bookkeeping (writer threads, which
 rank checksums which file). The format itself (names, metadata, manifest, `verify`, `latest`, the step directories,
-removing unfinished writes) is `layout.py`'s; the sharded state dicts handed to Megatron-Core and the workarounds
+removing unfinished writes) is `layout.py`'s; the leases of other processes reading a step, which retention
+(`_prune`) honours, `leases.py`'s; the sharded state dicts handed to Megatron-Core and the workarounds
 around its save and load are `megatron_state.py`'s; the RNG states `rng.py`'s.
 """
 
@@ -53,9 +54,9 @@ import torch.distributed as dist
 from megatron_rl.checkpointing.layout import (CHECKSUMS, LATEST, MANIFEST, MODEL_DIR, OPTIMIZER_DIR, RL_STATE,
                                               RNG_DIR, TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError,
                                               checksum_mismatches, file_checksums, list_checkpoints, manifest,
-                                              mismatch_line, publish, read_latest, remove_unfinished, rng_file,
-                                              step_dir_name, verify, write_meta)
-from megatron_rl.checkpointing import background, megatron_state, optimizer_state, rng, safe_load, storage
+                                              mismatch_line, publish, read_latest, remove_unfinished, retire,
+                                              retired, rng_file, step_dir_name, verify, write_meta)
+from megatron_rl.checkpointing import background, leases, megatron_state, optimizer_state, rng, safe_load, storage
 from megatron_rl.checkpointing.tokenizer import save_tokenizer
 from megatron_rl.failpoints import failpoint
 
@@ -347,10 +348,17 @@ class TrainCheckpointer:
                      f"({', '.join(names)}): {storage.human_bytes(freed)} freed in {self.root}")
 
     def _prune(self, keep: Path) -> None:
+        """Remove the checkpoints past the newest `keep_last`, except those another process reads (`leases.py`:
+        kept until their lease is gone, then removed by a later prune)."""
         complete = [p for _, p in list_checkpoints(self.root)]
-        for p in complete[: max(len(complete) - self.keep_last, 0)]:
-            if p != keep:
-                shutil.rmtree(p, ignore_errors=True)
+        with leases.readers_lock(self.root):
+            leased = leases.leased_steps(self.root)
+            for p in complete[: max(len(complete) - self.keep_last, 0)]:
+                if p != keep and p.name not in leased:
+                    with contextlib.suppress(OSError):  # removed meanwhile, or not removable: the next prune's
+                        retire(p)
+        for p in retired(self.root):
+            shutil.rmtree(p, ignore_errors=True)
         remove_unfinished(self.root)
 
     # ---- find and load ---------------------------------------------------------------------------------------

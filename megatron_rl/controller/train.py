@@ -91,14 +91,14 @@ def train(cfg: JobConfig, world: World, fit: str = "") -> Optional[dict]:
     hang_s, collective_s = timeouts()
     run_dir = run_dir_of(cfg)
     lock = RunLock(run_dir, warn=_say) if world.rank == 0 else None
-    with lock if lock is not None else contextlib.nullcontext():
+    with lock if lock is not None else contextlib.nullcontext(), contextlib.ExitStack() as held:
         if world.rank == 0:
             prepare_run_dir(cfg)
         model_name = cfg.model.name  # the source's name: a converted source becomes run_dir/initial_model
         if local:
             from megatron_rl.checkpointing import initial
 
-            cfg = initial.prepare(cfg, run_dir, log=_say)
+            cfg = held.enter_context(initial.prepared(cfg, run_dir, log=_say))
         t0 = time.perf_counter()
         if local:
             result = _run_ranks(cfg, model_cfg, run_dir, world.world_size, backend, hang_s, collective_s, lock)

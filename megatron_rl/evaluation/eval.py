@@ -2,8 +2,10 @@
 
 CKPT is a megatron-rl checkpoint directory (`megatron_rl.json` with the model shape, `model/` with the Megatron-Core
 dist_checkpointing of the GPTModel: what `convert --to megatron` and training write), or a run's checkpoint root
-whose `latest` file names the newest `step_*` directory. The model is loaded at `tp` x `pp` local processes and
-decoded with our generator (continuous batching, greedy); every response is scored with the dataset's verifier.
+whose `latest` file names the newest `step_*` directory (held against the run's retention while it is read:
+`checkpointing/leases.py`). The files it reads are checked against the checksums the checkpoint records. The model
+is loaded at `tp` x `pp` local processes and decoded with our generator (continuous batching, greedy); every
+response is scored with the dataset's verifier.
 
 Prompts: the dataset's instruction (GSM8K: answer after `####`; MATH: answer in `\\boxed{}`) around the problem,
 through the tokenizer's chat template when `chat` is on (the default when the tokenizer has one), tokenized with
@@ -28,8 +30,9 @@ from pathlib import Path
 from typing import Optional, Union
 
 from megatron_rl.checkpointing import safe_load
-from megatron_rl.checkpointing.inspect import resolve_checkpoint as resolve
-from megatron_rl.checkpointing.layout import META, MODEL_DIR, CheckpointError, InspectError, read_meta
+from megatron_rl.checkpointing.inspect import reading, resolve_checkpoint as resolve
+from megatron_rl.checkpointing.layout import (META, MODEL_DIR, CheckpointError, InspectError, read_meta,
+                                              removed_line, verify_weights)
 from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
 from megatron_rl.data import ChatPromptBuilder, DataError, default_data_dir, load_prompt_dataset, registry
 from megatron_rl.data.datasets import DATA_DIR_ENV
@@ -187,9 +190,22 @@ def _compute_dtype(requested: Optional[str], stored: str) -> str:
 
 def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = None) -> dict:
     """Accuracy of `checkpoint` on the dataset; returns the summary (the line `megatron-rl eval` prints)."""
-    s = settings or EvalSettings()
     t0 = time.perf_counter()
-    ckpt = resolve_checkpoint(checkpoint)
+    try:
+        held = reading(Path(checkpoint))  # a run's step is kept by its retention until the evaluation ends
+    except InspectError as e:
+        raise EvalError(str(e)) from None
+    with held as ckpt:
+        try:
+            return _evaluate(ckpt, settings or EvalSettings(), t0)
+        except Exception:
+            removed = removed_line(ckpt)  # gone anyway: read without a lease (a run directory it cannot write)
+            if removed is None:
+                raise
+            raise EvalError(removed) from None
+
+
+def _evaluate(ckpt: Path, s: EvalSettings, t0: float) -> dict:
     cfg, meta = read_checkpoint_meta(ckpt)
     spec = DATASETS[dataset_key(s.dataset)]
     records = load_problems(spec.name, s.data_dir, s.limit)
@@ -203,6 +219,10 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
         raise EvalError(f"--{p.dim}={p.size} does not divide the model's {p.field}={p.count}")
     dtype = _dtype_of(meta)
     compute = _compute_dtype(s.dtype, dtype)
+    try:
+        verify_weights(ckpt, meta)  # the files read match their checksums
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
     tok = checkpoint_tokenizer(ckpt, s.tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise EvalError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}; "

@@ -31,7 +31,8 @@ class RunDirLocked(RuntimeError):
     """Another job holds the run directory (the message is the one line the user sees)."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Does a process `pid` exist on this host (one we may not signal counts)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -39,6 +40,18 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def try_flock(fd: int, blocking: bool = False) -> Optional[bool]:
+    """An exclusive `flock` on `fd`. True: this open file holds it; False: another open file does; None: this file
+    system cannot tell (some network mounts). The kernel drops it when its holder ends in any way."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        return None
 
 
 def _still_running(holder: dict) -> list[int]:
@@ -77,7 +90,7 @@ class RunLock:
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                locked = self._flock(fd)
+                locked = try_flock(fd)
                 holder = self._read(fd)
                 if locked is False or (locked is None and self._held_elsewhere(holder)):
                     raise RunDirLocked(f"{self.path.parent} is in use by another megatron-rl job: "
@@ -149,17 +162,6 @@ class RunLock:
         self.release()
 
     @staticmethod
-    def _flock(fd: int) -> Optional[bool]:
-        """True: we hold it; False: another process does; None: this file system cannot tell."""
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return False
-            return None
-
-    @staticmethod
     def _read(fd: int) -> dict:
         try:
             text = os.pread(fd, 4096, 0).decode(errors="replace")
@@ -174,7 +176,7 @@ class RunLock:
             return False
         if holder.get("host") != socket.gethostname():
             return True
-        return isinstance(holder.get("pid"), int) and _pid_alive(holder["pid"]) and holder["pid"] != os.getpid()
+        return isinstance(holder.get("pid"), int) and pid_alive(holder["pid"]) and holder["pid"] != os.getpid()
 
     def _same_file(self, fd: int) -> bool:
         try:

@@ -47,15 +47,15 @@ def checkpoint_report(path: Path, model: ModelConfig, layout: ParallelLayout, st
     """{"path", "loads", "tensors", "read_bytes_per_rank": {"pp N": bytes}}; raises ReshardError (one line) for a
     path that is not a checkpoint or holds another model."""
     from megatron_rl.checkpointing import safe_load
-    from megatron_rl.checkpointing.inspect import InspectError, dist_tensors, resolve_checkpoint
+    from megatron_rl.checkpointing.inspect import InspectError, dist_tensors, reading
     from megatron_rl.checkpointing.layout import CheckpointError, read_meta
 
     try:
-        ckpt = resolve_checkpoint(path)
-        meta = read_meta(ckpt)
-        tensors = {t["name"]: t for t in dist_tensors(ckpt / "model", "model")}
-        optimizer = dist_tensors(ckpt / "optimizer", "optimizer") if (ckpt / "optimizer").is_dir() else []
-        safe_load.check_checkpoint(ckpt)  # a checkpoint that would run code is named here, not at the job's resume
+        with reading(path) as ckpt:  # a run's step is kept by its retention while it is read
+            meta = read_meta(ckpt)
+            tensors = {t["name"]: t for t in dist_tensors(ckpt / "model", "model")}
+            optimizer = dist_tensors(ckpt / "optimizer", "optimizer") if (ckpt / "optimizer").is_dir() else []
+            safe_load.check_checkpoint(ckpt)  # a checkpoint that would run code is named here, not at the resume
     except (InspectError, CheckpointError) as e:
         raise ReshardError(f"--checkpoint: {e}") from None
     expected = _expected(model, stages)
