@@ -16,3 +16,10 @@ def sleeps_forever(prompt, response, reference):
 
 def always_raises(prompt, response, reference):
     raise ValueError(f"cannot score {response!r}")
+
+
+def passes_its_tests(prompt, response, reference, record):
+    """A reward that needs more of the record than its reference: the share of the record's test cases the
+    response's text contains."""
+    tests = record["tests"]
+    return sum(t in response for t in tests) / len(tests)

@@ -473,3 +473,22 @@ def test_a_function_failing_on_most_responses_stops_after_three_batches_in_a_row
     assert str(e.value) == ("reward function 'test_rewards:misbehaving_reward' failed on 2 of 3 responses, and on "
                             "more than half in each of the last 3 batches (last error: RuntimeError: boom); "
                             "stopping: fix the function, or raise reward.timeout_s / reward.num_workers")
+
+
+def test_a_reward_function_that_takes_the_record_gets_every_field_of_it(tmp_path):
+    """A JSONL record's fields beyond prompt and answer reach a reward function that asks for them (a fourth
+    argument, `record`); a function of three arguments is called as before."""
+    from megatron_rl.data import JsonlPromptDataset
+    from megatron_rl.rewards.function import takes_record
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"question": "q1", "answer": "a", "tests": ["x", "y"]}\n'
+                    '{"question": "q2", "answer": "b", "tests": ["z"]}\n')
+    records = list(JsonlPromptDataset(path, prompt_field="question", answer_field="answer"))
+    assert records[0].as_dict()["tests"] == ["x", "y"] and records[0].as_dict()["reference"] == "a"
+    items = [("q1", "x alone", "a", records[0].as_dict()), ("q2", "z", "b", records[1].as_dict())]
+    with FunctionReward("reward_fns:passes_its_tests", num_workers=1) as fn:
+        assert fn.score(items) == [0.5, 1.0]
+    with FunctionReward("reward_fns:says_mat", num_workers=1) as fn:
+        assert fn.score([("p", "the mat", None, {}), ("p", "no", None)]) == [1.0, 0.0]
+    assert takes_record(lambda p, r, ref, record: 0) and not takes_record(lambda p, r, ref: 0)

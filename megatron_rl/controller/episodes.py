@@ -86,11 +86,6 @@ class _Episode:
     env_s: float = 0.0
 
 
-def record_dict(record) -> dict:
-    """Every field of a prompt record, as the environment gets it: id, prompt, reference and the metadata's."""
-    return {**dict(record.metadata), "id": record.id, "prompt": record.prompt, "reference": record.reference}
-
-
 class Episodes:
     """The environments of one generator replica: their worker processes on its leader (`pool`, None on the other
     ranks), the rendering of turns, and the replica's TP group, over which the leader shares what it renders."""
@@ -121,7 +116,7 @@ class Episodes:
         """One request per episode: `n` episodes of each record, episode k of record i seeded stream_seed(base_seeds
         [i], k) (its environment and its sampling alike), each prompt its environment's first message; and the
         `Turns` that plays them."""
-        episodes = [_Episode(record_dict(rec), stream_seed(base, k)) for rec, base in zip(records, base_seeds)
+        episodes = [_Episode(rec.as_dict(), stream_seed(base, k)) for rec, base in zip(records, base_seeds)
                     for k in range(n)]
         prompts, failed = None, None
         if self.is_leader:

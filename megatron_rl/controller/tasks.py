@@ -244,7 +244,7 @@ class DatasetTask(Task):
         return self.heldout
 
     def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
-        return self.reward.score([(self.prompt_text(rec), resp, rec.reference)
+        return self.reward.score([(self.prompt_text(rec), resp, rec.reference, rec.as_dict())
                                   for rec, resp in zip(records, responses)])
 
     @property

@@ -37,6 +37,11 @@ class PromptRecord:
     def is_chat(self) -> bool:
         return not isinstance(self.prompt, str)
 
+    def as_dict(self) -> dict:
+        """Every field of the record, as a reward function or an environment gets it: the metadata's fields (a
+        JSONL record's other fields, such as test cases), then id, prompt and reference."""
+        return {**self.metadata, "id": self.id, "prompt": self.prompt, "reference": self.reference}
+
 
 def check_messages(messages: Any, where: str) -> None:
     """Raise DataError unless `messages` is a non-empty list of {"role": str, "content": str} dicts."""

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 log = logging.getLogger(__name__)
 
-RewardItem = Tuple[str, str, Optional[str]]  # (prompt, response, reference)
+# (prompt, response, reference), and optionally the prompt record's fields (`PromptRecord.as_dict`), which reward
+# functions that ask for them get (`function.py`)
+RewardItem = Union[Tuple[str, str, Optional[str]], Tuple[str, str, Optional[str], dict]]
 
 
 class RewardFunction(ABC):
@@ -50,7 +52,7 @@ class PerItemReward(RewardFunction):
 
     def score(self, items: Sequence[RewardItem]) -> list[float]:
         out = []
-        for prompt, response, reference in items:
+        for prompt, response, reference, *_ in items:
             try:
                 out.append(float(self.score_one(prompt, response, reference)))
             except Exception:

@@ -1,6 +1,8 @@
 """User reward functions, given as `module:function` (or `path/to/file.py:function`).
 
-The function has the signature `fn(prompt: str, response: str, reference: str | None) -> float`. It runs in a pool
+The function has the signature `fn(prompt: str, response: str, reference: str | None) -> float`, or takes a fourth
+argument, `record`: every field of the prompt record (`PromptRecord.as_dict`: a JSONL record's other fields, such as
+test cases, with id, prompt and reference), which it then gets. It runs in a pool
 of worker processes, never in the controller, a batch's responses on all workers at once: a call that hangs past
 `timeout_s` (or past the batch's `batch_timeout_s`), raises, kills its process or returns something that is not a
 finite number is a failure: it scores 0.0, is logged and counted (`failures`, per batch), and the run goes on. A
@@ -12,12 +14,13 @@ construction with one clear line (RewardFunctionError).
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import math
 from typing import Optional, Sequence
 
 from megatron_rl.rewards.base import RewardFunction, RewardItem
-from megatron_rl.rewards.workers import WorkerPool
+from megatron_rl.rewards.workers import RewardFunctionError, WorkerPool, resolve_function
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +42,54 @@ def _as_float(value) -> Optional[float]:
     return value if math.isfinite(value) else None
 
 
+def takes_record(fn) -> bool:
+    """Does a reward function take the record: a fourth positional parameter, one named `record`, or *args?"""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (len(positional) >= 4 or any(p.name == "record" for p in params)
+            or any(p.kind == p.VAR_POSITIONAL for p in params))
+
+
+class _WithRecord:
+    """A user's function called with the record where it takes it, without it where it does not."""
+
+    def __init__(self, fn):
+        self.fn, self.takes = fn, takes_record(fn)
+
+    def __call__(self, prompt: str, response: str, reference: Optional[str], record: Optional[dict]):
+        return self.fn(prompt, response, reference, record) if self.takes else self.fn(prompt, response, reference)
+
+
+class _Adapters:
+    """The workers' entry points: attribute `fn_<the user's spec in hex>` is that function wrapped by `_WithRecord`,
+    imported on first access. A worker resolves its function when it starts, so naming the user's function in the
+    spec makes each worker import it then (a spec that cannot be used fails the pool at construction, with the
+    user's spec in its line), and the controller never imports it."""
+
+    def __getattr__(self, name: str) -> _WithRecord:
+        if not name.startswith("fn_"):
+            raise AttributeError(name)
+        adapter = _WithRecord(resolve_function(bytes.fromhex(name[3:]).decode()))
+        setattr(self, name, adapter)
+        return adapter
+
+
+ADAPTERS = _Adapters()
+
+
 class FunctionReward(RewardFunction):
     name = "function"
 
     def __init__(self, spec: str, timeout_s: float = 5.0, num_workers: int = 1, start_method: Optional[str] = None,
                  batch_timeout_s: Optional[float] = None):
         self.spec = spec
-        self._pool = WorkerPool(spec, num_workers=num_workers, timeout_s=timeout_s, start_method=start_method,
-                                batch_timeout_s=batch_timeout_s)
+        if not isinstance(spec, str) or ":" not in spec:  # checked here: the adapter's spec always has one
+            raise RewardFunctionError(f"reward function {spec!r} must look like 'module:function'")
+        self._pool = WorkerPool(f"{__name__}:ADAPTERS.fn_{spec.encode().hex()}", num_workers=num_workers,
+                                timeout_s=timeout_s, start_method=start_method, batch_timeout_s=batch_timeout_s)
         self.failures = 0  # responses of the last `score` call that failed (scored 0.0)
         self.failing_batches = 0  # batches in a row in which more than half of the responses failed
 
@@ -56,7 +99,7 @@ class FunctionReward(RewardFunction):
         return dict(self._pool.stats)
 
     def score(self, items: Sequence[RewardItem]) -> list[float]:
-        outcomes = self._pool.map([(p, r, ref) for p, r, ref in items])
+        outcomes = self._pool.map([(p, r, ref, rest[0] if rest else None) for p, r, ref, *rest in items])
         scores, errors = [], []
         for outcome in outcomes:
             value = _as_float(outcome.value) if outcome.ok else None

@@ -82,7 +82,7 @@ class MathReward(RewardFunction):
     def score(self, items: Sequence[RewardItem]) -> list[float]:
         scores = [0.0] * len(items)
         pairs, where = [], []
-        for k, (_, response, reference) in enumerate(items):
+        for k, (_, response, reference, *_) in enumerate(items):
             if reference is None:
                 log.warning("MATH verifier got no reference answer; scored 0.0")
                 continue

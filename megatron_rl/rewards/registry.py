@@ -8,11 +8,11 @@ from typing import Optional
 from megatron_rl.data.registry import UnknownDatasetError, resolve_dataset
 from megatron_rl.rewards.base import RewardFunction
 from megatron_rl.rewards.function import FunctionReward
+from megatron_rl.rewards.kinds import REWARD_KINDS, kinds_text
 from megatron_rl.rewards.gsm8k import GSM8KReward
 from megatron_rl.rewards.math_answer import MathReward
 from megatron_rl.rewards.synthetic import SyntheticReward
 
-REWARD_KINDS = ("auto", "gsm8k", "math", "function", "synthetic", "reward-model")
 
 
 def kind_for_dataset(dataset: Optional[str]) -> str:
@@ -26,7 +26,7 @@ def kind_for_dataset(dataset: Optional[str]) -> str:
         kind = None
     if kind is None:
         raise ValueError(f"reward.kind='auto' cannot choose a verifier for dataset {dataset!r}; "
-                         f"set reward.kind to one of 'gsm8k', 'math', 'function', 'synthetic', 'reward-model'")
+                         f"set reward.kind to one of {kinds_text()}")
     return kind
 
 
@@ -41,7 +41,7 @@ def get_reward_fn(kind: str, function: Optional[str] = None, timeout_s: float = 
     if kind not in REWARD_KINDS:
         close = difflib.get_close_matches(str(kind), REWARD_KINDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown reward kind {kind!r}{hint}; expected one of {', '.join(map(repr, REWARD_KINDS))}")
+        raise ValueError(f"unknown reward kind {kind!r}{hint}; expected one of {kinds_text(REWARD_KINDS)}")
     if kind == "auto":
         kind = kind_for_dataset(dataset)
     if function is not None and kind != "function":

@@ -52,7 +52,7 @@ class RewardModelReward(RewardFunction):
     def score(self, items: Sequence[RewardItem]) -> list[float]:
         out: list[float] = []
         for i in range(0, len(items), self.batch_size):
-            texts = [prompt + response for prompt, response, _ in items[i:i + self.batch_size]]
+            texts = [prompt + response for prompt, response, *_ in items[i:i + self.batch_size]]
             enc = self.tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length)
             logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits
             out.extend(float(x) for x in logits[:, 0].float().cpu())

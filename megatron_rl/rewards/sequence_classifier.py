@@ -203,7 +203,7 @@ class ParallelRewardModel:
     def _encode(self, items: Sequence) -> tuple[list[list[int]], list[int]]:
         """Token ids of each prompt + response (its last max_length) and the position transformers reads:
         the last token that is not the pad token (0 when there is none)."""
-        texts = [prompt + response for prompt, response, _ in items]
+        texts = [prompt + response for prompt, response, *_ in items]
         ids = self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"] if texts else []
         pad = self.tokenizer.pad_token_id
         read = [max((i for i, t in enumerate(seq) if t != pad), default=0) for seq in ids]

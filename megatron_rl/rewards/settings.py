@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Optional
 
 from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.rewards.kinds import RewardKind
 from megatron_rl.settings import Section, ranged
 
 
@@ -37,7 +38,7 @@ class RewardSettings(Section):
     its own ranks), the reward is the verifier's plus `model_coef` times the model's score."""
 
     SECTION: ClassVar[str] = "reward"
-    kind: Literal["auto", "gsm8k", "math", "synthetic", "function", "reward-model"] = "auto"
+    kind: RewardKind = "auto"
     function: Optional[str] = None
     model: Optional[str] = None
     model_coef: float = 1.0  # either sign
@@ -103,10 +104,11 @@ class RewardSettings(Section):
                 kind_for_dataset(dataset)
             except ValueError as e:
                 out.append(str(e))
-        elif (dataset is None and self.kind not in ("auto", "synthetic", "reward-model")
+        elif (dataset is None and self.kind not in ("auto", "reward-model")
               and not (self.kind == "function" and not self.function)):
-            out.append(f"{path}.kind={self.kind!r}: the built-in synthetic task has its own exact-match reward; use "
-                       f"data.dataset='jsonl' with your prompts to train on another reward")
+            out.append(f"{path}.kind={self.kind!r} does nothing here: the built-in synthetic task has its own "
+                       f"exact-match reward (leave reward.kind 'auto'); use data.dataset='jsonl' with your prompts to "
+                       f"train on another reward")
         if import_function and self.function and self.kind == "function" and ":" in self.function \
                 and dataset is not None:
             out += _function_problems(self.function)
