@@ -38,7 +38,7 @@ def _records(n, prefix="q"):
 
 class _Exact:
     def score(self, items):
-        return [1.0 if resp.strip() == ref else 0.0 for _, resp, ref in items]
+        return [1.0 if resp.strip() == ref else 0.0 for _, resp, ref, *_ in items]
 
     def close(self):
         pass
