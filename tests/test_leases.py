@@ -134,7 +134,7 @@ def test_eval_beside_a_job_saving_every_step_always_succeeds(shared_data, tmp_pa
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     job = warm_cli.start(["train", "trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "data.eval_size=4",
                           "run.eval_interval=1000", "rollout.max_new_tokens=6", "checkpoint.save_interval=1",
-                          "checkpoint.keep_last=1", "run.steps=30", f"checkpoint.dir={tmp_path}", "run.name=r"],
+                          "checkpoint.keep_last=1", "run.steps=16", f"checkpoint.dir={tmp_path}", "run.name=r"],
                          cwd=REPO, env=env)
     run = tmp_path / "r"
     results = []

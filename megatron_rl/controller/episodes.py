@@ -94,15 +94,34 @@ class Episodes:
         self.env, self.tok, self.is_leader, self.tp_group = env, tokenizer, is_leader, tp_group
         self.template = TurnTemplate(tokenizer, chat)
         self.sampling = sampling
-        self.pool = None
+        # The leader's workers start in the background (a second or two each: an interpreter and the class's
+        # imports), while the job warms up and pushes its first weights; the first batch waits for them.
+        self._pool, self._pool_error = None, None
+        self._starting = threading.Thread(target=self._start_pool, name="megatron-rl-env-start", daemon=True)
         if is_leader:
-            from megatron_rl.environments.pool import EnvironmentPool
+            self._starting.start()
 
-            self.pool = EnvironmentPool(env.cls, num_workers=env.num_workers, timeout_s=env.timeout_s)
+    def _start_pool(self) -> None:
+        from megatron_rl.environments.pool import EnvironmentPool
+
+        try:
+            self._pool = EnvironmentPool(self.env.cls, num_workers=self.env.num_workers, timeout_s=self.env.timeout_s)
+        except BaseException as e:  # noqa: BLE001 - raised where the pool is first used
+            self._pool_error = e
+
+    @property
+    def pool(self):
+        """The leader's environment workers, once started (their start's error, raised here)."""
+        self._starting.join()
+        if self._pool_error is not None:
+            raise self._pool_error
+        return self._pool
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
+        if self.is_leader:
+            self._starting.join()
+            if self._pool is not None:
+                self._pool.close()
 
     def share(self, obj):
         """The leader's `obj` on every rank of the replica (a broadcast over its TP group, where it has several)."""
