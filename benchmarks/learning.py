@@ -37,21 +37,24 @@ def gain_report(before: float, after: float, n: int) -> dict:
             "gain_standard_errors": round((after - before) / se, 2) if se > 0 else None}
 
 
-def main(argv: list[str]) -> int:
-    config = ROOT / "configs" / "smollm2-arithmetic.yaml"
-    name = f"learning-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides = [f"run.name={name}", *argv]
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "-c", str(config), *overrides]
+def run_recipe(config: Path, prefix: str, argv: list[str]) -> tuple[Path, dict, float]:
+    """`megatron-rl train -c config` from scratch into checkpoints/<prefix>-<time> with `argv`'s overrides: (its run
+    directory, its resolved config, its wall time in seconds)."""
+    name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "-c", str(config), f"run.name={name}", *argv]
     print("$", " ".join(cmd[2:]), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - t0
-    run_dir = ROOT / "checkpoints" / name
-    run_dir = Path(json.loads((run_dir / "summary.json").read_text())["run_dir"])
-    curve = held_out_curve(run_dir)
+    run_dir = Path(json.loads((ROOT / "checkpoints" / name / "summary.json").read_text())["run_dir"])
     import yaml
 
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return run_dir, yaml.safe_load((run_dir / "config.yaml").read_text()), wall
+
+
+def main(argv: list[str]) -> int:
+    run_dir, cfg, wall = run_recipe(ROOT / "configs" / "smollm2-arithmetic.yaml", "learning", argv)
+    curve = held_out_curve(run_dir)
     n = cfg["data"]["eval_size"] * cfg["data"]["eval_samples"]
     result = {"benchmark": "learning", "recipe": "configs/smollm2-arithmetic.yaml", "overrides": argv,
               **gain_report(curve[0]["eval/reward"], curve[-1]["eval/reward"], n),

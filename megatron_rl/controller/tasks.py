@@ -113,17 +113,19 @@ class AdditionTask(Task):
 class GuessTask(Task):
     """Find a hidden number in 1..16 from "higher" / "lower" replies, in episodes (`env.cls` GuessNumber,
     `environments/guess.py`): one turn finds it 1 time in 16, an optimal player always within 5. The warm start
-    imitates a careless player, who guesses at random whatever the replies say: demonstrations are its games cut at
-    a random turn, as token ids (the transcript holds the replies' stop tokens and the observations as the episode
-    renders them), with the next random guess as the answer. RL then has to learn to use the replies."""
+    imitates a careless player: each of its guesses uses the answers so far (a number they still allow) with
+    probability `demo_accuracy`, and is any number in 1..16 otherwise. Demonstrations are its games cut at a random
+    turn, as token ids (the transcript holds the replies' stop tokens and the observations as the episode renders
+    them), with its next guess as the answer. RL then has to learn to use the answers every time."""
 
     LOW, HIGH = 1, 16
 
     def __init__(self, eval_size: int = 64, seed: int = 0, template=None, stop_id: Optional[int] = None,
-                 max_turns: int = 4):
+                 max_turns: int = 4, demo_accuracy: float = 0.3):
         from megatron_rl.environments.guess import guess_records
 
         self.seed, self.template, self.stop_id, self.max_turns = seed, template, stop_id, max_turns
+        self.demo_accuracy = demo_accuracy
         self.heldout = [self._record(r) for r in guess_records(eval_size, seed=10_000 + seed)]
 
     @staticmethod
@@ -152,15 +154,22 @@ class GuessTask(Task):
         for rec in self.train_batch(10_000_000 + index, size):
             env = GuessNumber({"prompt": rec.prompt, "reference": rec.reference}, 0)
             ids = self.template.prompt({"role": "user", "content": env.reset()})
+            low, high = self.LOW, self.HIGH  # what the answers so far allow
             for _ in range(rnd.randrange(self.max_turns)):
-                guess = f" {rnd.randint(self.LOW, self.HIGH)}"
-                message, _, done = env.step(guess)
+                guess = self._guess(rnd, low, high)
+                message, _, done = env.step(f" {guess}")
                 if done:
                     break
-                ids = ids + self.template.tok.encode(guess) + [self.stop_id] + \
+                low, high = (max(low, guess + 1), high) if message == "higher" else (low, min(high, guess - 1))
+                ids = ids + self.template.tok.encode(f" {guess}") + [self.stop_id] + \
                     self.template.observation({"role": "user", "content": message})
-            out.append((ids, f" {rnd.randint(self.LOW, self.HIGH)}"))
+            out.append((ids, f" {self._guess(rnd, low, high)}"))
         return out
+
+    def _guess(self, rnd: random.Random, low: int, high: int) -> int:
+        if rnd.random() < self.demo_accuracy and low <= high:
+            return rnd.randint(low, high)
+        return rnd.randint(self.LOW, self.HIGH)
 
 
 # ---- dataset tasks -----------------------------------------------------------------------------------------------
@@ -267,7 +276,7 @@ def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
         from megatron_rl.controller.episodes import TurnTemplate
 
         return GuessTask(data.eval_size, cfg.run.seed, TurnTemplate(tokenizer, chat=False), tokenizer.eos_id,
-                         cfg.env.max_turns)
+                         cfg.env.max_turns, data.demo_accuracy)
     instruction = DATASETS[key].instruction
     if key == "word-problems":
         problems = WordProblems()  # one fixed problem set, whatever the run seed

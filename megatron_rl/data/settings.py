@@ -29,7 +29,8 @@ class DataSettings(Section):
     eval_samples: int = ranged(4, ">= 1")
     chat: Optional[bool] = None
     system: Optional[str] = None
-    # Synthetic task only: the share of the warm start's demonstrations that are right (the rest are off by one).
+    # The built-in tasks only: the share of the warm start's demonstrations that are right (the rest are off by one);
+    # in the guessing game, the share of demonstrated guesses that use the answers so far.
     # The default imitates a careless demonstrator, which leaves RL something to learn beyond the demonstrations
     # (with perfect ones, RL only re-learns the supervised signal; see docs/benchmarks.md).
     demo_accuracy: float = ranged(0.3, "in [0, 1]")
