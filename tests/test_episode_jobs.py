@@ -17,8 +17,9 @@ import warm_cli
 from test_controller import _final_weights
 
 GUESS = ["data.dataset=guess-number", "env.cls=megatron_rl.environments.guess:GuessNumber", "env.max_tokens=40",
-         "env.max_turns=3", "env.num_workers=1", "rollout.max_new_tokens=6", "trainer.sft_warmup_steps=10",
-         "run.eval_interval=100", "rollout.prompts_per_step=4", "data.eval_size=2", "data.eval_samples=2"]
+         "env.max_turns=3", "env.num_workers=1", "rollout.max_new_tokens=6", "trainer.sft_warmup_steps=4",
+         "run.eval_interval=100", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "data.eval_size=2",
+         "data.eval_samples=2"]
 
 
 def _rows(run_dir):
@@ -53,7 +54,7 @@ def test_a_killed_episode_job_resumes_to_the_same_weights_and_metrics(tmp_path):
 
 
 def test_a_colocated_episode_job_runs(tmp_path):
-    proc = warm_cli.run(["train", *GUESS, "run.steps=2", "trainer.tp=1", "generator.colocated=true",
+    proc = warm_cli.run(["train", *GUESS, "run.steps=1", "trainer.tp=1", "generator.colocated=true",
                          f"checkpoint.dir={tmp_path}", "run.name=c"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert all(r["episode/turns"] >= 1 for r in _rows(tmp_path / "c"))
