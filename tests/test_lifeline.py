@@ -114,8 +114,8 @@ def test_output_survives_a_closed_pipe_and_other_write_errors_still_raise():
 def test_sighup_is_a_stop_signal_unless_the_process_ignores_it(ignored):
     code = f"""
         import os, signal, time
-        if {ignored}:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts a command
+        # as nohup starts a command, or a terminal (whatever the tests' own disposition is)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if {ignored} else signal.SIG_DFL)
         from megatron_rl.launch import signals
         signals.install()
         os.kill(os.getpid(), signal.SIGHUP)

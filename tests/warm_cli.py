@@ -68,7 +68,7 @@ def _call(spec: str):
 
 
 def _command(argv: list[str], env: dict, cwd: str, new_session: bool, stdout: DupFd, stderr: DupFd,
-             before: Optional[str], main: str) -> None:
+             before: Optional[str], main: str, on_terminal: bool = False) -> None:
     """The command's process: a child of the session's fork server, made into what a cold start would be."""
     sys.stdout.flush(), sys.stderr.flush()
     for fd, dup in ((1, stdout), (2, stderr)):
@@ -81,6 +81,8 @@ def _command(argv: list[str], env: dict, cwd: str, new_session: bool, stdout: Du
     os.environ.update(env)
     os.chdir(cwd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if on_terminal:  # a command started from a terminal hangs up with it, whatever ignored SIGHUP above the tests
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
     if before:
         _call(before)
     _own_fork_server()
@@ -110,7 +112,7 @@ class WarmProcess:
         out, err = (self._out.fileno(), self._err.fileno()) if terminal is None else (terminal, terminal)
         self._proc = multiprocessing.get_context("forkserver").Process(
             target=_command, args=(self.args, dict(os.environ if env is None else env), str(cwd or os.getcwd()),
-                                   start_new_session, DupFd(out), DupFd(err), before, main),
+                                   start_new_session, DupFd(out), DupFd(err), before, main, terminal is not None),
             name=f"megatron-rl {' '.join(self.args)[:60]}")
         self._proc.start()
         self.pid = self._proc.pid
