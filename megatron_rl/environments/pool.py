@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from megatron_rl.rewards.function import MAX_FAILING_BATCHES
-from megatron_rl.rewards.workers import RewardFunctionError, WorkerPool, resolve_function
+from megatron_rl.rewards.workers import (MAX_FAILING_BATCHES, RewardFunctionError, WorkerPool, failing_batches,
+                                         resolve_function)
 
 log = logging.getLogger(__name__)
 
@@ -324,14 +324,13 @@ class EnvironmentPool:
             else:  # timed out, or the worker died
                 turns.append(Turn.failed(f"env {self.spec}.{method}: {outcome.error}", outcome.seconds))
         errors = [t.error for t in turns if t.error is not None]
-        if errors:  # one line per call, each distinct error once
-            counts = collections.Counter(errors)
-            log.warning("environment %s failed on %d of %d episodes, which end with reward 0: %s", self.spec,
-                        len(errors), len(turns), "; ".join(f"{e} (x{n})" if n > 1 else e for e, n in counts.items()))
         self._counts["calls"] += len(calls)
         self._counts["errors"] += len(errors)
         self.failures = len(errors)
-        self.failing_batches = self.failing_batches + 1 if 2 * len(errors) > len(turns) else 0
+        self.failing_batches = failing_batches(
+            errors, len(turns), self.failing_batches,
+            lambda text: log.warning("environment %s failed on %d of %d episodes, which end with reward 0: %s",
+                                     self.spec, len(errors), len(turns), text))
         if self.failing_batches >= MAX_FAILING_BATCHES:
             raise EnvironmentFailureError(
                 f"env {self.spec!r} failed on {len(errors)} of {len(turns)} episodes, and on more than half in each "

@@ -13,18 +13,17 @@ construction with one clear line (RewardFunctionError).
 
 from __future__ import annotations
 
-import collections
 import inspect
 import logging
 import math
 from typing import Optional, Sequence
 
 from megatron_rl.rewards.base import RewardFunction, RewardItem
-from megatron_rl.rewards.workers import RewardFunctionError, WorkerPool, resolve_function
+from megatron_rl.rewards.workers import (MAX_FAILING_BATCHES, RewardFunctionError, WorkerPool, failing_batches,
+                                         resolve_function)
 
 log = logging.getLogger(__name__)
 
-MAX_FAILING_BATCHES = 3  # batches in a row with more than half of their responses failing stop the run
 
 
 class RewardFailureError(RuntimeError):
@@ -107,12 +106,11 @@ class FunctionReward(RewardFunction):
                 error = outcome.error if not outcome.ok else f"returned {outcome.value!r:.100}, not a finite number"
                 errors.append((error.splitlines() or [""])[0][:300])
             scores.append(0.0 if value is None else value)
-        if errors:  # one line per batch, each distinct error once
-            counts = collections.Counter(errors)
-            log.warning("reward function %s failed on %d of %d responses, scored 0.0: %s", self.spec, len(errors),
-                        len(items), "; ".join(f"{e} (x{n})" if n > 1 else e for e, n in counts.items()))
         self.failures = len(errors)
-        self.failing_batches = self.failing_batches + 1 if 2 * len(errors) > len(items) else 0
+        self.failing_batches = failing_batches(
+            errors, len(items), self.failing_batches,
+            lambda text: log.warning("reward function %s failed on %d of %d responses, scored 0.0: %s", self.spec,
+                                     len(errors), len(items), text))
         if self.failing_batches >= MAX_FAILING_BATCHES:
             raise RewardFailureError(
                 f"reward function {self.spec!r} failed on {len(errors)} of {len(items)} responses, and on more than "

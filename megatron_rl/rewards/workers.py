@@ -15,6 +15,7 @@ start-up, so a bad spec fails fast in the parent with one clear line.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import importlib
 import importlib.util
@@ -110,6 +111,20 @@ def _worker_main(spec: str, conn) -> None:
                 conn.send((call_id, "error", f"{type(e).__name__}: {e}"))
             except (OSError, EOFError):
                 return
+
+
+MAX_FAILING_BATCHES = 3  # batches in a row with more than half of their calls failing stop the run
+
+
+def failing_batches(errors: list[str], calls: int, streak: int, warn: Callable[[str], None]) -> int:
+    """The rule the pools' callers (reward functions, environments) share for one batch of `calls` calls, `errors`
+    of which failed (one line each): the failures logged in one line, each distinct error once (`warn(text)`), and
+    the new count of batches in a row in which more than half the calls failed (`streak` before this one); the caller
+    stops at MAX_FAILING_BATCHES, a function broken rather than unlucky."""
+    if errors:
+        counts = collections.Counter(errors)
+        warn("; ".join(f"{e} (x{n})" if n > 1 else e for e, n in counts.items()))
+    return streak + 1 if 2 * len(errors) > calls else 0
 
 
 @dataclass
