@@ -91,3 +91,37 @@ def reference_worker(rank, world_size, cfg, full, tp, requests, max_turns, max_t
         out.append((tokens, logprobs, mask, finish, turn))
     return out
 
+
+
+def failing_environments_worker(rank, world_size, cfg, full):
+    """Episodes of `env_cases:Misbehaves` whose environment fails to start (its constructor, its reset) beside one
+    that behaves, through the job's own `Episodes` (byte tokenizer, plain turns): each output, the returns and the
+    statistics, and whether the batch packs for the trainer."""
+    from megatron_rl.controller.collector import pack
+    from megatron_rl.controller.episodes import Episodes
+    from megatron_rl.controller.scoring import ScoredRollouts
+    from megatron_rl.data import PromptRecord
+    from megatron_rl.environments.settings import EnvSettings
+    from megatron_rl.tokenizers.byte import ByteTokenizer
+
+    g, model = _setup(cfg, full, 1)
+    tok = ByteTokenizer()
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=128)
+    env = EnvSettings(cls="env_cases:Misbehaves", max_turns=2, max_tokens=40, timeout_s=5.0, num_workers=1)
+    episodes = Episodes(env, tok, chat=False, tp_group=g.pgs.tp, is_leader=True,
+                        sampling=SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(tok.eos_id,)))
+    try:
+        records = [PromptRecord("ok", "count:", metadata={"turns": 2}),
+                   PromptRecord("reset", "count:", metadata={"reset": "raise"}),
+                   PromptRecord("init", "count:", metadata={"init": "raise"})]
+        reqs, turns = episodes.requests(records, [11, 12, 13], 1)
+        outs = gen.generate(reqs, turns=turns)
+        returns, stats = turns.returns(), turns.statistics(outs)
+    finally:
+        episodes.close()
+    part = ScoredRollouts(0, 0, [o.prompt_ids for o in outs], [o.token_ids for o in outs], [o.logprobs for o in outs],
+                          returns, [0, 1, 2], [], 0.0, 0.0, 0.0,
+                          policy_masks=[o.policy_mask for o in outs])
+    batch = pack([part], pad_id=0)
+    return ([(o.finish_reason, len(o.token_ids), o.turns) for o in outs], returns, stats,
+            batch.response_mask().sum(1).tolist())

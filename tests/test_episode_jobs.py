@@ -105,3 +105,18 @@ def test_observations_are_rendered_one_turn_at_a_time_and_never_re_tokenized(smo
     batch.advantages = torch.ones(1)
     (mb,) = make_micro_batches(batch, 4, 64)
     assert mb["loss_mask"][0].nonzero().flatten().tolist() == learned  # no loss, weight, KL or entropy at the tool's
+
+
+def test_an_environment_that_fails_to_start_ends_its_episode_and_the_batch_trains(tiny_hf):
+    """The constructor or `reset` of one episode's environment raises: that episode samples nothing and returns 0,
+    is counted as a failure, and the others play on; the batch still packs for the trainer."""
+    from megatron_rl.launch.spawn import run_local
+    from episode_workers import failing_environments_worker
+
+    _, cfg, full = tiny_hf
+    outs, returns, stats, learned = run_local(failing_environments_worker, 1, cfg, full)[0]
+    (ok, ok_tokens, ok_turns), reset, init = outs
+    assert ok in ("done", "turns", "length") and ok_tokens > 0 and ok_turns >= 1 and returns[0] > 0
+    assert reset == init == ("error", 0, 1) and returns[1:] == [0.0, 0.0]
+    assert stats["failures"] == 2 and stats["episodes"] == 3
+    assert learned[0] > 0 and learned[1:] == [0, 0]  # nothing of a failed episode is learned from

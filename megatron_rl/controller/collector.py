@@ -40,7 +40,8 @@ def pack(rollouts: list[ScoredRollouts], pad_id: int) -> RolloutBatch:
     versions = torch.tensor([r.version for r in rollouts for _ in r.rewards])
     policy = None
     if any(r.policy_masks is not None for r in rollouts):  # episodes: observations inside the responses
-        masks = [m for r in rollouts for m in (r.policy_masks or [[True] * len(t) for t in r.token_ids])]
+        masks = [m if m is not None else [True] * len(t)  # (a request the generator refused has none)
+                 for r in rollouts for m, t in zip(r.policy_masks or [None] * len(r.token_ids), r.token_ids)]
         policy = torch.tensor([[False] * len(p) + list(m) + [False] * (s - len(p) - len(m))
                                for p, m in zip(prompts, masks)], dtype=torch.bool)
     return RolloutBatch(toks, torch.tensor([len(p) for p in prompts]), torch.tensor([len(t) for t in tokens]),

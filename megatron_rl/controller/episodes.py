@@ -21,7 +21,6 @@ lost it (`environments/pool.py`), and so does a resumed run.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -137,23 +136,20 @@ class Episodes:
         `Turns` that plays them."""
         episodes = [_Episode(rec.as_dict(), stream_seed(base, k)) for rec, base in zip(records, base_seeds)
                     for k in range(n)]
-        prompts, failed = None, None
+        prompts = None
         if self.is_leader:
-            t0 = time.perf_counter()
             firsts = self.pool.first([(e.record, e.seed) for e in episodes])
-            failed = [t.error for t in firsts]
-            prompts = [self.template.prompt(t.message) if t.error is None else [] for t in firsts]
+            prompts = [self.template.prompt(t.message) if t.error is None else None for t in firsts]
             for e, t in zip(episodes, firsts):
-                e.env_s += t.seconds if t.seconds else 0.0
-            self.first_s = time.perf_counter() - t0
-        prompts = self.share(prompts)
-        for e, p in zip(episodes, prompts):
-            e.prompt = p
-        if failed is not None:
-            for e, error in zip(episodes, failed):
-                e.failures += error is not None
-        reqs = [GenerationRequest(e.prompt, SamplingParams(**{**self.sampling.__dict__, "n": 1, "seed": e.seed}))
-                for e in episodes]
+                e.env_s += t.seconds or 0.0
+                e.failures += t.error is not None
+        reqs = []
+        for e, prompt in zip(episodes, self.share(prompts)):
+            # An episode whose environment failed to start (one line in the log) samples nothing: a request the
+            # generator refuses (no new token), with its stop token as the prompt; its return is 0.
+            e.prompt = prompt if prompt is not None else [self.tok.eos_id]
+            params = {**self.sampling.__dict__, "n": 1, "seed": e.seed, **({} if prompt else {"max_new_tokens": 0})}
+            reqs.append(GenerationRequest(e.prompt, SamplingParams(**params)))
         return reqs, EpisodeTurns(self, episodes)
 
 
