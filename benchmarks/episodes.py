@@ -20,32 +20,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
-from learning import gain_report, held_out_curve, run_recipe  # noqa: E402
+from learning import recipe_report  # noqa: E402
 
 ONE_TURN_CEILING = 1 / 16  # one guess in 1..16, with no answer yet
 
 
 def main(argv: list[str]) -> int:
-    run_dir, cfg, wall = run_recipe(ROOT / "configs" / "guess-number.yaml", "episodes", argv)
-    curve = held_out_curve(run_dir)
+    result, run_dir = recipe_report("episodes", "guess-number.yaml", argv)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    n = cfg["data"]["eval_size"] * cfg["data"]["eval_samples"]
-    after = curve[-1]["eval/reward"]
     last = rows[-20:]
-    result = {"benchmark": "episodes", "recipe": "configs/guess-number.yaml", "overrides": argv,
-              **gain_report(curve[0]["eval/reward"], after, n), "one_turn_ceiling": ONE_TURN_CEILING,
-              "heldout_after_over_one_turn": round(after / ONE_TURN_CEILING, 2),
-              "turns_per_episode_first": round(rows[0]["episode/turns"], 2),
-              "turns_per_episode_last": round(sum(r["episode/turns"] for r in last) / len(last), 2),
-              "env_token_share_last": round(sum(r["episode/env_tokens"] for r in last)
-                                            / sum(r["episode/env_tokens"] + r["episode/policy_tokens"] for r in last), 3),
-              "env_s_per_step": round(sum(r["time/env_s"] for r in rows) / len(rows), 4),
-              "env_failures": sum(r["env_failures"] for r in rows),
-              "steps": cfg["run"]["steps"], "wall_time_s": round(wall, 1),
-              "curve": [(r["step"], round(r["eval/reward"], 4)) for r in curve], "run_dir": str(run_dir)}
+    result.update({
+        "one_turn_ceiling": ONE_TURN_CEILING,
+        "heldout_after_over_one_turn": round(result["heldout_after"] / ONE_TURN_CEILING, 2),
+        "turns_per_episode_first": round(rows[0]["episode/turns"], 2),
+        "turns_per_episode_last": round(sum(r["episode/turns"] for r in last) / len(last), 2),
+        "env_token_share_last": round(sum(r["episode/env_tokens"] for r in last)
+                                      / sum(r["episode/env_tokens"] + r["episode/policy_tokens"] for r in last), 3),
+        "env_s_per_step": round(sum(r["time/env_s"] for r in rows) / len(rows), 4),
+        "env_failures": sum(r["env_failures"] for r in rows)})
     emit(result)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

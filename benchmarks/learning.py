@@ -52,16 +52,21 @@ def run_recipe(config: Path, prefix: str, argv: list[str]) -> tuple[Path, dict, 
     return run_dir, yaml.safe_load((run_dir / "config.yaml").read_text()), wall
 
 
-def main(argv: list[str]) -> int:
-    run_dir, cfg, wall = run_recipe(ROOT / "configs" / "smollm2-arithmetic.yaml", "learning", argv)
+def recipe_report(benchmark: str, recipe: str, argv: list[str]) -> tuple[dict, Path]:
+    """Run `configs/<recipe>` (`run_recipe`) and report its held-out gain (`gain_report`, over every held-out
+    sample), curve, steps and wall time; and its run directory, for more."""
+    run_dir, cfg, wall = run_recipe(ROOT / "configs" / recipe, benchmark, argv)
     curve = held_out_curve(run_dir)
     n = cfg["data"]["eval_size"] * cfg["data"]["eval_samples"]
-    result = {"benchmark": "learning", "recipe": "configs/smollm2-arithmetic.yaml", "overrides": argv,
-              **gain_report(curve[0]["eval/reward"], curve[-1]["eval/reward"], n),
-              "heldout_after_weight_version": curve[-1].get("eval/version"),
-              "steps": cfg["run"]["steps"], "wall_time_s": round(wall, 1),
-              "curve": [(r["step"], round(r["eval/reward"], 4)) for r in curve], "run_dir": str(run_dir)}
-    emit(result)
+    return {"benchmark": benchmark, "recipe": f"configs/{recipe}", "overrides": argv,
+            **gain_report(curve[0]["eval/reward"], curve[-1]["eval/reward"], n),
+            "heldout_after_weight_version": curve[-1].get("eval/version"),
+            "steps": cfg["run"]["steps"], "wall_time_s": round(wall, 1),
+            "curve": [(r["step"], round(r["eval/reward"], 4)) for r in curve], "run_dir": str(run_dir)}, run_dir
+
+
+def main(argv: list[str]) -> int:
+    emit(recipe_report("learning", "smollm2-arithmetic.yaml", argv)[0])
     return 0
 
 

@@ -43,6 +43,7 @@ class TurnTemplate:
 
     def __init__(self, tokenizer, chat: bool):
         self.tok, self.chat = tokenizer, chat
+        self._turn_start: Optional[tuple[list, str, int]] = None  # (the conversation before, its text, the cut)
 
     def prompt(self, message: dict) -> list[int]:
         if self.chat:
@@ -58,12 +59,18 @@ class TurnTemplate:
             return PLAIN_SEPARATOR + message["content"]
         # The template's text for the new turn: a conversation with and without it, cut after the assistant's
         # end-of-turn marker (the reply's stop token, which the generator has already sampled).
-        before = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-        base = self.tok.apply_chat_template(before, add_generation_prompt=False)
+        before, base, cut = self._turn_start or self._find_turn_start()
         full = self.tok.apply_chat_template(before + [message], add_generation_prompt=True)
         if not full.startswith(base):
             raise ValueError("the chat template renders an earlier turn differently once a turn follows it: its "
                              "turns cannot be rendered one at a time")
+        return full[cut:]
+
+    def _find_turn_start(self) -> tuple[list, str, int]:
+        """A conversation of one exchange, its text, and where in it a following turn's text starts (after the
+        assistant's end-of-turn marker): found once per template."""
+        before = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        base = self.tok.apply_chat_template(before, add_generation_prompt=False)
         cut = base.rfind("a") + 1
         for stop in sorted({self.tok.decode([i], skip_special_tokens=False) for i in self.tok.stop_ids}, key=len,
                            reverse=True):
@@ -71,7 +78,8 @@ class TurnTemplate:
             if at >= 0:
                 cut = at + len(stop)
                 break
-        return full[cut:]
+        self._turn_start = (before, base, cut)
+        return self._turn_start
 
 
 @dataclass
@@ -93,8 +101,8 @@ class Episodes:
         self.env, self.tok, self.is_leader, self.tp_group = env, tokenizer, is_leader, tp_group
         self.template = TurnTemplate(tokenizer, chat)
         self.sampling = sampling
-        # The leader's workers start in the background (a second or two each: an interpreter and the class's
-        # imports), while the job warms up and pushes its first weights; the first batch waits for them.
+        # The leader's workers start in the background (an interpreter each, and the class's imports), while the job
+        # warms up and pushes its first weights; the first batch waits for them if it comes first.
         self._pool, self._pool_error = None, None
         self._starting = threading.Thread(target=self._start_pool, name="megatron-rl-env-start", daemon=True)
         if is_leader:

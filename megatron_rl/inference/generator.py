@@ -79,6 +79,11 @@ class _Seq:
     def history(self) -> list[int]:
         return self.prompt + self.tokens
 
+    @property
+    def last(self) -> int:
+        """The last token of `history`, without building it."""
+        return self.tokens[-1] if self.tokens else self.prompt[-1]
+
 
 def _to_device(t: torch.Tensor, device: torch.device, cuda_rules_on: bool) -> torch.Tensor:
     """A host tensor on `device` without waiting for the device's queued work (a pageable copy to a GPU
@@ -146,7 +151,7 @@ class _DecodeStep:
             return
         dev, rules = self.tokens.device, self.gen.cuda_rules_on
         idx = _to_device(torch.tensor([s.slot for s in seqs]), dev, rules)
-        for buf, values in ((self.tokens, [s.history[-1] for s in seqs]),
+        for buf, values in ((self.tokens, [s.last for s in seqs]),
                             (self.positions, [len(s.prompt) + len(s.tokens) - 1 for s in seqs]),
                             (self.steps, [s.sampled for s in seqs]), (self.seeds, [s.seed for s in seqs]),
                             (self.temperature, [s.params.temperature for s in seqs]),
@@ -307,10 +312,10 @@ class Generator:
         """Fill the cache of newly admitted sequences from position `cached` up to their last token, exclusive (one
         right-padded chunk): a new sequence's prompt but its last token; an episode's turn that resumes, its last
         reply token and the observation but its last token."""
-        prefill = [s for s in admitted if len(s.history) - 1 > s.cached]
+        prefill = [s for s in admitted if len(s.prompt) + len(s.tokens) - 1 > s.cached]
         if not prefill:
             return
-        width = max(len(s.history) - 1 - s.cached for s in prefill)
+        width = max(len(s.prompt) + len(s.tokens) - 1 - s.cached for s in prefill)
         toks = torch.zeros(len(prefill), width, dtype=torch.long)
         for j, s in enumerate(prefill):
             chunk = s.history[s.cached:-1]
