@@ -288,6 +288,28 @@ def cmd_inspect(args) -> int:
     return run(args.path, as_json=args.json)
 
 
+def cmd_resume_check(args) -> int:
+    """Whether every rank of a trainer layout would load a checkpoint (or the one a config's job would write)
+    exactly, and what each reads: 0, 1 with one line when a rank cannot, 2 for a SOURCE it cannot use."""
+    from megatron_rl.planning.resume_check import run
+
+    return run(args.source, config=args.config, overrides=args.overrides, as_json=args.json)
+
+
+def _add_resume_check_parser(sub) -> None:
+    p = sub.add_parser("resume-check", help="prove from metadata that a resume at a trainer layout finds every "
+                                            "element it loads exactly once, and what each rank reads")
+    p.add_argument("source", metavar="SOURCE",
+                   help="a checkpoint directory (or run root; .metadata files and megatron_rl.json suffice), or a "
+                        "job's config YAML (the checkpoint its job would write)")
+    p.add_argument("--config", "-c", help="the target job, for a checkpoint SOURCE (default: the checkpoint's own "
+                                          "trainer, with the trainer.* overrides)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="the target's settings, e.g. trainer.tp=4 trainer.pp=7 trainer.dp=8")
+    p.add_argument("--json", action="store_true", help="one JSON object (every rank's bytes) instead of the report")
+    p.set_defaults(func=cmd_resume_check)
+
+
 def _add_plan_parser(sub) -> None:
     """`megatron-rl plan` and its arguments."""
     p = sub.add_parser("plan", help="memory per rank, weight-sync and step time of the job `train` would start, "
@@ -335,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a checkpoint directory or a run's checkpoint root")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=cmd_inspect)
+    _add_resume_check_parser(sub)
     p = sub.add_parser("eval", help="accuracy of a checkpoint on GSM8K (test) or MATH-500, greedy decoding")
     p.add_argument("checkpoint", help="a megatron-rl checkpoint directory, or a run's checkpoint root (uses latest)")
     p.add_argument("--dataset", default="gsm8k", help="gsm8k (test split) or math500 (default: gsm8k)")

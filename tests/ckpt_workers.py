@@ -91,7 +91,7 @@ def load_and_continue(rank, world_size, layout_kw, path, steps, load_optimizer=T
     metrics = trainer.step(make_rollouts(cfg.vocab_size, seed=steps))
     return {"metrics": metrics, "params": gather_full_state_dict(trainer.model.module, cfg, g.pgs),
             "rl_state": meta["rl_state"], "lr": trainer.engine.optimizer.param_groups[0]["lr"],
-            "steps_done": trainer.engine.steps_done}
+            "steps_done": trainer.engine.steps_done, "read_bytes": ck.last_load_read.data}
 
 
 def train_with_two_saves(rank, world_size, state_path, root):
@@ -138,3 +138,92 @@ def crash_main() -> None:
     from megatron_rl.launch.spawn import run_local
 
     run_local(train_with_two_saves, 1, sys.argv[1], sys.argv[2])
+
+
+def _tensor_bytes(d) -> int:
+    """The bytes of tensor data a dist_checkpointing directory holds (every saved chunk), from its metadata."""
+    import math
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(str(d)).read_metadata()
+    return sum(math.prod(c.sizes) * t.properties.dtype.itemsize for t in md.state_dict_metadata.values()
+               if isinstance(t, TensorStorageMetadata) for c in t.chunks)
+
+
+def _flat(x, path=()):
+    """(path, leaf) of a nested dict/list, in order."""
+    if isinstance(x, dict):
+        return [e for k in sorted(x, key=str) for e in _flat(x[k], (*path, k))]
+    if isinstance(x, list):
+        return [e for i, v in enumerate(x) for e in _flat(v, (*path, i))]
+    return [(path, x)]
+
+
+def _differences(a, b) -> list:
+    """The paths where two loaded state dicts differ: tensors bit for bit (dtype, shape, bytes), the rest by ==."""
+    fa, fb = _flat(a), _flat(b)
+    if [p for p, _ in fa] != [p for p, _ in fb]:
+        return ["structure"]
+    out = []
+    for (p, x), (_, y) in zip(fa, fb):
+        if isinstance(x, torch.Tensor):
+            same = (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
+                    and torch.equal(x.reshape(-1).view(torch.uint8) if x.numel() else x,
+                                    y.reshape(-1).view(torch.uint8) if y.numel() else y))
+        else:
+            same = x == y
+        if not same:
+            out.append(".".join(map(str, p)))
+    return out
+
+
+def resume_reads(rank, world_size, state_path, root):
+    """Save at TP1 x DP2 (with a KL reference, here the policy's own weights), then for a resume at DP2 and at
+    TP2 x DP1: load each directory plainly (Megatron-Core's default strategy), with torch's whole-chunk reads
+    counted (the before-figure) and with `resume_strategy` into state poisoned with NaN; the last must give the plain
+    load's values bit for bit. Returns each layout's counts and differences."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+
+    from megatron_rl.checkpointing import megatron_state
+    from megatron_rl.checkpointing.loader import RangeLoadStrategy, resume_strategy
+
+    cfg, layout, g, trainer = _trainer(dict(tp=1, dp=2), state_path)
+    trainer.step(make_rollouts(cfg.vocab_size, seed=0))
+    path = TrainCheckpointer(root).save(1, trainer.engine, reference=trainer.model.module, layout=layout,
+                                        model_cfg=cfg, rl_state={"step": 1} if rank == 0 else None)
+    out = {"tensor_bytes": {sub: _tensor_bytes(path / sub) for sub in ("model", "optimizer")}}
+    for name, kw in (("dp2", dict(tp=1, dp=2)), ("tp2", dict(tp=2, dp=1))):
+        _, _, g2, fresh = _trainer(kw, None, seed=77)
+        engine = fresh.engine
+        megatron_state.ensure_optimizer_state(engine.optimizer)
+
+        def build(sub):
+            if sub == "model":
+                return megatron_state.sharded_model(engine)
+            sd = megatron_state.sharded_optimizer(engine, megatron_state.sharded_model(engine), is_loading=True)
+            sd["reference"] = megatron_state.sharded_reference(fresh.model.module, engine)
+            return sd
+
+        res = {"before": [0, 0], "after": [0, 0], "received": 0, "differences": []}
+        for sub in ("model", "optimizer"):
+            plain = dist_checkpointing.load(build(sub), str(path / sub))
+            plain = dict_list_map_outplace(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, plain)
+            whole = RangeLoadStrategy(whole_chunks=True)
+            res["differences"] += [f"whole {sub}: {d}" for d in _differences(
+                plain, dist_checkpointing.load(build(sub), str(path / sub), sharded_strategy=whole))]
+            sd = build(sub)
+            for v in nested_values(sd):
+                if getattr(v, "data", None) is not None and v.data.is_floating_point():
+                    v.data.detach().fill_(float("nan"))
+            strategy = resume_strategy(engine.pgs.dp_cp)
+            res["differences"] += [f"{sub}: {d}" for d in _differences(
+                plain, dist_checkpointing.load(sd, str(path / sub), sharded_strategy=strategy))]
+            for key, s in (("before", whole), ("after", strategy)):
+                res[key][0] += s.read.data
+                res[key][1] += s.read.header
+            res["received"] += strategy.received
+        out[name] = res
+    return out

@@ -2,14 +2,17 @@
 loads (`checkpointing/coverage.py`), where torch's load would leave the missing elements as the new model held them.
 The job's case: the default job (trainer TP2) saves, one of the two chunks of the embedding is removed from
 `model/.metadata` (the manifest's size and CRC-32 updated, so only the coverage is wrong), and a resume at TP1 x DP2
-fails naming the tensor and the range."""
+fails naming the tensor and the range, as `megatron-rl resume-check` does from the checkpoint or its metadata alone
+(which, on the intact checkpoint, reports what each rank reads, the same for the run's config as SOURCE)."""
 
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_rl.checkpointing.coverage import tensor_problem
 from megatron_rl.checkpointing.layout import CHECKSUMS, MANIFEST, META, file_checksum
@@ -51,18 +54,26 @@ def test_a_resume_whose_index_misses_a_chunk_fails_in_one_line_before_loading(tm
     first = warm_cli.run([*args, "run.steps=2"], cwd=REPO, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = tmp_path / "c" / "step_00000002"
+    target = ["trainer.tp=1", "trainer.dp=2"]  # the layout the resume below takes
+    report, _ = _resume_check([str(ckpt), *target, "--json"], env, 0)
+    assert report["ok"] and (report["written_at"], report["target"]) == ("tp=2,pp=1,dp=1", "tp=1,pp=1,dp=2")
+    assert [(r["tp"], r["pp"], r["dp"]) for r in report["per_rank"]] == [(0, 0, 0), (0, 0, 1)]
+    assert report["read_bytes"] == sum(r["read_bytes"] for r in report["per_rank"]) < report["needed_bytes"]
+    assert report["max_rank_needed_bytes"] == max(r["needed_bytes"] for r in report["per_rank"])
+    assert report["load_s"] > 0 and report["tensors"] > 0 and report["objects"] > 0
+    # The run's config as a SOURCE: the save its job writes, rehearsed on the meta device, is the one it wrote
+    # (its dtype pinned to the one the run resolved "auto" to: resume-check resolves it for the calibrated GPU).
+    config = yaml.safe_load((tmp_path / "c" / "config.yaml").read_text())
+    config["trainer"]["dtype"] = {"bfloat16": "bf16", "float32": "fp32"}[json.loads((ckpt / META).read_text())["dtype"]]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    rehearsed, _ = _resume_check([str(tmp_path / "run.yaml"), *target, "--json"], env, 0)
+    for k in ("tensors", "chunks", "objects", "written_bytes", "read_bytes", "needed_bytes", "per_rank"):
+        assert rehearsed[k] == report[k], k
     index = ckpt / "model" / ".metadata"
-    md = read_dcp_metadata(index.parent)
     key = "embedding.word_embeddings.weight"
-    entry = md.state_dict_metadata[key]
+    entry = read_dcp_metadata(index.parent).state_dict_metadata[key]
     assert len(entry.chunks) == 2  # saved at trainer TP2
-    removed = entry.chunks.pop()
-    with open(index, "wb") as f:
-        pickle.dump(md, f)
-    meta = json.loads((ckpt / META).read_text())
-    meta[MANIFEST]["model/.metadata"] = index.stat().st_size
-    meta[CHECKSUMS]["model/.metadata"] = file_checksum(index)
-    (ckpt / META).write_text(json.dumps(meta))
+    removed = _rewrite_index(ckpt, lambda md: md.state_dict_metadata[key].chunks.pop())
 
     again = warm_cli.run([*args, "run.steps=4", "trainer.tp=1", "trainer.dp=2"], cwd=REPO, env=env)
     assert again.returncode == 1, again.stderr[-3000:]
@@ -73,3 +84,51 @@ def test_a_resume_whose_index_misses_a_chunk_fails_in_one_line_before_loading(tm
     assert len(lines) == 1 and f"{index}: {key}: elements [{rng}] of {list(entry.size)} are in no saved chunk" \
         in lines[0], again.stderr[-3000:]
     assert "resumed from" not in again.stderr
+
+    # resume-check names the same range, from the checkpoint or from a copy of its metadata alone
+    alone = tmp_path / "metadata-only" / ckpt.name
+    for sub in ("model", "optimizer"):
+        (alone / sub).mkdir(parents=True)
+        shutil.copy(ckpt / sub / ".metadata", alone / sub)
+    shutil.copy(ckpt / META, alone)
+    for where, json_too in ((ckpt, []), (alone, ["--json"])):
+        failed, lines = _resume_check([str(where), *target, *json_too], env, 1)
+        line = f"{where / 'model' / '.metadata'}: {key}: elements [{rng}] of {list(entry.size)} are in no saved chunk"
+        assert line in lines[0] and (failed is None or line in failed["error"] and not failed["ok"])
+
+    # With the chunk back and a layer's `_extra_state` gone, the index tiles every tensor (the load's own check
+    # passes), and the resume fails in `resume-check`'s line instead of in the load
+    _rewrite_index(ckpt, lambda md: md.state_dict_metadata[key].chunks.append(removed))
+    gone = "decoder.layers.mlp.linear_fc2._extra_state/shard_2_4"
+    _rewrite_index(ckpt, lambda md: md.state_dict_metadata.pop(gone))
+    again = warm_cli.run([*args, "run.steps=4", *target], cwd=REPO, env=env)
+    assert again.returncode == 1, again.stderr[-3000:]
+    lines = [line for line in again.stderr.splitlines() if gone in line]
+    assert len(lines) == 1 and f"{index}: holds no object {gone}, which is loaded by the ranks tp 0, pp 0 of the " \
+        f"trainer at tp=2,pp=1,dp=1" in lines[0], again.stderr[-3000:]  # at the layout it was written with first
+    assert "resumed from" not in again.stderr
+
+
+def _rewrite_index(ckpt, change):
+    """Apply `change` to the index of checkpoint `ckpt`'s model (torch DCP's `Metadata`), write it back with its
+    size and CRC-32 in the manifest (so that only the index is wrong), and return what `change` returned."""
+    index = ckpt / "model" / ".metadata"
+    md = read_dcp_metadata(index.parent)
+    out = change(md)
+    with open(index, "wb") as f:
+        pickle.dump(md, f)
+    meta = json.loads((ckpt / META).read_text())
+    meta[MANIFEST]["model/.metadata"] = index.stat().st_size
+    meta[CHECKSUMS]["model/.metadata"] = file_checksum(index)
+    (ckpt / META).write_text(json.dumps(meta))
+    return out
+
+
+def _resume_check(args, env, code):
+    """`megatron-rl resume-check ARGS`, whose exit status must be `code`: its JSON object (with --json) and the
+    lines on stderr other than its progress (exit 1: exactly one)."""
+    out = warm_cli.run(["resume-check", *args], cwd=REPO, env=env)
+    assert out.returncode == code, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if not line.endswith(" s]")]  # progress lines end "[N s]"
+    assert code == 0 or len(lines) == 1, out.stderr[-3000:]
+    return json.loads(out.stdout) if "--json" in args else None, lines

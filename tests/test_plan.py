@@ -426,7 +426,12 @@ def test_checkpoint_times_follow_the_rates(capsys):
     assert c["rates"] == {"host_copy_gbps": 55, "filesystem_write_gbps": 8.0, "filesystem_read_gbps": 16.0}
     assert c["save_blocking_s"] == pytest.approx(c["busiest_rank_bytes"] / 55e9)
     assert c["save_total_s"] == pytest.approx(c["save_blocking_s"] + c["node_bytes"] / 8e9)
-    assert c["load_s"] == pytest.approx(2 * c["node_bytes"] / 16e9)
+    # A load: the checksums over all the bytes, spread over the 56 nodes, then the busiest node's reads (8 TP
+    # ranks); at the layout it was saved with, a rank reads what it wrote.
+    assert c["load_bytes_per_rank"] == c["bytes_per_rank"]
+    assert c["load_checksum_s"] == pytest.approx(c["total_bytes"] / 56 / 16e9)
+    assert c["load_read_s"] == pytest.approx(8 * max(c["load_bytes_per_rank"].values()) / 16e9)
+    assert c["load_s"] == pytest.approx(c["load_checksum_s"] + c["load_read_s"])
     assert c["node_bytes"] == pytest.approx(c["total_bytes"] / (8 * 14 * 4) * 8, rel=1e-6)
 
 

@@ -11,16 +11,52 @@ import warm_cli
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    """Saved at TP2 x PP2 x DP2: every way a checkpoint's tensors are cut."""
     state = tmp_path_factory.mktemp("init") / "full.pt"
     torch.save(random_full_state(), state)
     root = tmp_path_factory.mktemp("ckpt")
-    return run_local(train_save_continue, 4, dict(tp=2, pp=2, dp=1), str(state), str(root), 3)
+    return run_local(train_save_continue, 8, dict(tp=2, pp=2, dp=2), str(state), str(root), 3)
+
+
+def test_the_save_rehearsed_on_the_meta_device_is_the_one_written(saved):
+    """`resume-check` reasons about a save it builds on the meta device (each rank's stage, model state dict and
+    distributed-optimizer boxes): its index equals the one the real save wrote, tensor by tensor (global shape,
+    dtype, every chunk's offsets and sizes) and object by object."""
+    from pathlib import Path
+
+    from megatron_rl.models import get_preset
+    from megatron_rl.parallel import ParallelLayout
+    from megatron_rl.planning.resume_check import TrainerSpec, read_index, rehearsed_index
+
+    def contents(index):
+        return {(d, key): (tuple(e.size), e.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes))
+                                                                      for c in e.chunks)) if hasattr(e, "chunks")
+                else "object" for d, md in index.metadata.items() for key, e in md.state_dict_metadata.items()}
+
+    written = read_index(Path(saved[0]["path"]))
+    rehearsed = rehearsed_index(TrainerSpec(get_preset("tiny"), ParallelLayout(2, 2, 2), attention="sdpa"),
+                                Path("tiny-tp2-pp2-dp2"))
+    assert contents(rehearsed) == contents(written)
+    assert sum(len(e.chunks) for _, _, e in written.tensors()) > 100
 
 
 @pytest.mark.parametrize("layout", [dict(tp=1, pp=1, dp=2), dict(tp=2, pp=1, dp=2)], ids=["tp1dp2", "tp2dp2"])
 def test_resume_at_another_layout_continues_exactly(saved, layout):
+    """A fresh trainer at another layout, restored from the TP2 x PP2 x DP2 checkpoint, takes the same next step;
+    each of its ranks read from the files the bytes `resume-check` predicted for it."""
+    from pathlib import Path
+
+    from megatron_rl.models import get_preset
+    from megatron_rl.parallel import ParallelLayout
+    from megatron_rl.planning.resume_check import TrainerSpec, read_index, rehearse
+
     ref = saved[0]
     out = run_local(load_and_continue, layout["tp"] * layout["dp"], layout, ref["path"], 3)
+    target = ParallelLayout(**layout)
+    predicted = sorted(rehearse(read_index(Path(ref["path"])), TrainerSpec(get_preset("tiny"), target,
+                                                                            attention="sdpa")),
+                       key=lambda r: target.local_rank(r.tp, r.pp, r.dp))
+    assert [r["read_bytes"] for r in out] == [r.read_bytes for r in predicted]
     for r in out:
         assert r["rl_state"] == {"step": 3, "weight_version": 3}
         assert r["steps_done"] == 4

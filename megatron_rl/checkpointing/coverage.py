@@ -27,7 +27,8 @@ from megatron_rl.checkpointing.layout import DCP_METADATA, CheckpointError
 MAX_CELLS = 1 << 24  # a grid larger than this (no real sharding comes close) is checked by volume alone
 
 
-def _range_text(lo: Iterable[int], hi: Iterable[int]) -> str:
+def range_text(lo: Iterable[int], hi: Iterable[int]) -> str:
+    """Elements [lo, hi) of a tensor as the lines name them: `[a:b, c:d]`."""
     return "[" + ", ".join(f"{a}:{b}" for a, b in zip(lo, hi)) + "]"
 
 
@@ -37,7 +38,7 @@ def tensor_problem(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], t
     shape = tuple(int(s) for s in shape)
     for offsets, sizes in chunks:
         if len(offsets) != len(shape) or any(o < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
-            return (f"chunk {_range_text(offsets, [o + s for o, s in zip(offsets, sizes)])} lies outside its "
+            return (f"chunk {range_text(offsets, [o + s for o, s in zip(offsets, sizes)])} lies outside its "
                     f"shape {list(shape)}")
     if not shape:  # a scalar: one chunk holds it
         return None if len(chunks) == 1 else f"is saved {len(chunks)} times" if chunks else "is in no chunk"
@@ -63,7 +64,7 @@ def tensor_problem(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], t
             cell = found[0]
             lo = [int(c[i]) for c, i in zip(cuts, cell)]
             hi = [int(c[i + 1]) for c, i in zip(cuts, cell)]
-            return f"elements {_range_text(lo, hi)} of {list(shape)} are {what}"
+            return f"elements {range_text(lo, hi)} of {list(shape)} are {what}"
     return None
 
 

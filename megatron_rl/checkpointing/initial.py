@@ -135,9 +135,13 @@ def load_weights(model, ckpt: Path, dp_cp_group=None) -> None:
     if model is None:
         dist_checkpointing.load({}, str(Path(ckpt) / MODEL_DIR))
         return
+    from megatron_rl.checkpointing.loader import RangeLoadStrategy, resume_strategy
     from megatron_rl.models.sharding import model_sharded_state_dict
 
-    state = dist_checkpointing.load(model_sharded_state_dict(model, dp_cp_group), str(Path(ckpt) / MODEL_DIR))
+    # Each weight read by one rank of the DP group (and broadcast), each chunk only as far as this shard needs.
+    strategy = resume_strategy(dp_cp_group) if dp_cp_group is not None else RangeLoadStrategy()
+    state = dist_checkpointing.load(model_sharded_state_dict(model, dp_cp_group), str(Path(ckpt) / MODEL_DIR),
+                                    sharded_strategy=strategy)
     model.load_state_dict(state)
 
 

@@ -30,6 +30,7 @@ import torch
 
 from megatron_rl.checkpointing import optimizer_state
 from megatron_rl.checkpointing.layout import OPTIMIZER_DIR
+from megatron_rl.checkpointing.reads import read_owners
 
 # Optimizers other than the distributed one are written by Megatron-Core (each DP group's rank 0 holds the whole
 # state already); the distributed optimizer's state is written in pieces by `optimizer_state`.
@@ -48,7 +49,7 @@ def spread_replicas(sharded_state_dict: dict, group) -> None:
     over the DP group instead of all falling on DP rank 0, the main replica Megatron-Core picks.
 
     Every DP rank of a model-parallel shard holds the same tensors, so each computes the same assignment alone, with
-    no communication: the tensors largest first (then by key and offset), each to the least-loaded rank. The owner
+    no communication: `reads.read_owners`, the rule by which a resume picks the rank that reads each. The owner
     becomes the main replica (DP coordinate 0 of the replica id), the others not (1). Factories are applied first
     (SwiGLU's two halves are spread separately)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -60,11 +61,9 @@ def spread_replicas(sharded_state_dict: dict, group) -> None:
         return
     shards = [sh for sh in nested_values(sharded_state_dict)
               if isinstance(sh, ShardedTensor) and isinstance(sh.replica_id, tuple) and len(sh.replica_id) == 3]
-    shards.sort(key=lambda sh: (-sh.data.numel() * sh.data.element_size(), sh.key, sh.global_offset))
-    loads = [0] * size
-    for sh in shards:
-        owner = min(range(size), key=lambda r: (loads[r], r))
-        loads[owner] += sh.data.numel() * sh.data.element_size()
+    owners = read_owners([(sh.key, sh.global_offset, sh.data.numel() * sh.data.element_size()) for sh in shards],
+                         size)
+    for sh, owner in zip(shards, owners):
         sh.replica_id = (*sh.replica_id[:2], 0 if owner == rank else 1)
 
 

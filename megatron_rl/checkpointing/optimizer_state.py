@@ -134,23 +134,29 @@ def sharded_param_state(opt, model_sharded_state_dict: dict) -> dict[str, list]:
         views = _state_views(opt, param)
         # Each DP rank owns a distinct range: the DP coordinate of the replica id is the optimizer instance's.
         replica = (*meta.replica_id[:2], instance) if isinstance(meta.replica_id, tuple) else meta.replica_id
-        for piece in _pieces(meta):
-            sh = piece.sharded
-            numel = sh.data.numel()
-            lo, hi = max(start, piece.base), min(end, piece.base + numel)
-            pre = sh.prepend_axis_num
-            for off, size, flat in boxes(tuple(sh.local_shape), lo - piece.base, hi - piece.base):
-                at = piece.base + flat - start  # where the box starts in this rank's 1-d state tensors
-                n = math.prod(size)
-                offset = (*sh.global_offset[:pre], *(g + o for g, o in zip(sh.global_offset[pre:], off)))
-                # Prepended axes (the layer index) become axes of size 1: DCP's uneven chunks have no prepending.
-                shape = (1,) * pre + tuple(size)
-                for k in STATE_KEYS:
-                    data = views[k][at: at + n].view(shape)
-                    out[k].append(ShardedTensor(
-                        f"{PREFIX}.{k}.{sh.key}", data, data.dtype, shape, tuple(sh.global_shape), offset,
-                        None, replica, allow_shape_mismatch=sh.allow_shape_mismatch))
+        for sh, offset, shape, at in range_boxes(meta, start, end):
+            n = math.prod(shape)
+            for k in STATE_KEYS:
+                data = views[k][at: at + n].view(shape)
+                out[k].append(ShardedTensor(
+                    f"{PREFIX}.{k}.{sh.key}", data, data.dtype, shape, tuple(sh.global_shape), offset,
+                    None, replica, allow_shape_mismatch=sh.allow_shape_mismatch))
     return out
+
+
+def range_boxes(meta, start: int, end: int) -> Iterator[tuple[object, tuple[int, ...], tuple[int, ...], int]]:
+    """The model-space boxes of the flat range [start, end) of a parameter's local shard, whose model sharding is
+    `meta` (a ShardedTensor or factory): (the model ShardedTensor the box lies in, the box's global offset, its
+    shape, where it starts in the range), in order. What `sharded_param_state` writes, and `resume-check`
+    rehearses on meta-device stages."""
+    for piece in _pieces(meta):
+        sh = piece.sharded
+        lo, hi = max(start, piece.base), min(end, piece.base + sh.data.numel())
+        pre = sh.prepend_axis_num
+        for off, size, flat in boxes(tuple(sh.local_shape), lo - piece.base, hi - piece.base):
+            offset = (*sh.global_offset[:pre], *(g + o for g, o in zip(sh.global_offset[pre:], off)))
+            # Prepended axes (the layer index) become axes of size 1: DCP's uneven chunks have no prepending.
+            yield sh, offset, (1,) * pre + tuple(size), piece.base + flat - start
 
 
 def apply(state: dict[str, list], loaded: dict[str, list]) -> None:

@@ -32,7 +32,8 @@ Here: `TrainCheckpointer` (save in the background, find, load) and the save's ow
 rank checksums which file). The format itself (names, metadata, manifest, `verify`, `latest`, the step directories,
 removing unfinished writes) is `layout.py`'s; the leases of other processes reading a step, which retention
 (`_prune`) honours, `leases.py`'s; the sharded state dicts handed to Megatron-Core and the workarounds
-around its save and load are `megatron_state.py`'s; the RNG states `rng.py`'s.
+around its save and load are `megatron_state.py`'s; how a load reads the files (each byte once, by one rank)
+`loader.py`'s; the RNG states `rng.py`'s.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from megatron_rl.checkpointing.layout import (CHECKSUMS, LATEST, MANIFEST, MODEL
                                               mismatch_line, publish, read_latest, remove_unfinished, retire,
                                               retired, rng_file, step_dir_name, verify, write_meta)
 from megatron_rl.checkpointing import background, leases, megatron_state, optimizer_state, rng, safe_load, storage
+from megatron_rl.checkpointing.reads import ReadCount, read_owners
 from megatron_rl.checkpointing.tokenizer import save_tokenizer
 from megatron_rl.failpoints import failpoint
 
@@ -98,6 +100,17 @@ def _writer_rank(name: str, world_size: int) -> int:
     m = _WRITER_RANK.search(name)
     rank = int(m.group(1) or m.group(2)) if m else 0
     return rank if rank < world_size else 0
+
+
+def _share_by_bytes(files: list[str], pickled: list[str], sizes: dict, world: int) -> list[tuple[list, list]]:
+    """Each rank's share of a checkpoint's checks: (files whose checksum it reads, pickled files it checks), split
+    by the manifest's sizes with `read_owners`' rule (largest first, to the least-loaded rank)."""
+    # The offset field tells a file's two checks apart: 0 its checksum, 1 its pickles.
+    work = [(rel, (kind,), sizes.get(rel, 0)) for kind, rels in enumerate((files, pickled)) for rel in rels]
+    shares: list = [([], []) for _ in range(world)]
+    for (rel, (kind,), _), owner in zip(work, read_owners(work, world)):
+        shares[owner][kind].append(rel)
+    return shares
 
 
 def _files(tmp: Path) -> list[str]:
@@ -143,6 +156,7 @@ class TrainCheckpointer:
         self._pending: Optional[_Pending] = None
         self.last_save_s = self.last_blocking_s = 0.0
         self.last_staged_bytes = 0  # the tensor bytes this rank copied out (and writes) in the last save
+        self.last_load_read = ReadCount()  # the bytes this rank read in the last load (trainer ranks)
 
     # ---- save ------------------------------------------------------------------------------------------------
     def save(self, step: int, engine=None, *, reference=None, layout=None, model_cfg=None,
@@ -364,8 +378,9 @@ class TrainCheckpointer:
     # ---- find and load ---------------------------------------------------------------------------------------
     def verify(self, path: Path) -> dict:
         """`verify(path, checksums=True)`, and every pickled file checked to hold only data (`safe_load`; nothing
-        in it runs), collective when torch.distributed is initialized: each rank reads a share of the files, and
-        every rank gets the same answer. Remembered, so that `load` after `find` reads the files once."""
+        in it runs), collective when torch.distributed is initialized: each rank reads a share of the files (an
+        even share of the bytes: `_share_by_bytes`), and every rank gets the same answer. Remembered, so that
+        `load` after `find` reads the files once."""
         path = Path(path)
         meta = verify(path)
         if path in self._verified:
@@ -373,9 +388,10 @@ class TrainCheckpointer:
         files, pickled = sorted(meta.get(CHECKSUMS) or {}), safe_load.pickled_files(path)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             rank, world = dist.get_rank(), dist.get_world_size()
+            files, pickled = _share_by_bytes(files, pickled, meta.get(MANIFEST) or {}, world)[rank]
             parts: list = [None] * world
-            dist.all_gather_object(parts, (checksum_mismatches(path, meta, files[rank::world]),
-                                           safe_load.problems(path, pickled[rank::world])))
+            dist.all_gather_object(parts, (checksum_mismatches(path, meta, files),
+                                           safe_load.problems(path, pickled)))
             mismatches = sorted(rel for part, _ in parts for rel in part)
             refused = [line for _, part in parts for line in part]
         else:
@@ -423,6 +439,8 @@ class TrainCheckpointer:
         `rl_state` (the controller's state, on every rank)."""
         from megatron.core import dist_checkpointing
 
+        from megatron_rl.checkpointing.loader import resume_strategy
+
         path = Path(path)
         meta = self.verify(path)
         if reference is not None and not megatron_state.saved_with_reference(path):
@@ -432,14 +450,17 @@ class TrainCheckpointer:
             with_state = meta.get("optimizer_state") is not False
             if with_state:
                 megatron_state.ensure_optimizer_state(engine.optimizer)
+            # Each replicated tensor read by one DP rank and broadcast, each chunk only as far as needed.
+            strategy = resume_strategy(engine.pgs.dp_cp)
             model_sd = megatron_state.sharded_model(engine)
-            state = dist_checkpointing.load(model_sd, str(path / MODEL_DIR))
+            state = dist_checkpointing.load(model_sd, str(path / MODEL_DIR), sharded_strategy=strategy)
             engine.model.module.load_state_dict(state)
             model_sd = megatron_state.sharded_model(engine)
             optim_sd = megatron_state.sharded_optimizer(engine, model_sd, is_loading=True, with_state=with_state)
             if reference is not None:
                 optim_sd["reference"] = megatron_state.sharded_reference(reference, engine)
-            ostate = dist_checkpointing.load(optim_sd, str(path / OPTIMIZER_DIR))
+            ostate = dist_checkpointing.load(optim_sd, str(path / OPTIMIZER_DIR), sharded_strategy=strategy)
+            self.last_load_read = strategy.read
             if reference is not None:
                 reference.load_state_dict(ostate["reference"])
             if with_state:

@@ -32,8 +32,10 @@ from megatron_rl.controller.scoring import Evaluated, ScoredRollouts, UnscoredRo
 from megatron_rl.controller.tasks import build_task
 from megatron_rl.failpoints import failpoint
 from megatron_rl.models import ModelConfig
+from megatron_rl.models.precision import resolve_dtype
 from megatron_rl.parallel import ExecutorPlacement, build_topology
 from megatron_rl.parallel.topology import new_group
+from megatron_rl.planning.resume_check import TrainerSpec, check_resume
 from megatron_rl.rollout import RolloutBatch
 
 
@@ -261,6 +263,12 @@ class Job:
             raise CheckpointError(f"{path}: algorithm.kl_coef > 0 but the checkpoint holds no KL reference model "
                                   f"(it was written by a run without one); resume with algorithm.kl_coef=0, or "
                                   f"start a new run")
+        # Every element each trainer rank loads, at this layout and at the one it was written with, is in the
+        # checkpoint exactly once: proven from its index before anything loads, the stages shared over the ranks.
+        note = check_resume(path, TrainerSpec.of_job(self.cfg, self.model_cfg, resolve_dtype(self.cfg.trainer.dtype)),
+                            self.world_group)
+        if note is not None and self.rank == 0:
+            self.echo(f"megatron-rl: warning: {note}")
         reference = None
         if self.trainer is not None:
             self.trainer.prepare_resume()

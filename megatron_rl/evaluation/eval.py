@@ -149,6 +149,7 @@ def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts:
     import torch
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.checkpointing.loader import resume_strategy
     from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
     from megatron_rl.models import build_gpt_model
     from megatron_rl.models.sharding import model_sharded_state_dict
@@ -159,7 +160,8 @@ def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts:
     # tensors are rounded to it as they load, whatever dtype they were saved in.
     model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=getattr(torch, dtype),
                             initialize=False)  # every weight is loaded next
-    state = dist_checkpointing.load(model_sharded_state_dict(model, g.pgs.dp_cp), model_dir)
+    state = dist_checkpointing.load(model_sharded_state_dict(model, g.pgs.dp_cp), model_dir,
+                                    sharded_strategy=resume_strategy(g.pgs.dp_cp))  # reads only this TP rank's part
     model.load_state_dict(state)
     gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch_size, max_len=max_len, pp_group=g.pgs.pp)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids))

@@ -6,6 +6,8 @@ memory       the stated models for what is not a parameter: activations, generat
 steptime     one RL step, synchronous (colocated baseline) and asynchronous (dedicated executors)
 calibration  per-device rates from a YAML file whose every number names its source (`h100.yaml`)
 checkpoint   whether a checkpoint reshards into the trainer layout, from its metadata
+resume_check `megatron-rl resume-check`: every element each rank of a layout loads, in a checkpoint (or a job's
+             rehearsed save) exactly once, and the bytes each reads; `train` runs it before a resume loads
 plan         `make_plan(cfg, model, calibration)`: all of the above for one job
 report       the readable report
 paper        the LlamaRL paper's step-time table, predicted (validation)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_rl.checkpointing.reads import read_owners
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.layout import ParallelLayout
 
@@ -100,35 +101,59 @@ def checkpoint_cost(cfg, model: ModelConfig, stages, cal) -> dict:
     model's weights the same way. Host memory during a save: the same bytes (each rank copies what it writes into
     host buffers, kept between saves).
 
+    Bytes a rank reads when the job resumes at its own layout (`checkpointing/loader.py`): a tensor that every DP
+    rank of a shard holds (the weights, the KL reference's, and without the distributed optimizer its whole state)
+    is read by one of them, `reads.read_owners`' rank, and broadcast; the distributed optimizer's range by the rank
+    that owns it; each chunk only as far as the rank needs it. So the weights' reads fall where their writes did.
+
     Times, from the calibration's rates: training waits while the busiest rank copies its bytes out
     (`host_copy_gbps`, into pinned memory); the save completes when a node's ranks have written theirs
-    (`filesystem_write_gbps`, per node; the node holds `gpus_per_node` ranks of the mean size); a load reads every
-    file twice over the world (checksums, then each rank its part: `filesystem_read_gbps`). Megatron-Core's
-    planning (a metadata exchange, about a second on a 2-core CPU) is not modelled."""
+    (`filesystem_write_gbps`, per node; the node holds `gpus_per_node` ranks of the mean size). A load first
+    checks every file's checksum, the bytes spread evenly over the trainer's nodes, then reads: it ends with the
+    busiest node's reads (the trainer's ranks are the job's first, `gpus_per_node` to a node), both at
+    `filesystem_read_gbps` a node; the broadcasts (over the network, faster than the filesystem) are not modelled,
+    nor is Megatron-Core's planning (a metadata exchange, about a second on a 2-core CPU)."""
     layout = cfg.trainer.layout
     distributed = cfg.trainer.use_distributed_optimizer
-    copies = 2 if cfg.algorithm.kl_coef > 0 else 1  # the policy's weights, and the KL reference's
-    per_rank = {}
+    prefixes = ("", "reference.") if cfg.algorithm.kl_coef > 0 else ("",)  # the policy's weights, the KL reference's
+
+    def balance(sizes: list[tuple[str, int]]) -> list[int]:
+        """Each DP rank's bytes of the tensors `read_owners` spreads over the DP group."""
+        loads = [0] * layout.dp
+        for (_, nbytes), owner in zip(sizes, read_owners([(k, (), b) for k, b in sizes], layout.dp)):
+            loads[owner] += nbytes
+        return loads
+
+    per_rank, reads, nodes = {}, {}, {}
     for pp_rank, mods in enumerate(stages):
         # A last stage's output layer tied to the first stage's embedding is a copy of it, saved once, by the first.
         copy = [p for p in mods.params if p.name == "output_layer.weight"] if (
             model.tie_word_embeddings and layout.pp > 1 and pp_rank == layout.pp - 1) else []
-        weights = [0] * layout.dp
-        for nbytes in sorted((p.nbytes for p in mods.params if p not in copy), reverse=True) * copies:
-            owner = min(range(layout.dp), key=lambda r: (weights[r], r))
-            weights[owner] += nbytes
+        weights = balance([(x + p.name, p.nbytes) for x in prefixes for p in mods.params if p not in copy])
+        replicated = [(x + p.name, p.nbytes) for x in prefixes for p in mods.params]
+        if not distributed:
+            replicated += [("optimizer." + p.name, 12 * p.numel) for p in mods.params if p not in copy]
+        loaded = balance(replicated)
         for dp_rank, o in enumerate(mods.optimizer):
             elements = o.state_elements - sum(p.numel for p in copy) // (layout.dp if distributed else 1)
             optimizer = 12 * elements if distributed or dp_rank == 0 else 0
-            per_rank[f"pp {pp_rank}, dp {dp_rank}"] = weights[dp_rank] + optimizer
+            name = f"pp {pp_rank}, dp {dp_rank}"
+            per_rank[name] = weights[dp_rank] + optimizer
+            reads[name] = loaded[dp_rank] + (12 * elements if distributed else 0)
+            for tp_rank in range(layout.tp):
+                node = layout.local_rank(tp_rank, pp_rank, dp_rank) // cal.gpus_per_node
+                nodes[node] = nodes.get(node, 0) + reads[name]
     busiest = max(per_rank, key=per_rank.get)
     ranks = layout.tp * layout.pp * layout.dp
     total = layout.tp * sum(per_rank.values())
     node = total / ranks * min(cal.gpus_per_node, ranks)
     blocking = per_rank[busiest] / (cal.host_copy_gbps * 1e9)
+    read_rate = cal.filesystem_read_gbps * 1e9
+    checksum_s, read_s = total / len(nodes) / read_rate, max(nodes.values()) / read_rate
     return {"bytes_per_rank": per_rank, "busiest_rank": busiest, "busiest_rank_bytes": per_rank[busiest],
             "host_bytes_per_rank": per_rank[busiest], "total_bytes": total, "node_bytes": int(node),
             "save_blocking_s": blocking, "save_total_s": blocking + node / (cal.filesystem_write_gbps * 1e9),
-            "load_s": 2 * node / (cal.filesystem_read_gbps * 1e9),
+            "load_bytes_per_rank": reads, "load_node_bytes": max(nodes.values()),
+            "load_s": checksum_s + read_s, "load_checksum_s": checksum_s, "load_read_s": read_s,
             "rates": {"host_copy_gbps": cal.host_copy_gbps, "filesystem_write_gbps": cal.filesystem_write_gbps,
                       "filesystem_read_gbps": cal.filesystem_read_gbps}}

@@ -200,12 +200,11 @@ def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
     return tuple(out)
 
 
-def _optimizer_shards(model: torch.nn.Module, dp: int, distributed: bool) -> tuple[OptimizerShard, ...]:
-    """Megatron-Core DDP's buffers over `model`'s parameters, grouped as its DDP groups them, and what each DP rank's
-    optimizer holds (the trainer's settings: fp32 gradient reduction, no overlap, hence one bucket per buffer)."""
+def _ddp_buffers(model: torch.nn.Module, dp_group: StandInGroup, distributed: bool) -> list:
+    """Megatron-Core DDP's buffers over `model`'s parameters, grouped as its DDP groups them (the trainer's
+    settings: fp32 gradient reduction, no overlap, hence one bucket per buffer), over the DP group `dp_group`."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -216,32 +215,56 @@ def _optimizer_shards(model: torch.nn.Module, dp: int, distributed: bool) -> tup
         if p.requires_grad:
             groups.setdefault((p.dtype, torch.float32), []).append(p)
             names[p] = name
-    dp_group = StandInGroup(dp, 0)
     pgs = ProcessGroupCollection()
     pgs.tp, pgs.dp_cp = StandInGroup(1, 0), dp_group
-    buffers = [_ParamAndGradBuffer(ddp_config, pdt, gdt, params, dp_group, None, names, 1.0,
-                                   list(range(len(params))), False, pgs)
-               for (pdt, gdt), params in groups.items()]
+    return [_ParamAndGradBuffer(ddp_config, pdt, gdt, params, dp_group, None, names, 1.0,
+                                list(range(len(params))), False, pgs)
+            for (pdt, gdt), params in groups.items()]
+
+
+def _owned(buf, distributed: bool) -> list[tuple[torch.nn.Parameter, int, int]]:
+    """(parameter, start, end): the flat range of each of `buf`'s parameters that the optimizer of its DP group's
+    current rank owns, in Megatron-Core's order (without the distributed optimizer: every parameter whole)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not distributed:
+        return [(p, 0, p.numel()) for p in buf.params]
+    ranges = DistributedOptimizer._build_gbuf_range_map(buf)[(buf.param_dtype, buf.grad_dtype)]
+    return [(p, m["param"].start, m["param"].end) for bucket in ranges for p, m in bucket["param_map"].items()]
+
+
+def _optimizer_shards(model: torch.nn.Module, dp: int, distributed: bool) -> tuple[OptimizerShard, ...]:
+    """Megatron-Core DDP's buffers over `model`'s parameters and what each DP rank's optimizer holds."""
+    dp_group = StandInGroup(dp, 0)
+    buffers = _ddp_buffers(model, dp_group, distributed)
     shards = []
     for r in range(dp if distributed else 1):
         dp_group._rank = r
         param_bytes = grad_bytes = main = state = steps = 0
         for buf in buffers:
             grad_bytes += buf.numel * buf.grad_dtype.itemsize
-            if distributed:
-                param_bytes += buf.numel * buf.param_dtype.itemsize
-                ranges = DistributedOptimizer._build_gbuf_range_map(buf)[(buf.param_dtype, buf.grad_dtype)]
-                owned = [(p, m["param"].size) for bucket in ranges for p, m in bucket["param_map"].items()]
-            else:
-                param_bytes += sum(p.numel() * p.dtype.itemsize for p in buf.params)
-                owned = [(p, p.numel()) for p in buf.params]
-            for p, n in owned:
+            param_bytes += (buf.numel * buf.param_dtype.itemsize if distributed
+                            else sum(p.numel() * p.dtype.itemsize for p in buf.params))
+            for p, start, end in _owned(buf, distributed):
                 if p.dtype != torch.float32:
-                    main += n
-                state += n
+                    main += end - start
+                state += end - start
                 steps += 1
         shards.append(OptimizerShard(param_bytes, grad_bytes, main, state, steps))
     return tuple(shards)
+
+
+def owned_ranges(model: torch.nn.Module, dp: int) -> list[list[tuple[torch.nn.Parameter, int, int]]]:
+    """For each rank of a `dp`-way data-parallel group, what its distributed optimizer owns of `model` (a meta
+    stage, `stage_model`): (parameter, start, end) flat ranges of the local parameters, in Megatron-Core's order."""
+    with meta_building():
+        dp_group = StandInGroup(dp, 0)
+        buffers = _ddp_buffers(model, dp_group, True)
+        out = []
+        for r in range(dp):
+            dp_group._rank = r
+            out.append([owned for buf in buffers for owned in _owned(buf, True)])
+    return out
 
 
 def _checkpoint_keys(model: torch.nn.Module) -> dict:
@@ -279,6 +302,14 @@ def build_rank_modules(model_cfg: ModelConfig, layout: ParallelLayout, *, tp_ran
     """
     return _build_cached(dataclasses.astuple(model_cfg), layout, tp_rank, pp_rank, params_dtype, attention,
                          quantization, optimizer, kv_cache)
+
+
+def stage_model(model_cfg: ModelConfig, layout: ParallelLayout, *, tp_rank: int = 0, pp_rank: int = 0,
+                params_dtype: torch.dtype = torch.float32, attention: str = "auto") -> torch.nn.Module:
+    """The meta-device GPTModel stage at (tp_rank, pp_rank) of `layout` that `build_rank_modules` measures (the
+    same cached object: read it, and hand it to `owned_ranges`, which only re-points its parameters)."""
+    return _stage_cached(dataclasses.astuple(model_cfg), layout.tp, layout.pp, tp_rank, pp_rank, params_dtype,
+                         attention, "none", None)[0]
 
 
 @functools.lru_cache(maxsize=64)

@@ -142,7 +142,7 @@ class Plan:
                                                          for k, s in cal.sources.items()}}}
 
 
-def _dtype(name: str, cal: Calibration) -> torch.dtype:
+def executor_dtype(name: str, cal: Calibration) -> torch.dtype:
     """An executor's parameter dtype. "auto" is resolved for the machine the job runs on: the calibrated GPU
     (bf16 on every GPU the calibration files describe), or this machine when planning a CPU job."""
     from megatron_rl.models.precision import DTYPES, resolve_dtype
@@ -182,7 +182,7 @@ def _trainer_batch(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
 
 def _trainer_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration,
                     stages: list[RankModules], staging: int) -> tuple[RankMemory, ...]:
-    dtype = _dtype(cfg.trainer.dtype, cal)
+    dtype = executor_dtype(cfg.trainer.dtype, cal)
     seq, rows, m = _trainer_batch(cfg, layout.dp)
     ranks = []
     for pp_rank, mods in enumerate(stages):
@@ -211,7 +211,7 @@ def _generator_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout
     prompts, as on a one-stage generator (an upper bound: a stage prefills one lane of slots at a time)."""
     quantized = cfg.generator.quantization != "none"
     work = prefill_workspace_bytes(model, layout.tp, cfg.generator.max_batch_size, cfg.rollout.max_prompt_length,
-                                   _dtype(cfg.generator.dtype, cal).itemsize, quantized)
+                                   executor_dtype(cfg.generator.dtype, cal).itemsize, quantized)
     return RankMemory("generator", "every rank" if layout.pp == 1 else f"pp {pp_rank}", {
         "weights": mods.weight_bytes, "kv_cache": mods.kv_cache_bytes, "prefill_workspace": work,
         "ddma_staging": staging, "reserve": int(cal.reserve_gib * GIB)})
@@ -248,7 +248,7 @@ def _sync_estimate(model: ModelConfig, trainer: ParallelLayout, generator: Paral
 
 
 def _build_trainer(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration) -> list[RankModules]:
-    return [build_rank_modules(model, layout, pp_rank=p, params_dtype=_dtype(cfg.trainer.dtype, cal),
+    return [build_rank_modules(model, layout, pp_rank=p, params_dtype=executor_dtype(cfg.trainer.dtype, cal),
                                attention=cfg.trainer.attention,
                                optimizer=cfg.trainer.use_distributed_optimizer) for p in range(layout.pp)]
 
@@ -256,7 +256,7 @@ def _build_trainer(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, c
 def _build_generator(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout, cal: Calibration,
                      pp_rank: int = 0) -> RankModules:
     max_len = cfg.episode_length
-    return build_rank_modules(model, layout, pp_rank=pp_rank, params_dtype=_dtype(cfg.generator.dtype, cal),
+    return build_rank_modules(model, layout, pp_rank=pp_rank, params_dtype=executor_dtype(cfg.generator.dtype, cal),
                               attention=cfg.generator.model_attention, quantization=cfg.generator.quantization,
                               kv_cache=(cfg.generator.max_batch_size, max_len))
 
@@ -287,7 +287,7 @@ def _reward_model_memory(cfg: JobConfig, cal: Calibration, device_bytes: int) ->
         rm = body_config(reward_model_config(cfg.reward.model, e.tp))
     except ValueError as err:
         raise PlanError(str(err).splitlines()[0]) from None
-    dtype = _dtype(cfg.generator.dtype, cal)
+    dtype = executor_dtype(cfg.generator.dtype, cal)
     mods = build_rank_modules(rm, e.layout, params_dtype=dtype, attention=BODY_ATTENTION)
     head = 4 * rm.hidden_size
     weights = sum(p.nbytes for p in mods.params if not p.name.startswith("output_layer.")) + head
@@ -310,7 +310,7 @@ def _trainer_shape(cfg: JobConfig, layout: ParallelLayout, stages: list[RankModu
     """The trainer as the step model sees it: its busiest stage's DDP buffers and each group's link."""
     opt = [o for s in stages for o in s.optimizer]
     tp, dp = layout.tp, layout.dp
-    return TrainerShape(tp, layout.pp, dp, rows, _dtype(cfg.trainer.dtype, cal).itemsize,
+    return TrainerShape(tp, layout.pp, dp, rows, executor_dtype(cfg.trainer.dtype, cal).itemsize,
                         grad_buffer_bytes=max(o.grad_buffer_bytes for o in opt),
                         param_buffer_bytes=max(o.param_buffer_bytes for o in opt),
                         distributed_optimizer=cfg.trainer.use_distributed_optimizer,

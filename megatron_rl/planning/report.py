@@ -68,8 +68,10 @@ def format_text(plan: Plan) -> str:
                       f"{_size(c['host_bytes_per_rank'])} (kept between saves)",
                   f"  training waits {c['save_blocking_s']:.2f} s (the copy out at {r['host_copy_gbps']:g} GB/s); "
                   f"the save completes after {c['save_total_s']:.1f} s ({_size(c['node_bytes'])} a node at "
-                  f"{r['filesystem_write_gbps']:g} GB/s); a load takes {c['load_s']:.1f} s (read twice, checksums "
-                  f"first, at {r['filesystem_read_gbps']:g} GB/s a node; set yours: --filesystem-gbps WRITE,READ)"]
+                  f"{r['filesystem_write_gbps']:g} GB/s); a load takes {c['load_s']:.1f} s (checksums "
+                  f"{c['load_checksum_s']:.1f} s, then each byte read once: the busiest node's "
+                  f"{_size(c['load_node_bytes'])} at {r['filesystem_read_gbps']:g} GB/s a node; set yours: "
+                  f"--filesystem-gbps WRITE,READ)"]
     if plan.checkpoint:
         c = plan.checkpoint
         reads = ", ".join(f"{k} {_gib(v)}" for k, v in c["read_bytes_per_rank"].items())

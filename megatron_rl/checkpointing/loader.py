@@ -1,0 +1,428 @@
+"""The loads of training checkpoints and model weights: each byte read once, by one rank (`reads.py`'s rules).
+
+1. `RangeReader`: torch's `FileSystemReader`, except for tensors: a saved chunk is a torch.save zip inside a
+   `.distcp` file, and where its headers show a contiguous storage (what our saves write: `HostStaging` copies
+   each tensor out), the region a rank needs is read as `chunk_read_ranges` of its data instead of the whole
+   chunk. Objects, chunks with a stream transform and any other layout (a view saved with its strides, several
+   storages, compression, another byte order) take torch's path: the chunk read whole, then narrowed. It counts
+   the bytes it reads (`ReadCount`).
+2. `RangeLoadStrategy`: Megatron-Core's torch_dist load strategy with that reader.
+3. `ParallelLoadStrategy`: the ShardedTensors that every rank of a data-parallel group holds alike (model weights,
+   the KL reference's) are read by one rank each (`read_owners`) and broadcast over the group, in buckets of at most
+   `BUCKET_BYTES`, on the device the tensors live on (the group's backend moves them: gloo on CPU, NCCL on GPU);
+   everything else (the distributed optimizer's pieces, objects) is read by the ranks that need it.
+4. `resume_strategy`: the two together, what the loads pass to `dist_checkpointing.load`.
+
+Every rank ends with the values a plain `dist_checkpointing.load` gives it (the tests check bit-equality).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import math
+import os
+import re
+import struct
+import sys
+import zipfile
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy
+from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+    CachedMetadataFileSystemReader)
+from megatron.core.dist_checkpointing.strategies.torch import (MCoreLoadPlanner, TorchDistLoadShardedStrategy,
+                                                               _replace_sharded_keys_with_state_dict_keys,
+                                                               _replace_state_dict_keys_with_sharded_keys,
+                                                               _restore_dict_types, _unwrap_pyt_sharded_tensor,
+                                                               mcore_to_pyt_state_dict)
+from torch.distributed import checkpoint
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
+
+from megatron_rl.checkpointing.reads import ReadCount, chunk_read_ranges, read_owners, runs
+
+# The broadcasts of replicated tensors are coalesced into buffers of at most this size (a larger tensor goes alone).
+BUCKET_BYTES = 256 << 20
+_ALIGN = 16  # bytes: every tensor of a bucket starts at a multiple of this (any dtype's view of it is aligned)
+HEADER_WINDOW = 4096  # bytes at each end of a chunk read at once for its headers
+
+
+# ---- 1. the reader ---------------------------------------------------------------------------------------------
+class _Slice(io.RawIOBase):
+    """A read-only file object over bytes [offset, offset + length) of an open file, counting the bytes it reads
+    from the file (positioned reads, so several slices may share the descriptor). `with_headers` reads the first and
+    last `HEADER_WINDOW` bytes at once and serves the reads inside them from memory: the zip's records before the
+    data and its directory after it, in two reads instead of some twenty small ones."""
+
+    def __init__(self, fd: int, offset: int, length: int):
+        super().__init__()
+        self.fd, self.offset, self.length = fd, offset, length
+        self.pos = self.read_bytes = 0
+        self.windows: list[tuple[int, bytes]] = []
+
+    def with_headers(self) -> "_Slice":
+        spans = [(0, min(HEADER_WINDOW, self.length))]
+        tail = max(self.length - HEADER_WINDOW, 0)
+        spans = [(0, self.length)] if tail <= spans[0][1] else spans + [(tail, self.length - tail)]
+        for start, n in spans:
+            self.windows.append((start, os.pread(self.fd, n, self.offset + start)))
+            self.read_bytes += len(self.windows[-1][1])
+        return self
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = pos + (0, self.pos, self.length)[whence]
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        out = memoryview(buffer).cast("B")[:n]
+        for start, data in self.windows:
+            if start <= self.pos and self.pos + n <= start + len(data):
+                out[:] = data[self.pos - start:self.pos - start + n]
+                break
+        else:
+            n = _pread_into(self.fd, out, self.offset + self.pos)
+            self.read_bytes += n
+        self.pos += n
+        return n
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+    """Fill `buffer` from the file at `offset`; fewer bytes only at the file's end."""
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkLayout:
+    """A chunk the fast path reads: a contiguous row-major tensor of `shape` and `dtype` whose first element is at
+    byte `start` of the chunk."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int
+
+
+_STORAGE_RECORD = re.compile(r"[^/]+/data/\d+")
+
+
+def _chunk_layout(chunk: _Slice) -> Optional[_ChunkLayout]:
+    """The layout of a chunk (a torch.save zip) from its headers alone (the pickle and the zip directory, a few KB),
+    or None where the fast path does not apply."""
+    chunk.seek(0)
+    meta = torch.load(chunk, map_location="meta", weights_only=True)  # shape, strides, storage offset; no data
+    if not isinstance(meta, torch.Tensor) or not meta.is_contiguous():
+        return None
+    chunk.seek(0)
+    with zipfile.ZipFile(chunk) as zf:
+        infos = zf.infolist()
+        storages = [i for i in infos if _STORAGE_RECORD.fullmatch(i.filename)]
+        if len(storages) != 1 or storages[0].compress_type != zipfile.ZIP_STORED:
+            return None
+        order = [i for i in infos if i.filename.endswith("/byteorder")]
+        if order and zf.read(order[0]).decode() != sys.byteorder:
+            return None
+        info = storages[0]
+    itemsize = meta.element_size()
+    if (meta.storage_offset() + meta.numel()) * itemsize > info.file_size:
+        return None
+    chunk.seek(info.header_offset)
+    header = chunk.read(30)  # the record's local header: its name and extra field precede the data
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    start = info.header_offset + 30 + name_len + extra_len + meta.storage_offset() * itemsize
+    return _ChunkLayout(tuple(meta.shape), meta.dtype, start)
+
+
+def _read_region(chunk: _Slice, layout: _ChunkLayout, offsets: tuple[int, ...], lengths: tuple[int, ...],
+                 into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
+    """The region [offsets, offsets + lengths) of the chunk, read as `chunk_read_ranges` says: a range of one run
+    straight into place, a range of merged runs through a buffer. The place is `into` where it can take the bytes
+    as they are (a contiguous CPU tensor of the chunk's dtype and the region's shape), else a new tensor. Returns
+    (tensor, bytes read)."""
+    itemsize = torch.empty((), dtype=layout.dtype).element_size()
+    if (into is not None and into.device.type == "cpu" and into.dtype == layout.dtype and into.is_contiguous()
+            and tuple(into.shape) == tuple(lengths)):
+        out = into.reshape(-1).view(torch.uint8)
+    else:
+        out = torch.empty(math.prod(lengths) * itemsize, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    region_runs = runs(layout.shape, itemsize, offsets, lengths)
+    pos = read = 0
+    for start, n in chunk_read_ranges(layout.shape, itemsize, offsets, lengths):
+        at = chunk.offset + layout.start + start
+        first, run = next(region_runs)
+        if run == n:
+            got = _pread_into(chunk.fd, view[pos:pos + n], at)
+            pos += n
+        else:
+            buf = memoryview(bytearray(n))
+            got = _pread_into(chunk.fd, buf, at)
+            while True:
+                view[pos:pos + run] = buf[first - start:first - start + run]
+                pos += run
+                if first + run == start + n:
+                    break
+                first, run = next(region_runs)
+        if got != n:
+            raise OSError(f"a checkpoint chunk ends early: {n} bytes at {at} asked for, {got} read")
+        read += n
+    return out.view(layout.dtype).reshape(lengths), read
+
+
+class RangeReader(CachedMetadataFileSystemReader):
+    """torch's `FileSystemReader` (Megatron-Core's, which caches the metadata) reading only the byte ranges of each
+    chunk that the load needs, adding the bytes it reads to `count`. With `whole_chunks`, every tensor is read as
+    torch reads it (the whole chunk), counted the same way: the baseline to compare with."""
+
+    def __init__(self, path, count: ReadCount, whole_chunks: bool = False):
+        super().__init__(path)
+        self.count = count
+        self.whole_chunks = whole_chunks
+
+    def read_data(self, plan, planner) -> Future:
+        torch_path, per_file = [], {}
+        for req in plan.items:
+            md = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO or md.transform_descriptors:
+                torch_path.append(req)
+                if req.type == LoadItemType.BYTE_IO:
+                    self.count.header += md.length
+                else:
+                    self.count.data += md.length
+            else:
+                per_file.setdefault(md.relative_path, []).append(req)
+        if torch_path:
+            super().read_data(dataclasses.replace(plan, items=torch_path), planner).wait()
+        for relative_path, reqs in per_file.items():
+            fd = os.open(self.fs.concat_path(self.path, relative_path), os.O_RDONLY)
+            try:
+                self._read_tensors(fd, reqs, planner)
+            finally:
+                os.close(fd)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _read_tensors(self, fd: int, reqs: list, planner) -> None:
+        """The file's chunk headers first, then the data, both in file order (reads that only move forward)."""
+        reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)
+        layouts: dict[int, Optional[_ChunkLayout]] = {}  # by the chunk's offset in the file
+        for req in reqs if not self.whole_chunks else []:
+            md = self.storage_data[req.storage_index]
+            if md.offset not in layouts:
+                chunk = _Slice(fd, md.offset, md.length).with_headers()
+                layouts[md.offset] = _chunk_layout(chunk)
+                self.count.header += chunk.read_bytes
+        for req in reqs:
+            md = self.storage_data[req.storage_index]
+            chunk = _Slice(fd, md.offset, md.length)
+            layout = layouts.get(md.offset)
+            target = planner.resolve_tensor(req).detach()
+            if layout is None:
+                tensor = self._whole(chunk, req)
+            else:
+                tensor, n = _read_region(chunk, layout, tuple(req.storage_offsets), tuple(req.lengths), into=target)
+                self.count.data += n
+            if target.size() != tensor.size():
+                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+            if tensor.data_ptr() != target.data_ptr():  # not read into place
+                target.copy_(tensor)
+            planner.commit_tensor(req, target)
+
+    def _whole(self, chunk: _Slice, req) -> torch.Tensor:
+        """torch's path: the chunk loaded whole, then narrowed to the region."""
+        chunk.seek(0)
+        before = chunk.read_bytes
+        tensor = torch.load(chunk, map_location="cpu", weights_only=True)
+        read = chunk.read_bytes - before
+        data = min(read, tensor.untyped_storage().nbytes())
+        self.count.data += data
+        self.count.header += read - data
+        return narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+
+
+# ---- 2. Megatron-Core's strategy with that reader --------------------------------------------------------------
+class RangeLoadStrategy(TorchDistLoadShardedStrategy):
+    """Megatron-Core's torch_dist load strategy reading through `RangeReader`; `read` adds up the bytes this rank
+    read over its loads."""
+
+    def __init__(self, whole_chunks: bool = False):
+        super().__init__()
+        self.whole_chunks = whole_chunks
+        self.read = ReadCount()
+
+    def load(self, sharded_state_dict, checkpoint_dir):
+        # `TorchDistLoadShardedStrategy.load` of Megatron-Core 0.16, which builds its reader inline: the same steps
+        # with ours.
+        flexible_shape = [sh for sh in nested_values(sharded_state_dict)
+                          if isinstance(sh, ShardedTensor) and not sh.allow_shape_mismatch]
+        shape_mismatch = {sh.key: sh for sh in nested_values(sharded_state_dict)
+                          if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch}
+        orig_sharded_state_dict = sharded_state_dict
+        sharded_state_dict, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict)
+        pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, True)
+        reader = RangeReader(checkpoint_dir, self.read, self.whole_chunks)
+        checkpoint.load_state_dict(pyt_state_dict, reader, planner=MCoreLoadPlanner(
+            shapes_validation_sharded_tensors=flexible_shape, allow_shape_mismatch_sharded_tensors=shape_mismatch))
+        self.cached_global_metadata = reader.read_metadata()  # cached: no read
+        state = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
+        state = _replace_sharded_keys_with_state_dict_keys(state, flat_mapping, rename_mapping)
+        _restore_dict_types(state, orig_sharded_state_dict)
+        return state
+
+
+# ---- 3. the fully parallel load --------------------------------------------------------------------------------
+def _shard_id(sh) -> tuple:
+    if isinstance(sh, ShardedTensor):
+        return ("tensor", sh.key, tuple(sh.global_offset))
+    return ("object", sh.key, tuple(sh.global_offset), tuple(sh.global_shape))
+
+
+def _nbytes(sh: ShardedTensor) -> int:
+    return math.prod(sh.local_shape) * sh.dtype.itemsize
+
+
+def _device_type(sh: ShardedTensor) -> str:
+    return sh.data.device.type if sh.data is not None else "cpu"
+
+
+class ParallelLoadStrategy(LoadShardedStrategy):
+    """Wraps a load strategy (`base`) so that what every rank of `group` holds alike is read once over the group.
+
+    Each rank lists its ShardedTensors (key, offset, shape, dtype, device); those on every rank's list (one
+    all-gather of a digest, and of the lists only when the digests differ) are the replicated ones: `read_owners`
+    names the rank that reads each (the rank that wrote it, when the layout is the one it was saved with), `base`
+    reads those and everything not replicated, and the owners broadcast the rest in buckets (each rank receives
+    into its own tensors). `received` counts the bytes this rank got from the others."""
+
+    def __init__(self, base: LoadShardedStrategy, group, bucket_bytes: int = BUCKET_BYTES):
+        super().__init__()
+        self.base, self.group, self.bucket_bytes = base, group, bucket_bytes
+        self.received = 0
+
+    @property
+    def read(self) -> ReadCount:
+        return self.base.read
+
+    @property
+    def can_handle_sharded_objects(self):
+        return self.base.can_handle_sharded_objects
+
+    def load_tensors_metadata(self, checkpoint_dir):
+        return self.base.load_tensors_metadata(checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir):
+        return self.base.load_sharded_metadata(checkpoint_dir)
+
+    def check_backend_compatibility(self, loaded_backend):
+        return self.base.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version):
+        return self.base.check_version_compatibility(loaded_version)
+
+    def load(self, sharded_state_dict, checkpoint_dir):
+        items = {_shard_id(v): v for v in nested_values(sharded_state_dict)
+                 if isinstance(v, (ShardedTensor, ShardedObject))}
+        size, rank = self.group.size(), self.group.rank()
+        shared = self._replicated(items) if size > 1 else []
+        owners = read_owners([(sh.key, tuple(sh.global_offset), _nbytes(sh)) for sh in shared], size)
+        elsewhere = {_shard_id(sh) for sh, owner in zip(shared, owners) if owner != rank}
+        loaded = self.base.load({i: v for i, v in items.items() if i not in elsewhere}, checkpoint_dir)
+        loaded.update(self._exchange(shared, owners, loaded))
+        dict_list_map_inplace(
+            lambda v: loaded[_shard_id(v)] if isinstance(v, (ShardedTensor, ShardedObject)) else v,
+            sharded_state_dict)
+        return sharded_state_dict
+
+    def _replicated(self, items: dict) -> list:
+        """The ShardedTensors that every rank of the group holds alike, in the same order on every rank."""
+        mine = sorted((i, tuple(sh.local_shape), str(sh.dtype), _device_type(sh)) for i, sh in items.items()
+                      if isinstance(sh, ShardedTensor))
+        digests = [None] * self.group.size()
+        dist.all_gather_object(digests, hashlib.sha256(repr(mine).encode()).hexdigest(), group=self.group)
+        common = mine
+        if len(set(digests)) > 1:
+            lists = [None] * self.group.size()
+            dist.all_gather_object(lists, mine, group=self.group)
+            held = set(mine).intersection(*map(set, lists))
+            common = [entry for entry in mine if entry in held]
+        return [items[entry[0]] for entry in common]
+
+    def _buckets(self, shared: list, owners: list) -> list[tuple[int, list]]:
+        """(owner, shards) per broadcast: each owner's shards, by device type, in buckets of `bucket_bytes`."""
+        out = []
+        for owner in sorted(set(owners)):
+            for device in sorted({_device_type(sh) for sh in shared}):
+                bucket, used = [], 0
+                for sh, o in zip(shared, owners):
+                    if o != owner or _device_type(sh) != device:
+                        continue
+                    n = -(-_nbytes(sh) // _ALIGN) * _ALIGN
+                    if bucket and used + n > self.bucket_bytes:
+                        out.append((owner, bucket))
+                        bucket, used = [], 0
+                    bucket.append(sh)
+                    used += n
+                if bucket:
+                    out.append((owner, bucket))
+        return out
+
+    def _exchange(self, shared: list, owners: list, loaded: dict) -> dict:
+        """The replicated tensors this rank did not read, received from their owners."""
+        rank, received = self.group.rank(), {}
+        for owner, shards in self._buckets(shared, owners):
+            if owner == rank:
+                tensors = [loaded[_shard_id(sh)] for sh in shards]
+            else:
+                for sh in shards:
+                    if sh.data is None:
+                        sh.init_data("cpu")  # as Megatron-Core's load does
+                tensors = [sh.data.detach() for sh in shards]
+            starts, used = [], 0
+            for t in tensors:
+                starts.append(used)
+                used += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            buffer = torch.empty(used, dtype=torch.uint8, device=tensors[0].device)
+            parts = [buffer[s:s + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                     for s, t in zip(starts, tensors)]
+            if owner == rank:
+                for part, t in zip(parts, tensors):
+                    part.copy_(t)
+            dist.broadcast(buffer, group=self.group, group_src=owner)
+            if owner != rank:
+                for sh, part, t in zip(shards, parts, tensors):
+                    t.copy_(part)
+                    received[_shard_id(sh)] = t
+                    self.received += t.numel() * t.element_size()
+        return received
+
+
+def resume_strategy(group) -> ParallelLoadStrategy:
+    """The load strategy for `dist_checkpointing.load` of a training checkpoint or of model weights on the ranks
+    of one data-parallel `group` (`engine.pgs.dp_cp`): byte ranges, each replicated tensor read by one rank. Its
+    `read` holds the bytes this rank read."""
+    return ParallelLoadStrategy(RangeLoadStrategy(), group)

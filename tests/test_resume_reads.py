@@ -1,0 +1,128 @@
+"""A resume reads each byte once: the rules of `checkpointing/reads.py` against brute force, the byte-range reader
+against torch's whole reads, and a DP2 checkpoint resumed at DP2 and at TP2 x DP1 (bit-equal to Megatron-Core's
+plain load, reading the checkpoint's tensor bytes once in all)."""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from megatron_rl.checkpointing.reads import MERGE_GAP, chunk_read_ranges, read_owners, runs
+
+
+def _region_bytes(shape, itemsize, offsets, lengths) -> set:
+    """Every byte of the region's elements in the chunk's row-major data."""
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    out = set()
+    for index in itertools.product(*(range(o, o + n) for o, n in zip(offsets, lengths))):
+        flat = sum(i * s for i, s in zip(index, strides))
+        out.update(range(flat * itemsize, (flat + 1) * itemsize))
+    return out
+
+
+def test_chunk_read_ranges_cover_the_region_and_only_gaps_shorter_than_the_merge_gap():
+    rng = random.Random(0)
+    for _ in range(400):
+        ndim = rng.randint(0, 4)
+        shape = tuple(rng.choice([1, 2, 3, 5, 8, 17, 40]) for _ in range(ndim))
+        offsets = tuple(rng.randint(0, s - 1) for s in shape)
+        lengths = tuple(rng.randint(0 if rng.random() < 0.05 else 1, s - o) for s, o in zip(shape, offsets))
+        itemsize = rng.choice([1, 2, 4, 8])
+        want = _region_bytes(shape, itemsize, offsets, lengths)
+        # the runs: the region's bytes exactly, contiguous pieces in order
+        run_bytes = [b for s, n in runs(shape, itemsize, offsets, lengths) for b in range(s, s + n)]
+        assert run_bytes == sorted(want)
+        ranges = chunk_read_ranges(shape, itemsize, offsets, lengths)
+        covered = [b for s, n in ranges for b in range(s, s + n)]
+        assert covered == sorted(set(covered)), "ranges overlap or are out of order"
+        assert want <= set(covered)
+        for (s, n), (t, _) in zip(ranges, ranges[1:]):
+            assert t - (s + n) >= MERGE_GAP  # ranges closer than the gap would have been merged
+        for s, n in ranges:  # a range starts and ends on the region; what it reads besides are short gaps
+            assert s in want and s + n - 1 in want
+            extra = sorted(set(range(s, s + n)) - want)
+            holes = [list(g) for _, g in itertools.groupby(enumerate(extra), lambda e: e[1] - e[0])]
+            assert all(len(h) < MERGE_GAP for h in holes)
+
+
+def test_read_owners_is_the_greedy_balance_order_free_and_near_the_brute_force_best():
+    rng = random.Random(1)
+    for _ in range(200):
+        n, world = rng.randint(1, 7), rng.randint(1, 3)
+        sizes = [(f"k{rng.randint(0, 3)}", (rng.randint(0, 3),), rng.choice([1, 2, 3, 5, 8, 8])) for _ in range(n)]
+        sizes = list({(k, o): (k, o, b) for k, o, b in sizes}.values())  # a (key, offset) names one tensor
+        owners = read_owners(sizes, world)
+        assert all(0 <= o < world for o in owners)
+        shuffled = sizes[:]
+        rng.shuffle(shuffled)
+        again = dict(zip(shuffled, read_owners(shuffled, world)))
+        assert [again[s] for s in sizes] == owners  # every rank computes the same, whatever its order
+        loads = [sum(b for (_, _, b), o in zip(sizes, owners) if o == r) for r in range(world)]
+        best = min(max(sum(b for (_, _, b), o in zip(sizes, assign) if o == r) for r in range(world))
+                   for assign in itertools.product(range(world), repeat=len(sizes)))
+        assert max(loads) <= best * (4 / 3 - 1 / (3 * world)) + 1e-9  # Graham's bound for largest-first
+        assert max(loads) - min(loads) <= max(b for _, _, b in sizes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_a_region_read_as_byte_ranges_equals_torchs_whole_read(tmp_path, dtype):
+    """Chunks as torch.save writes them, views included: one with a storage offset in a larger storage (the fast
+    path reads at the offset), a 0-d tensor, a transposed view (not contiguous: torch's whole read)."""
+    import os
+
+    from megatron_rl.checkpointing.loader import _chunk_layout, _read_region, _Slice
+
+    rng = random.Random(2)
+    big = (torch.randn(40, 33, 7) * 100).to(dtype)  # larger than the two header windows, even as bool
+    cases = {"whole": big.clone(), "offset view": big[13:29], "0-d": big[1, 2, 3], "transposed": big[0].t()}
+    blob = tmp_path / "chunks"
+    spans = {}
+    with open(blob, "wb") as f:
+        f.write(b"x" * 13)  # chunks sit at arbitrary offsets of a .distcp file
+        for name, t in cases.items():
+            start = f.tell()
+            torch.save(t, f)
+            spans[name] = (start, f.tell() - start)
+    fd = os.open(blob, os.O_RDONLY)
+    try:
+        for name, t in cases.items():
+            layout = _chunk_layout(_Slice(fd, *spans[name]).with_headers())
+            if name == "transposed":
+                assert layout is None
+                continue
+            assert layout.shape == tuple(t.shape) and layout.dtype == dtype
+            for _ in range(20):
+                offsets = tuple(rng.randint(0, s - 1) for s in t.shape)
+                lengths = tuple(rng.randint(1, s - o) for s, o in zip(t.shape, offsets))
+                into = torch.empty(lengths, dtype=dtype) if rng.random() < 0.5 else None  # read into place
+                got, n = _read_region(_Slice(fd, *spans[name]), layout, offsets, lengths, into=into)
+                want = t[tuple(slice(o, o + k) for o, k in zip(offsets, lengths))]
+                assert got.dtype == dtype and torch.equal(got, want), name
+                assert into is None or got.data_ptr() == into.data_ptr()
+                assert n == sum(k for _, k in chunk_read_ranges(tuple(t.shape), t.element_size(), offsets, lengths))
+    finally:
+        os.close(fd)
+
+
+def test_a_dp2_checkpoint_resumes_at_dp2_and_tp2_bit_equal_reading_each_byte_once(tmp_path):
+    """Saved at TP1 x DP2 with a KL reference; loaded at DP2 (the weights are read by one DP rank each and
+    broadcast) and at TP2 x DP1 (each TP rank reads only its half of each chunk). Every rank gets Megatron-Core's
+    plain load bit for bit (into state poisoned with NaN), and the ranks together read at most 1.05x the tensor
+    bytes the checkpoint holds, where torch's whole-chunk reads take more (so the bound can fail)."""
+    from ckpt_workers import resume_reads
+    from megatron_rl.launch.spawn import run_local
+    from rl_workers import random_full_state
+
+    state = tmp_path / "full.pt"
+    torch.save(random_full_state(), state)
+    out = run_local(resume_reads, 2, str(state), str(tmp_path / "run"))
+    tensor_bytes = sum(out[0]["tensor_bytes"].values())
+    for layout in ("dp2", "tp2"):
+        assert all(r[layout]["differences"] == [] for r in out), [r[layout]["differences"] for r in out]
+        before = sum(r[layout]["before"][0] for r in out)
+        after = sum(r[layout]["after"][0] for r in out)
+        assert after <= 1.05 * tensor_bytes, (layout, after, tensor_bytes)
+        assert before > 1.05 * tensor_bytes, (layout, before, tensor_bytes)
+    assert all(r["dp2"]["received"] > 0 for r in out)  # each DP rank got the weights the other read
