@@ -27,7 +27,7 @@ import yaml
 
 from megatron_rl.algorithms.settings import AIPOSettings
 from megatron_rl.checkpointing.settings import CheckpointSettings
-from megatron_rl.data.registry import GUESS
+from megatron_rl.data.registry import DATASETS
 from megatron_rl.data.settings import DataSettings
 from megatron_rl.inference.settings import GeneratorSettings, RolloutSettings
 from megatron_rl.models.presets import PRESETS, ModelConfig
@@ -341,15 +341,15 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
         dataset = cfg.data.key
     except ValueError:
         dataset = None  # the data section names the problem
-    if dataset not in (None, GUESS) and cfg.trainer.sft_warmup_steps > 0:
+    spec = DATASETS.get(dataset) if dataset is not None else None
+    if spec is not None and not spec.demonstrations and cfg.trainer.sft_warmup_steps > 0:
         out.append(f"trainer.sft_warmup_steps={cfg.trainer.sft_warmup_steps}: the supervised warm start needs "
                    f"demonstrations, which only the built-in tasks have; set it to 0 for data.dataset="
                    f"{cfg.data.dataset!r} (start from trained weights with model.checkpoint)")
     if cluster_files:
         out += cfg.data.file_problems() + cfg.model.tokenizer_problems()
-    if cfg.env.cls is None and dataset == GUESS:
-        out.append(f"data.dataset={cfg.data.dataset!r} is played in episodes: set env.cls="
-                   f"megatron_rl.environments.guess:GuessNumber")
+    if cfg.env.cls is None and spec is not None and spec.env is not None:
+        out.append(f"data.dataset={cfg.data.dataset!r} is played in episodes: set env.cls={spec.env}")
     elif cfg.env.cls is None:
         out += cfg.reward.job_problems(dataset, cfg.generator.dp, import_function=cluster_files)
     else:

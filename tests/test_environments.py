@@ -245,3 +245,63 @@ def test_the_guessing_game_in_the_pool_plays_an_optimal_transcript():
         turns = [pool.step([(record, 0, replies[:k])])[0] for k in range(1, len(replies) + 1)]
     assert [t.message and t.message["content"] for t in turns] == [message for _, message in transcript]
     assert [t.reward for t in turns] == [0.0] * (len(turns) - 1) + [1.0] and turns[-1].done
+
+
+# ---- the calculator (tool use) ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("45+40+8", 93), (" 3 * (4 - 6) ", -6), ("-7+2", -5), ("9/3", 3), ("7/2", __import__("fractions").Fraction(7, 2)),
+    ("2**10", None), ("__import__('os')", None), ("1/0", None), ("3.5+1", None), ("x+1", None), ("", None),
+    ("1+" * 50 + "1", None)])
+def test_calculate_is_arithmetic_on_integers_and_nothing_else(expression, value):
+    from megatron_rl.environments.calculator import calculate
+
+    assert calculate(expression) == value
+
+
+def test_the_calculator_answers_calls_then_scores_the_first_answer():
+    from megatron_rl.environments.calculator import INSTRUCTION, MAX_CALLS, Calculator
+
+    rec = {"prompt": "Ava has 45 cookies. Ava buys 8 more cookies. How many?", "reference": "53"}
+    env = Calculator(rec, 0)
+    assert env.reset() == f"{rec['prompt']} {INSTRUCTION}"
+    assert env.step("sure <calc>45+8</calc>") == ({"role": "user", "content": "calculator: 53"}, 0.0, False)
+    assert env.step("<calc>45/2</calc>")[0]["content"] == "calculator: 22.5"
+    assert env.step("<calc>import os</calc>")[0]["content"] == "calculator: error"
+    assert env.step("The answer is 53.") == (None, 1.0, True)
+    assert Calculator(rec, 0).step("52") == (None, 0.0, True)
+    assert Calculator(rec, 0).step("no idea") == (None, 0.0, True)
+    env = Calculator(rec, 0)
+    for _ in range(MAX_CALLS):
+        assert env.step("<calc>1+1</calc>")[2] is False
+    assert env.step("<calc>1+1</calc>") == (None, 0.0, True)  # out of calls: ended unanswered
+
+
+def test_calculator_demonstrations_call_the_problems_arithmetic_and_answer_its_result():
+    """Every demonstration is a prefix of an episode the environment scores 1 (a call of the problem's own
+    arithmetic, then its result) or an answer off by 1 to 9; about demo_accuracy of them call the calculator."""
+    from megatron_rl.controller.episodes import TurnTemplate
+    from megatron_rl.controller.tasks import CalculatorTask
+    from megatron_rl.environments.calculator import CALL, INSTRUCTION, Calculator, calculate
+    from megatron_rl.tokenizers import load_tokenizer
+
+    tok = load_tokenizer("byte")
+    task = CalculatorTask(eval_size=8, template=TurnTemplate(tok, chat=False), stop_id=tok.eos_id, demo_accuracy=0.5)
+    assert not {r.prompt for r in task.eval_records()} & {r.prompt for r in task.train_batch(0, 500)}
+    demos = task.demonstrations(0, 400)
+    calls = 0
+    for ids, answer in demos:
+        text = tok.decode(ids)
+        problem, after = text.split(f" {INSTRUCTION}")  # the instruction's own example call is not a call
+        call = CALL.search(answer) or CALL.search(after)
+        if call is None:  # answered at once, off by 1 to 9
+            continue
+        calls += 1
+        rec = next(r for r in task.train if r.prompt == problem)
+        assert calculate(call.group(1)) == int(rec.reference)
+        if CALL.search(after):  # after the result: the answer is the result, which the environment scores 1
+            env = Calculator(rec.as_dict(), 0)
+            env.step(call.group(0))
+            assert env.step(answer) == (None, 1.0, True)
+    assert 0.4 < calls / len(demos) < 0.6

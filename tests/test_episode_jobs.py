@@ -1,5 +1,5 @@
 """Jobs whose rollouts are episodes (`env.cls`, `controller/episodes.py`): the built-in guessing game runs in the
-default disjoint layout (trainer TP2, generator TP1) and colocated, reports its episode metrics, and a job killed
+default disjoint layout (trainer TP2, generator TP1) and the calculator task colocated, reporting episode metrics, and a job killed
 mid-run resumes to the same weights and metrics as an uninterrupted one; turns are rendered one at a time, so the
 ids a job trains on are the ids the generator sampled and the observations' ids, never re-tokenized; the trainer
 learns only from sampled tokens."""
@@ -53,11 +53,17 @@ def test_a_killed_episode_job_resumes_to_the_same_weights_and_metrics(tmp_path):
     assert [{k: r[k] for k in keep} for r in _rows(tmp_path / "crash")] == [{k: r[k] for k in keep} for r in rows]
 
 
-def test_a_colocated_episode_job_runs(tmp_path):
-    proc = warm_cli.run(["train", *GUESS, "run.steps=1", "trainer.tp=1", "generator.colocated=true",
-                         f"checkpoint.dir={tmp_path}", "run.name=c"])
+def test_a_colocated_episode_job_runs_the_calculator_task(tmp_path):
+    """The colocated layout, and the built-in tool-use task end to end: its warm start's demonstrations (transcripts
+    as ids) train, and its episodes are played against the calculator."""
+    proc = warm_cli.run(["train", "data.dataset=calculator", "env.cls=megatron_rl.environments.calculator:Calculator",
+                         "env.max_tokens=48", "env.max_turns=3", "env.num_workers=1", "rollout.max_new_tokens=20",
+                         "trainer.sft_warmup_steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                         "data.eval_size=2", "data.eval_samples=1", "run.steps=1", "trainer.tp=1",
+                         "generator.colocated=true", f"checkpoint.dir={tmp_path}", "run.name=c"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert all(r["episode/turns"] >= 1 for r in _rows(tmp_path / "c"))
+    rows = _rows(tmp_path / "c")
+    assert rows[0]["warm_start_s"] > 0 and all(r["episode/turns"] >= 1 and r["env_failures"] == 0 for r in rows)
 
 
 def test_episode_settings_that_cannot_work_are_one_line_each(tmp_path):

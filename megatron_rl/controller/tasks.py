@@ -9,6 +9,8 @@ Two kinds of task, one interface (`Task`):
   and the tokenizer's chat template around each problem, and a verifier from `megatron_rl.rewards`.
 * `GuessTask`, the built-in multi-turn task: hidden numbers found in episodes, against the environment
   `environments/guess.py: GuessNumber` (`env.cls`), which scores them; demonstrations are careless players' games.
+* `CalculatorTask`, the built-in tool-use task: word problems solved in episodes with a calculator the model calls
+  (`environments/calculator.py: Calculator`); demonstrations use the calculator some of the time.
 
 Every training batch is a pure function of its index, so a resumed run continues on exactly the prompts it would
 have seen; nothing about the data position needs saving beyond the step.
@@ -25,7 +27,7 @@ from typing import Optional, Sequence
 from megatron_rl.data import (ChatPromptBuilder, DataError, JsonlPromptDataset, PromptRecord, ResumableSampler,
                               load_gsm8k, load_math500)
 from megatron_rl.data.datasets import dataset_files
-from megatron_rl.data.registry import DATASETS, GUESS, dataset_key
+from megatron_rl.data.registry import CALCULATOR, DATASETS, GUESS, dataset_key
 from megatron_rl.data.word_problems import WordProblems
 from megatron_rl.rewards import get_reward_fn
 
@@ -172,6 +174,60 @@ class GuessTask(Task):
         return rnd.randint(self.LOW, self.HIGH)
 
 
+class CalculatorTask(Task):
+    """Word problems of two or three changes with numbers up to 50 (`data/word_problems.py`), played in episodes
+    against the calculator environment (`env.cls` Calculator, `environments/calculator.py`), which scores them.
+    Mental arithmetic at this size is beyond a small model; the calculator is not. The warm start imitates a
+    demonstrator who uses the calculator with probability `demo_accuracy` (the call writes the problem's arithmetic,
+    then the answer is the result) and otherwise answers at once, off by 1 to 9. Demonstrations are its episodes cut
+    at a turn (the call, or the answer after the result), as token ids rendered as the episode renders them. RL has
+    to learn to call the calculator every time."""
+
+    PROBLEMS = dict(min_steps=2, max_steps=3, max_number=50)
+
+    def __init__(self, eval_size: int = 64, seed: int = 0, template=None, stop_id: Optional[int] = None,
+                 demo_accuracy: float = 0.3):
+        from megatron_rl.data.word_problems import WordProblems
+
+        self.problems = WordProblems(**self.PROBLEMS)  # one fixed problem set, whatever the run seed
+        self.train = self.problems.records("train", 20_000)
+        self.heldout = self.problems.records("eval", eval_size)
+        self.seed, self.template, self.stop_id, self.demo_accuracy = seed, template, stop_id, demo_accuracy
+
+    def train_batch(self, index: int, size: int) -> list[PromptRecord]:
+        rnd = random.Random(self.seed * 1_000_003 + index)
+        return [rnd.choice(self.train) for _ in range(size)]
+
+    def eval_records(self) -> list[PromptRecord]:
+        return self.heldout
+
+    def prompt_text(self, record: PromptRecord) -> str:
+        return record.prompt
+
+    def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
+        raise RuntimeError("the calculator task is scored by its environment, in episodes")
+
+    def demonstrations(self, index: int, size: int) -> list[tuple[list[int], str]]:
+        from megatron_rl.environments.calculator import Calculator
+
+        rnd = random.Random(f"calculator-demo:{self.seed}:{index}")
+        out = []
+        for rec in self.train_batch(10_000_000 + index, size):
+            env = Calculator(rec.as_dict(), 0)
+            ids = self.template.prompt({"role": "user", "content": env.reset()})
+            if rnd.random() >= self.demo_accuracy:  # an answer from its own arithmetic, a little off
+                out.append((ids, str(max(0, env.answer + rnd.choice([-1, 1]) * rnd.randint(1, 9)))))
+                continue
+            call = f"<calc>{rec.metadata['expression']}</calc>"
+            if rnd.random() < 0.5:
+                out.append((ids, call))
+                continue
+            message, _, _ = env.step(call)
+            ids = ids + self.template.tok.encode(call) + [self.stop_id] + self.template.observation(message)
+            out.append((ids, message["content"].split(": ", 1)[1]))
+        return out
+
+
 # ---- dataset tasks -----------------------------------------------------------------------------------------------
 def _load(path: Path, data, key: str) -> list[PromptRecord]:
     """GSM8K and MATH-500 files through their loaders (their field mapping and reference answers), any other JSONL
@@ -277,6 +333,12 @@ def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
 
         return GuessTask(data.eval_size, cfg.run.seed, TurnTemplate(tokenizer, chat=False), tokenizer.eos_id,
                          cfg.env.max_turns, data.demo_accuracy)
+    if key == CALCULATOR:
+        from megatron_rl.controller.episodes import TurnTemplate
+
+        chat = tokenizer.has_chat_template if data.chat is None else data.chat
+        return CalculatorTask(data.eval_size, cfg.run.seed, TurnTemplate(tokenizer, chat=chat), tokenizer.eos_id,
+                              data.demo_accuracy)
     instruction = DATASETS[key].instruction
     if key == "word-problems":
         problems = WordProblems()  # one fixed problem set, whatever the run seed

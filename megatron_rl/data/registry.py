@@ -33,6 +33,8 @@ class DatasetSpec:
     train_file: Optional[str] = None
     eval_file: Optional[str] = None
     generated: bool = False
+    env: Optional[str] = None
+    demonstrations: bool = False
 
     def __post_init__(self):
         if self.instruction is not None and self.instruction not in INSTRUCTIONS:
@@ -48,11 +50,12 @@ class DatasetSpec:
 
 SYNTHETIC = "synthetic-arithmetic"
 GUESS = "guess-number"
+CALCULATOR = "calculator"
 
 DATASETS: dict[str, DatasetSpec] = {s.name: s for s in (
     # The built-in default ("a+b=", controller.tasks.AdditionTask): no files, byte tokenizer, exact match.
     DatasetSpec(SYNTHETIC, "synthetic arithmetic", verifier="synthetic", instruction=None,
-                aliases=("synthetic", "arithmetic"), generated=True),
+                aliases=("synthetic", "arithmetic"), generated=True, demonstrations=True),
     DatasetSpec("gsm8k", "GSM8K", verifier="gsm8k", instruction="gsm8k", aliases=("gsm8k-test",),
                 train_file="gsm8k/train.jsonl", eval_file="gsm8k/test.jsonl"),
     DatasetSpec("math500", "MATH-500", verifier="math", instruction="math", aliases=("math-500", "math"),
@@ -63,7 +66,13 @@ DATASETS: dict[str, DatasetSpec] = {s.name: s for s in (
     DatasetSpec("word-problems", "arithmetic word problems", verifier="gsm8k", instruction="number",
                 generated=True),
     # A multi-turn task: find a hidden number from "higher"/"lower" replies (env.cls, environments/guess.py).
-    DatasetSpec(GUESS, "guess the number", verifier=None, instruction=None, aliases=("guess",), generated=True),
+    DatasetSpec(GUESS, "guess the number", verifier=None, instruction=None, aliases=("guess",), generated=True,
+                env="megatron_rl.environments.guess:GuessNumber", demonstrations=True),
+    # A tool-use task: word problems of two or three changes with a calculator the model calls (env.cls,
+    # environments/calculator.py).
+    DatasetSpec(CALCULATOR, "word problems with a calculator", verifier=None, instruction=None,
+                aliases=("calculator-problems",), generated=True, env="megatron_rl.environments.calculator:Calculator",
+                demonstrations=True),
 )}
 
 _BY_NAME: dict[str, DatasetSpec] = {n: s for s in DATASETS.values() for n in (s.name, *s.aliases)}

@@ -51,21 +51,24 @@ class WordProblems:
         if not 0 < self.heldout_share < 1:
             raise ValueError(f"heldout_share={self.heldout_share} must be in (0, 1)")
 
-    def _problem(self, rng: random.Random) -> tuple[str, int]:
+    def _problem(self, rng: random.Random) -> tuple[str, int, str]:
+        """(text, answer, the arithmetic that solves it: "7+4-2")."""
         name, obj = rng.choice(_NAMES), rng.choice(_OBJECTS)
         x = rng.randint(2, self.max_number)
-        parts = [f"{name} has {x} {obj}."]
+        parts, expression = [f"{name} has {x} {obj}."], str(x)
         for _ in range(rng.randint(self.min_steps, self.max_steps)):
             if x > 1 and rng.random() < 0.5:
                 y = rng.randint(1, min(x - 1, self.max_number))
                 x -= y
+                expression += f"-{y}"
                 parts.append(rng.choice(_LOSSES).format(n=name, y=y, o=obj))
             else:
                 y = rng.randint(1, self.max_number)
                 x += y
+                expression += f"+{y}"
                 parts.append(rng.choice(_GAINS).format(n=name, y=y, o=obj))
         parts.append(f"How many {obj} does {name} have now?")
-        return " ".join(parts), x
+        return " ".join(parts), x, expression
 
     def is_heldout(self, text: str) -> bool:
         digest = hashlib.blake2b(text.encode(), key=f"word-problems:{self.seed}".encode(), digest_size=8).digest()
@@ -80,11 +83,12 @@ class WordProblems:
         seen: set[str] = set()
         out: list[PromptRecord] = []
         for _ in range(200 * count + 1000):
-            text, answer = self._problem(rng)
+            text, answer, expression = self._problem(rng)
             if text in seen or self.is_heldout(text) != want_heldout:
                 continue
             seen.add(text)
-            out.append(PromptRecord(id=f"{split}-{len(out)}", prompt=text, reference=str(answer)))
+            out.append(PromptRecord(id=f"{split}-{len(out)}", prompt=text, reference=str(answer),
+                                    metadata={"expression": expression}))
             if len(out) == count:
                 return out
         raise ValueError(f"could not draw {count} distinct {split} problems (max_number={self.max_number}, "
