@@ -1,6 +1,6 @@
 """Jobs whose rollouts are episodes (`env.cls`, `controller/episodes.py`): the built-in guessing game runs in the
-default disjoint layout (trainer TP2, generator TP1) and the calculator task colocated, reporting episode metrics, and a job killed
-mid-run resumes to the same weights and metrics as an uninterrupted one; turns are rendered one at a time, so the
+default disjoint layout (trainer TP2, generator TP1) and the calculator task colocated, reporting episode metrics,
+and a job killed mid-run resumes to the same weights and metrics as an uninterrupted one; turns are rendered one at a time, so the
 ids a job trains on are the ids the generator sampled and the observations' ids, never re-tokenized; the trainer
 learns only from sampled tokens."""
 
