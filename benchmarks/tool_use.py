@@ -7,7 +7,7 @@ Runs `megatron-rl train -c configs/smollm2-calculator.yaml` from scratch into a 
 checkpoints/, named tool_use-<time>), then reads its metrics: held-out accuracy (word problems never trained on, one
 episode each) after the warm start and at the last step, with the standard error of the gain; and tool use, the
 calculator calls per training episode (turns per episode - 1: an episode that answers at once has one turn, one
-that calls the calculator first has two), over the first and the last 10 steps. Ends with one JSON line.
+that calls the calculator first has two), at step 0 (after the warm start) and over the first and the last 10 steps. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     def calls(part):
         return round(sum(r["episode/turns"] for r in part) / len(part) - 1, 3)
 
-    result.update({"calls_per_episode_first10": calls(first), "calls_per_episode_last10": calls(last),
+    result.update({"calls_per_episode_step0": calls(rows[:1]), "calls_per_episode_first10": calls(first), "calls_per_episode_last10": calls(last),
                    "train_reward_first10": round(sum(r["reward"] for r in first) / len(first), 3),
                    "train_reward_last10": round(sum(r["reward"] for r in last) / len(last), 3),
                    "env_failures": sum(r["env_failures"] for r in rows)})

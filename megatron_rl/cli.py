@@ -267,7 +267,7 @@ def cmd_eval(args) -> int:
     settings = EvalSettings(dataset=args.dataset, data_dir=args.data_dir, limit=args.limit,
                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, tp=args.tp, pp=args.pp,
                             chat=args.chat, samples_out=args.samples_out, tokenizer=args.tokenizer,
-                            dtype=args.dtype)
+                            dtype=args.dtype, env=args.env, max_turns=args.max_turns, max_tokens=args.max_tokens)
     return _json_or_one_line_error("eval", EvalError, lambda: evaluate(args.checkpoint, settings))
 
 
@@ -327,6 +327,38 @@ def _add_plan_parser(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="accuracy of a checkpoint on GSM8K (test), MATH-500 or a built-in multi-turn task, "
+                                    "greedy decoding; with --env, in episodes")
+    p.add_argument("checkpoint", help="a megatron-rl checkpoint directory, or a run's checkpoint root (uses latest)")
+    p.add_argument("--dataset", default="gsm8k",
+                   help="gsm8k (test split), math500, or a built-in multi-turn task: calculator, guess-number (played "
+                        "in episodes against its environment; default: gsm8k)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding gsm8k/test.jsonl and math500/test.jsonl (default: $MEGATRON_RL_DATA_DIR, "
+                        "else ../shared/data next to the repository)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=64, help="sequences decoded together (KV cache slots)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: local processes running the model")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (tp x pp local processes)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the tokenizer's chat template (default: when the tokenizer has one)")
+    p.add_argument("--samples-out", default=None, help="write prompt, output and score per problem to this JSONL")
+    p.add_argument("--tokenizer", default=None,
+                   help="override the checkpoint's tokenizer: a Hugging Face directory, a .gguf file, a "
+                        "sentencepiece .model, or 'byte'")
+    p.add_argument("--dtype", default=None,
+                   help="fp32, bf16 or auto (the machine's fast one); default: the checkpoint's own. Give two "
+                        "checkpoints you compare the same --dtype")
+    p.add_argument("--env", default=None,
+                   help="play each problem as an episode against this environment class (module:Class or "
+                        "path/file.py:Class, as env.cls); correct when the episode's return is at least 1")
+    p.add_argument("--max-turns", type=int, default=4, help="an episode's model turns (as env.max_turns)")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="an episode's tokens after its first prompt (as env.max_tokens)")
+    p.set_defaults(func=cmd_eval)
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -358,27 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.set_defaults(func=cmd_inspect)
     _add_resume_check_parser(sub)
-    p = sub.add_parser("eval", help="accuracy of a checkpoint on GSM8K (test) or MATH-500, greedy decoding")
-    p.add_argument("checkpoint", help="a megatron-rl checkpoint directory, or a run's checkpoint root (uses latest)")
-    p.add_argument("--dataset", default="gsm8k", help="gsm8k (test split) or math500 (default: gsm8k)")
-    p.add_argument("--data-dir", default=None,
-                   help="folder holding gsm8k/test.jsonl and math500/test.jsonl (default: $MEGATRON_RL_DATA_DIR, "
-                        "else ../shared/data next to the repository)")
-    p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=64, help="sequences decoded together (KV cache slots)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: local processes running the model")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (tp x pp local processes)")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="apply the tokenizer's chat template (default: when the tokenizer has one)")
-    p.add_argument("--samples-out", default=None, help="write prompt, output and score per problem to this JSONL")
-    p.add_argument("--tokenizer", default=None,
-                   help="override the checkpoint's tokenizer: a Hugging Face directory, a .gguf file, a "
-                        "sentencepiece .model, or 'byte'")
-    p.add_argument("--dtype", default=None,
-                   help="fp32, bf16 or auto (the machine's fast one); default: the checkpoint's own. Give two "
-                        "checkpoints you compare the same --dtype")
-    p.set_defaults(func=cmd_eval)
+    _add_eval_parser(sub)
     p = sub.add_parser("presets", help="list the model presets")
     p.set_defaults(func=cmd_presets)
     p = sub.add_parser("reshard-check", help="run DDMA between two layouts on local processes and check every bit")

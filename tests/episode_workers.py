@@ -98,7 +98,7 @@ def failing_environments_worker(rank, world_size, cfg, full):
     that behaves, through the job's own `Episodes` (byte tokenizer, plain turns): each output, the returns and the
     statistics, and whether the batch packs for the trainer."""
     from megatron_rl.controller.collector import pack
-    from megatron_rl.controller.episodes import Episodes
+    from megatron_rl.environments.play import Episodes
     from megatron_rl.controller.scoring import ScoredRollouts
     from megatron_rl.data import PromptRecord
     from megatron_rl.environments.settings import EnvSettings

@@ -281,7 +281,7 @@ def test_the_calculator_answers_calls_then_scores_the_first_answer():
 def test_calculator_demonstrations_call_the_problems_arithmetic_and_answer_its_result():
     """Every demonstration is a prefix of an episode the environment scores 1 (a call of the problem's own
     arithmetic, then its result) or an answer off by 1 to 9; about demo_accuracy of them call the calculator."""
-    from megatron_rl.controller.episodes import TurnTemplate
+    from megatron_rl.environments.play import TurnTemplate
     from megatron_rl.controller.tasks import CalculatorTask
     from megatron_rl.environments.calculator import CALL, INSTRUCTION, Calculator, calculate
     from megatron_rl.tokenizers import load_tokenizer

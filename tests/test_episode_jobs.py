@@ -1,4 +1,4 @@
-"""Jobs whose rollouts are episodes (`env.cls`, `controller/episodes.py`): the built-in guessing game runs in the
+"""Jobs whose rollouts are episodes (`env.cls`, `environments/play.py`): the built-in guessing game runs in the
 default disjoint layout (trainer TP2, generator TP1) and the calculator task colocated, reporting episode metrics,
 and a job killed mid-run resumes to the same weights and metrics as an uninterrupted one; turns are rendered one at a time, so the
 ids a job trains on are the ids the generator sampled and the observations' ids, never re-tokenized; the trainer
@@ -10,7 +10,7 @@ import re
 import torch
 
 from megatron_rl.controller.collector import pack
-from megatron_rl.controller.episodes import TurnTemplate
+from megatron_rl.environments.play import TurnTemplate
 from megatron_rl.controller.scoring import ScoredRollouts
 from megatron_rl.training.rl_trainer import make_micro_batches
 import warm_cli

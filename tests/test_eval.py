@@ -153,3 +153,48 @@ def test_prompts_carry_each_datasets_instruction(shared_data):
     assert chat[0].startswith("user: ") and chat[0].endswith("assistant: ")
     gsm = load_problems("gsm8k", str(shared_data), limit=1)
     assert gsm[0].reference == "18"
+
+
+def test_eval_plays_episodes_as_transformers_replaying_each_whole_conversation_does(tmp_path, capsys):
+    """`--dataset guess-number` (its own environment) on a small random Llama with the byte tokenizer: each greedy
+    episode (the generator keeping its cache between turns, each observation prefilled alone) equals transformers'
+    greedy decoding of the whole conversation at every turn, with the game stepped here; returns and turns too."""
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.environments import GuessNumber
+    from megatron_rl.environments.play import TurnTemplate
+    from megatron_rl.tokenizers import load_tokenizer
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ckpt", to="megatron")
+    turns, new = 3, 4
+    assert main(["eval", str(tmp_path / "ckpt"), "--dataset", "guess", "--tokenizer", "byte", "--limit", "3",
+                 "--max-new-tokens", str(new), "--max-turns", str(turns), "--max-tokens", "64",
+                 "--samples-out", str(tmp_path / "s.jsonl")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    tok = load_tokenizer("byte")
+    template = TurnTemplate(tok, chat=False)
+    for rec, row in zip(load_problems("guess-number", limit=3), rows):
+        env = GuessNumber(rec.as_dict(), 0)
+        prompt = template.prompt({"role": "user", "content": env.reset()})
+        ids, ret, played = list(prompt), 0.0, 0
+        while played < turns:
+            reply = []
+            with torch.no_grad():
+                while len(reply) < new and (not reply or reply[-1] not in tok.stop_ids):
+                    reply.append(int(hf(torch.tensor([ids + reply])).logits[0, -1].argmax()))
+            ids, played = ids + reply, played + 1
+            message, reward, done = env.step(tok.decode([t for t in reply if t not in tok.stop_ids]))
+            ret += reward
+            if done:
+                break
+            if played < turns:
+                ids += template.observation({"role": "user", "content": message})
+        assert (row["output"], row["return"], row["turns"]) == (tok.decode(ids[len(prompt):]), ret, played)
+    assert summary["n"] == 3 and summary["correct"] == sum(r["return"] >= 1 for r in rows)
+    assert summary["turns_per_episode"] == sum(r["turns"] for r in rows) / 3 > 1

@@ -172,9 +172,9 @@ class GeneratorExecutor:
                                    max_batch_size=cfg.generator.max_batch_size,
                                    max_len=cfg.episode_length,
                                    tokenizer=tokenizer, pp_group=groups.pgs.pp)
-        self.episodes = None  # with env.cls: the replica's environments (`controller/episodes.py`)
+        self.episodes = None  # with env.cls: the replica's environments (`environments/play.py`)
         if cfg.env.cls is not None:
-            from megatron_rl.controller.episodes import Episodes
+            from megatron_rl.environments.play import Episodes
 
             chat = tokenizer.has_chat_template if cfg.data.chat is None else cfg.data.chat
             self.episodes = Episodes(cfg.env, tokenizer, chat, groups.pgs.tp, self.is_leader, self._sampling(0, 1))

@@ -183,13 +183,11 @@ class CalculatorTask(Task):
     at a turn (the call, or the answer after the result), as token ids rendered as the episode renders them. RL has
     to learn to call the calculator every time."""
 
-    PROBLEMS = dict(min_steps=2, max_steps=3, max_number=50)
-
     def __init__(self, eval_size: int = 64, seed: int = 0, template=None, stop_id: Optional[int] = None,
                  demo_accuracy: float = 0.3):
-        from megatron_rl.data.word_problems import WordProblems
+        from megatron_rl.data.word_problems import CALCULATOR_PROBLEMS, WordProblems
 
-        self.problems = WordProblems(**self.PROBLEMS)  # one fixed problem set, whatever the run seed
+        self.problems = WordProblems(**CALCULATOR_PROBLEMS)  # one fixed problem set, whatever the run seed
         self.train = self.problems.records("train", 20_000)
         self.heldout = self.problems.records("eval", eval_size)
         self.seed, self.template, self.stop_id, self.demo_accuracy = seed, template, stop_id, demo_accuracy
@@ -329,12 +327,12 @@ def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
         return AdditionTask(max_operand=20, eval_size=data.eval_size, seed=cfg.run.seed,
                             demo_accuracy=data.demo_accuracy)
     if key == GUESS:
-        from megatron_rl.controller.episodes import TurnTemplate
+        from megatron_rl.environments.play import TurnTemplate
 
         return GuessTask(data.eval_size, cfg.run.seed, TurnTemplate(tokenizer, chat=False), tokenizer.eos_id,
                          cfg.env.max_turns, data.demo_accuracy)
     if key == CALCULATOR:
-        from megatron_rl.controller.episodes import TurnTemplate
+        from megatron_rl.environments.play import TurnTemplate
 
         chat = tokenizer.has_chat_template if data.chat is None else data.chat
         return CalculatorTask(data.eval_size, cfg.run.seed, TurnTemplate(tokenizer, chat=chat), tokenizer.eos_id,

@@ -32,6 +32,11 @@ _LOSSES = ("{n} gives {y} {o} to a friend.", "Then {n} loses {y} {o}.", "{n} use
            "{n} sells {y} {o}.")
 
 
+# The built-in tool-use task's problems (`data.dataset=calculator`, with `environments/calculator.py`): two or three
+# changes with numbers up to 50, beyond a small model's mental arithmetic, not beyond a calculator.
+CALCULATOR_PROBLEMS = dict(min_steps=2, max_steps=3, max_number=50)
+
+
 @dataclass(frozen=True)
 class WordProblems:
     """min_steps / max_steps: changes per problem (inclusive range); max_number: the largest starting quantity and

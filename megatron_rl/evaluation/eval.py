@@ -1,4 +1,4 @@
-"""`megatron-rl eval CKPT`: accuracy of a checkpoint on GSM8K (test) or MATH-500, greedy decoding.
+"""`megatron-rl eval CKPT`: accuracy of a checkpoint on GSM8K (test), MATH-500 or in episodes, greedy decoding.
 
 CKPT is a megatron-rl checkpoint directory (`megatron_rl.json` with the model shape, `model/` with the Megatron-Core
 dist_checkpointing of the GPTModel: what `convert --to megatron` and training write), or a run's checkpoint root
@@ -15,6 +15,11 @@ or after `max_new_tokens`.
 Precision: the checkpoint's own (a converted model is fp32, a bf16 run's checkpoint bf16) unless `dtype` names one
 (`fp32`, `bf16`, or `auto`: bf16 where this machine multiplies it natively). Comparing two checkpoints, give both the
 same `dtype`: greedy decoding follows every rounding difference.
+
+Episodes (`--env module:Class`, or a built-in multi-turn task: `--dataset calculator` / `guess-number`, whose
+held-out problems are the job's): each problem is one greedy episode played as the job's generators play them
+(`environments/play.py`), correct when its return is at least 1; the result adds "env", "mean_return",
+"turns_per_episode" and "env_failures", and the samples hold each episode's tokens after its prompt (observations too).
 
 The result: `{"dataset", "checkpoint", "dtype", "n", "correct", "accuracy", "time_s", "tokens_per_s"}`; a problem is
 correct when its verifier scores it 1; `time_s` is the whole evaluation (process start, loading, decoding, scoring),
@@ -41,8 +46,10 @@ from megatron_rl.parallel.layout import ParallelLayout, layout_problems
 from megatron_rl.rewards import get_reward_fn
 from megatron_rl.tokenizers import load_tokenizer
 
-# The datasets `eval` scores: those of the registry with a test file, by canonical name.
-DATASETS = {name: spec for name, spec in registry.DATASETS.items() if spec.test_file}
+# The datasets `eval` scores: those of the registry with a test file, and the built-in multi-turn tasks (their
+# held-out problems generated as the job's are), by canonical name.
+DATASETS = {name: spec for name, spec in registry.DATASETS.items() if spec.test_file or spec.env}
+GENERATED_PROBLEMS = 100  # the held-out problems of a built-in multi-turn task without --limit
 
 
 class EvalError(ValueError):
@@ -62,6 +69,9 @@ class EvalSettings:
     samples_out: Optional[str] = None
     tokenizer: Optional[str] = None
     dtype: Optional[str] = None  # None: the checkpoint's own; else fp32, bf16 or auto
+    env: Optional[str] = None  # play each problem as an episode against env.cls (default: the dataset's own, if any)
+    max_turns: int = 4  # an episode's model turns (env.max_turns)
+    max_tokens: int = 512  # an episode's tokens after its first prompt (env.max_tokens)
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------------
@@ -103,21 +113,37 @@ def data_dir_of(data_dir: Optional[str]) -> Path:
 
 
 def load_problems(dataset: str, data_dir: Optional[str] = None, limit: Optional[int] = None) -> list:
-    """The dataset's PromptRecords (prompt = problem, reference = final answer), the first `limit` of them."""
+    """The dataset's PromptRecords (prompt = problem, reference = final answer), the first `limit` of them. A
+    built-in multi-turn task's are the held-out problems its job evaluates on (with run.seed 0)."""
     spec = DATASETS[dataset_key(dataset)]
+    if limit is not None and limit < 1:
+        raise EvalError(f"--limit={limit} must be >= 1")
+    if spec.generated:
+        return _generated_heldout(spec.name, limit or GENERATED_PROBLEMS)
     rel = spec.test_file
     what = f"{spec.title} test split" if spec.eval_file else spec.title
     file = data_dir_of(data_dir) / rel
     if not file.is_file():
         raise EvalError(f"{what} not found at {file}; pass --data-dir (the folder holding {rel}) or set "
                         f"{DATA_DIR_ENV}")
-    if limit is not None and limit < 1:
-        raise EvalError(f"--limit={limit} must be >= 1")
     try:
         ds = load_prompt_dataset(spec.name, path=file, limit=limit)
     except (DataError, ValueError) as e:
         raise EvalError(str(e)) from None
     return list(ds)
+
+
+def _generated_heldout(name: str, count: int) -> list:
+    from megatron_rl.data import PromptRecord
+    from megatron_rl.data.word_problems import CALCULATOR_PROBLEMS, WordProblems
+    from megatron_rl.environments.guess import guess_records
+
+    if name == registry.CALCULATOR:
+        return WordProblems(**CALCULATOR_PROBLEMS).records("eval", count)
+    if name == registry.GUESS:
+        return [PromptRecord(id=r["id"], prompt=r["prompt"], reference=r["reference"])
+                for r in guess_records(count, seed=10_000)]
+    raise EvalError(f"no held-out problems for the generated dataset {name!r}")
 
 
 def checkpoint_tokenizer(ckpt: Path, override: Optional[str] = None):
@@ -144,7 +170,7 @@ def encode_prompt(tok, text: str) -> list[int]:
 
 # ---- generation on local ranks -------------------------------------------------------------------------------------
 def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts: list, max_new_tokens: int,
-                     stop_ids: tuple, batch_size: int, max_len: int, pp: int = 1):
+                     stop_ids: tuple, batch_size: int, max_len: int, pp: int = 1, episodes: Optional[dict] = None):
     # torch and Megatron-Core load in the worker processes only: `eval`'s argument errors stay fast.
     import torch
     from megatron.core import dist_checkpointing
@@ -163,12 +189,40 @@ def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts:
     state = dist_checkpointing.load(model_sharded_state_dict(model, g.pgs.dp_cp), model_dir,
                                     sharded_strategy=resume_strategy(g.pgs.dp_cp))  # reads only this TP rank's part
     model.load_state_dict(state)
-    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch_size, max_len=max_len, pp_group=g.pgs.pp)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids))
+    if episodes is not None:
+        return _play_episodes(rank, model, cfg, g, params, batch_size, **episodes)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch_size, max_len=max_len, pp_group=g.pgs.pp)
     outs = gen.generate([GenerationRequest(p, params, request_id=str(i)) for i, p in enumerate(prompts)])
     if rank != 0:  # tp rank 0 of the first stage: every rank of the replica has the outputs
         return None
     return [(o.token_ids, o.finish_reason, o.error) for o in outs], dict(gen.stats)
+
+
+def _play_episodes(rank, model, cfg, g, params, batch_size: int, *, env, records: list, checkpoint: str,
+                   tokenizer: Optional[str], chat: bool):
+    """One greedy episode per record against `env` (EnvSettings), played as the job's generators play them
+    (`environments/play.py`: environment workers on rank 0, each turn rendered once, the cache slot kept); on rank
+    0: per episode (prompt ids, token ids after it, finish reason, error, turns, return), the generator's statistics
+    and the episodes'."""
+    from megatron_rl.environments.play import Episodes
+    from megatron_rl.inference import Generator
+
+    tok = checkpoint_tokenizer(Path(checkpoint), tokenizer)
+    play = Episodes(env, tok, chat, g.pgs.tp, rank == 0, params)
+    try:
+        reqs, turns = play.requests(records, list(range(len(records))), 1)
+        max_len = min(cfg.max_position_embeddings, max(len(r.prompt_ids) for r in reqs) + env.max_tokens)
+        gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=batch_size, max_len=max_len,
+                        pp_group=g.pgs.pp)
+        outs = gen.generate(reqs, turns=turns)
+        if rank != 0:
+            return None
+        episodes = [(r.prompt_ids, o.token_ids, o.finish_reason, o.error, o.turns, ret)
+                    for r, o, ret in zip(reqs, outs, turns.returns())]
+        return episodes, dict(gen.stats), turns.statistics(outs)
+    finally:
+        play.close()
 
 
 def _dtype_of(meta: dict) -> str:
@@ -210,6 +264,7 @@ def evaluate(checkpoint: Union[str, Path], settings: Optional[EvalSettings] = No
 def _evaluate(ckpt: Path, s: EvalSettings, t0: float) -> dict:
     cfg, meta = read_checkpoint_meta(ckpt)
     spec = DATASETS[dataset_key(s.dataset)]
+    env = _env_settings(s, spec)
     records = load_problems(spec.name, s.data_dir, s.limit)
     for name, value in (("--max-new-tokens", s.max_new_tokens), ("--batch-size", s.batch_size), ("--tp", s.tp),
                         ("--pp", s.pp)):
@@ -230,24 +285,13 @@ def _evaluate(ckpt: Path, s: EvalSettings, t0: float) -> dict:
         raise EvalError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}; "
                         f"pass the model's tokenizer with --tokenizer")
     chat = tok.has_chat_template if s.chat is None else s.chat
+    if env is not None:
+        return _evaluate_episodes(ckpt, s, t0, cfg, compute, tok, chat, env, spec, records)
     texts = build_prompts(records, tok, spec.instruction, chat)
     prompts = [encode_prompt(tok, t) for t in texts]
     max_len = min(cfg.max_position_embeddings, max(len(p) for p in prompts) + s.max_new_tokens)
 
-    from megatron_rl.launch.spawn import run_local  # imports torch: after the argument checks
-    from megatron_rl.launch.world import LaunchError
-
-    try:
-        safe_load.check_checkpoint(ckpt)  # its pickles hold only data, before the ranks load them
-    except CheckpointError as e:
-        raise EvalError(str(e)) from None
-    try:
-        results = run_local(_generate_worker, s.tp * s.pp, cfg, str(ckpt / MODEL_DIR), compute, prompts,
-                            s.max_new_tokens, tuple(sorted(tok.stop_ids)), s.batch_size, max_len, s.pp,
-                            backend="auto", timeout=None, dist_timeout_s=1800.0)
-    except LaunchError as e:
-        raise EvalError(f"--tp={s.tp} --pp={s.pp}: {e}") from None
-    outs, stats = results[0]
+    outs, stats = _run_ranks(ckpt, s, cfg, compute, tok, prompts, max_len)
     responses = [tok.decode(ids) for ids, _, _ in outs]
     with get_reward_fn(spec.verifier) as verifier:
         scores = verifier.score([(t, r, rec.reference) for t, r, rec in zip(texts, responses, records)])
@@ -263,3 +307,69 @@ def _evaluate(ckpt: Path, s: EvalSettings, t0: float) -> dict:
     return {"dataset": spec.name, "checkpoint": str(ckpt), "dtype": compute, "n": len(records), "correct": correct,
             "accuracy": correct / len(records), "time_s": round(time.perf_counter() - t0, 2),
             "tokens_per_s": round(stats.get("tokens_per_s", 0.0), 1)}
+
+
+def _run_ranks(ckpt: Path, s: EvalSettings, cfg, compute: str, tok, prompts: list, max_len: int,
+               episodes: Optional[dict] = None):
+    """`_generate_worker` on s.tp x s.pp local processes, once the checkpoint's pickles are checked; rank 0's
+    result."""
+    from megatron_rl.launch.spawn import run_local  # imports torch: after the argument checks
+    from megatron_rl.launch.world import LaunchError
+
+    try:
+        safe_load.check_checkpoint(ckpt)  # its pickles hold only data, before the ranks load them
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+    try:
+        results = run_local(_generate_worker, s.tp * s.pp, cfg, str(ckpt / MODEL_DIR), compute, prompts,
+                            s.max_new_tokens, tuple(sorted(tok.stop_ids)), s.batch_size, max_len, s.pp, episodes,
+                            backend="auto", timeout=None, dist_timeout_s=1800.0)
+    except LaunchError as e:
+        raise EvalError(f"--tp={s.tp} --pp={s.pp}: {e}") from None
+    return results[0]
+
+
+# ---- episodes ------------------------------------------------------------------------------------------------------
+def _env_settings(s: EvalSettings, spec):
+    """The environment the problems are played against (`--env`, else the dataset's own), or None: one response per
+    problem, scored by the dataset's verifier. One line for a class that cannot be one."""
+    cls = s.env or spec.env
+    if cls is None:
+        return None
+    from megatron_rl.environments.pool import environment_problem, spec_problem
+    from megatron_rl.environments.settings import EnvSettings
+
+    problem = spec_problem(cls) or environment_problem(cls)
+    if problem:
+        raise EvalError(f"--env {cls}: {problem}")
+    for name, value in (("--max-turns", s.max_turns), ("--max-tokens", s.max_tokens)):
+        if value < 1:
+            raise EvalError(f"{name}={value} must be >= 1")
+    if s.pp > 1:
+        raise EvalError(f"--pp={s.pp}: episodes need a generator of one pipeline stage")
+    return EnvSettings(cls=cls, max_turns=s.max_turns, max_tokens=s.max_tokens)
+
+
+def _evaluate_episodes(ckpt: Path, s: EvalSettings, t0: float, cfg, compute: str, tok, chat: bool, env, spec,
+                       records: list) -> dict:
+    """Each problem played as one greedy episode against `env`; an episode is correct when its return (the sum of
+    its environment's rewards) is at least 1. The summary adds the mean return, turns per episode and the
+    environment's failed calls."""
+    episodes = dict(env=env, records=records, checkpoint=str(ckpt), tokenizer=s.tokenizer, chat=chat)
+    played, stats, totals = _run_ranks(ckpt, s, cfg, compute, tok, [], 0, episodes)
+    returns = [ret for *_, ret in played]
+    correct = sum(1 for r in returns if r >= 1.0)
+    if s.samples_out:
+        out = Path(s.samples_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w", encoding="utf-8") as f:
+            for rec, (prompt, ids, finish, error, turns, ret) in zip(records, played):
+                f.write(json.dumps({"id": rec.id, "prompt": tok.decode(prompt), "output": tok.decode(ids),
+                                    "reference": rec.reference, "return": ret, "turns": turns,
+                                    "finish_reason": finish, "new_tokens": len(ids),
+                                    **({"error": error} if error else {})}) + "\n")
+    n = len(records)
+    return {"dataset": spec.name, "checkpoint": str(ckpt), "dtype": compute, "env": env.cls, "n": n,
+            "correct": correct, "accuracy": correct / n, "mean_return": sum(returns) / n,
+            "turns_per_episode": totals["turns"] / n, "env_failures": totals["failures"],
+            "time_s": round(time.perf_counter() - t0, 2), "tokens_per_s": round(stats.get("tokens_per_s", 0.0), 1)}

@@ -1,6 +1,7 @@
-"""Episodes in the job: the environments' side of multi-turn rollouts on a generator replica (`env.cls`).
+"""Episodes on a generator replica: the environments' side of multi-turn rollouts (`env.cls`), for the job's
+generator executors and for `megatron-rl eval`.
 
-    GeneratorExecutor.generate / evaluate (controller/executors.py)
+    GeneratorExecutor.generate / evaluate (controller/executors.py), eval's worker (evaluation/eval.py)
       Episodes.requests      the first message of each episode (its environment's `reset`, on the replica's
                              leader), rendered into prompt ids once and shared with the replica's other ranks
       Generator.generate     with `EpisodeTurns` (`inference/episodes.py`): each reply decoded to text, the
