@@ -81,16 +81,16 @@ def load_and_continue(rank, world_size, layout_kw, path, steps, load_optimizer=T
     cfg, layout, g, trainer = _trainer(layout_kw, None, seed=77)
     ck = TrainCheckpointer(Path(path).parent)
     if load_optimizer:
-        meta = ck.load(path, trainer.engine)
+        rl_state = ck.load(path, trainer.engine)
     else:  # control: weights only, fresh optimizer
         from megatron.core import dist_checkpointing
 
         sd = trainer.model.module.sharded_state_dict(metadata={"dp_cp_group": g.pgs.dp_cp})
         trainer.model.module.load_state_dict(dist_checkpointing.load(sd, f"{path}/model"))
-        meta = {"rl_state": {}}
+        rl_state = {}
     metrics = trainer.step(make_rollouts(cfg.vocab_size, seed=steps))
     return {"metrics": metrics, "params": gather_full_state_dict(trainer.model.module, cfg, g.pgs),
-            "rl_state": meta["rl_state"], "lr": trainer.engine.optimizer.param_groups[0]["lr"],
+            "rl_state": rl_state, "lr": trainer.engine.optimizer.param_groups[0]["lr"],
             "steps_done": trainer.engine.steps_done, "read_bytes": ck.last_load_read.data}
 
 

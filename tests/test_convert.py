@@ -361,7 +361,8 @@ def test_a_converted_checkpoint_carries_checksums_and_a_flipped_byte_is_one_line
 
     from megatron_rl.checkpointing.convert import convert
     from megatron_rl.checkpointing.inspect import format_text, inspect_path, run
-    from megatron_rl.checkpointing.layout import CHECKSUMS, MANIFEST, META, ConversionError, verify_weights
+    from megatron_rl.checkpointing.layout import (CHECKSUMS, MANIFEST, META, ConversionError, read_meta,
+                                                  verify_weights)
     from megatron_rl.cli import main
 
     ckpt = tmp_path / "ckpt"
@@ -393,5 +394,5 @@ def test_a_converted_checkpoint_carries_checksums_and_a_flipped_byte_is_one_line
     for key in (MANIFEST, CHECKSUMS):
         del meta[key]
     (ckpt / META).write_text(json.dumps(meta))
-    verify_weights(ckpt, meta)
+    verify_weights(ckpt, read_meta(ckpt))
     assert "checksums    none recorded" in format_text(inspect_path(ckpt))

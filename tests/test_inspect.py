@@ -179,3 +179,36 @@ def test_checksums_name_a_flipped_shard_and_old_checkpoints_say_they_have_none(c
     assert run(new) == 2
     err = capsys.readouterr().err
     assert err == f"megatron-rl inspect: {shard}: checksum mismatch (flipped bits or a partial copy)\n"
+
+
+def test_the_metadata_is_read_in_one_place_each_field_typed_and_the_model_entry_parsed_one_way(tmp_path):
+    """`read_meta` is the one reader of megatron_rl.json: an ill-typed field, a model entry with a field this version
+    does not know (a newer version's), are one line naming the file and the field; a model entry without a field
+    added since (an older version's) takes its default; every other key is kept in `extra`."""
+    import dataclasses
+
+    from megatron_rl.checkpointing.layout import CONVERT_FORMAT, META, CheckpointError, read_meta
+    from megatron_rl.models.presets import get_preset
+
+    model = dataclasses.asdict(get_preset("tiny"))
+    base = {"format": CONVERT_FORMAT, "model": model, "layout": {"tp": 2, "pp": 1, "dp": 1}, "dtype": "float32",
+            "tokenizer": {"type": "byte"}, "converted_by": "a test"}
+
+    def read(**changes):
+        (tmp_path / META).write_text(json.dumps({**base, **changes}))
+        return read_meta(tmp_path)
+
+    meta = read()
+    assert meta.model_config() == get_preset("tiny") and meta.trainer_layout().tp == 2
+    assert meta.extra == {"converted_by": "a test"} and meta.torch_dtype_name == "float32"
+    older = {k: v for k, v in model.items() if k != "rope_scaling"}
+    assert "rope_scaling" in model and read(model=older).model_config() == get_preset("tiny")
+    with pytest.raises(CheckpointError) as e:
+        read(model={**model, "mla_rank": 64}).model_config()
+    assert str(e.value) == f"{tmp_path / META}: the model entry has field mla_rank, which this version does not know " \
+                           f"(written by a newer megatron-rl?)"
+    for field, value, kind in (("step", "4", "int"), ("step", True, "int"), ("model", [1], "dict"),
+                               ("optimizer_state", 1, "bool")):
+        with pytest.raises(CheckpointError) as e:
+            read(**{field: value})
+        assert str(e.value) == f"{tmp_path / META}: {field} is {value!r}, not a {kind}"

@@ -375,7 +375,7 @@ def _stop_step(out: str, run_dir: Path) -> int:
     summary = json.loads(out.strip().splitlines()[-1])
     step = summary["stopped_after_step"]
     assert summary["stopped_by"] == "SIGTERM" and (run_dir / "latest").read_text().strip() == f"step_{step:08d}"
-    assert verify(run_dir / f"step_{step:08d}", checksums=True)["step"] == step
+    assert verify(run_dir / f"step_{step:08d}", checksums=True).step == step
     return step
 
 

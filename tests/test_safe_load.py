@@ -136,14 +136,14 @@ def _refused_everywhere(ckpt: Path, f: Path, tmp: Path, capsys) -> None:
 
 @pytest.mark.parametrize("rel", TRAIN_FILES)
 def test_a_training_checkpoint_that_would_run_code_is_refused(saved, rel, tmp_path, capsys):
-    from megatron_rl.checkpointing.layout import checksum_mismatches
+    from megatron_rl.checkpointing.layout import checksum_mismatches, read_meta
     from megatron_rl.checkpointing.training import TrainCheckpointer
 
     root = tmp_path / "run"
     shutil.copytree(saved[0], root)
     ckpt, marker = root / "step_00000004", tmp_path / "ran"
     f = _plant(ckpt, rel, marker)
-    assert checksum_mismatches(ckpt, json.loads((ckpt / META).read_text())) == []  # only the content is hostile
+    assert checksum_mismatches(ckpt, read_meta(ckpt)) == []  # only the content is hostile
     _would_run(ckpt, rel)
     assert marker.exists()
     marker.unlink()

@@ -84,7 +84,7 @@ def test_state_saved_in_pieces_resumes_at_another_layout(saved_dp2, layout):
     from megatron_rl.checkpointing.layout import verify
 
     ref = saved_dp2[0]
-    assert verify(ref["path"])["optimizer_format"] == "model_space_pieces"
+    assert verify(ref["path"]).optimizer_format == "model_space_pieces"
     out = run_local(load_and_continue, layout["tp"] * layout["pp"] * layout["dp"], layout, ref["path"], 3)
     for r in out:
         assert r["steps_done"] == 4
@@ -150,7 +150,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, failpoint
     assert proc.returncode != 0 and "died with signal 9" in proc.stderr, proc.stderr[-2000:]
     assert (root / "step_00000004.tmp").is_dir() and not (root / "step_00000004").exists()
     assert read_latest(root) == root / "step_00000002"
-    assert verify(root / "step_00000002")["step"] == 2
+    assert verify(root / "step_00000002").step == 2
     assert TrainCheckpointer(root).find() == root / "step_00000002"
     with pytest.raises(CheckpointError, match="incomplete"):
         verify(root / "step_00000004.tmp")
@@ -221,7 +221,7 @@ def test_flipped_bits_are_named_in_one_line_and_fallback_resumes_from_the_previo
     new, old = root / "step_00000004", root / "step_00000002"
     meta = json.loads((new / META).read_text())
     assert set(meta[CHECKSUMS]) == set(meta["files"]) and all(v.startswith("crc32:") for v in meta[CHECKSUMS].values())
-    assert verify(new, checksums=True)["step"] == 4
+    assert verify(new, checksums=True).step == 4
     shard = sorted((new / "model").glob("__1_*.distcp"))[0]  # written by rank 1: its checksum came from rank 1
     _flip_bits(shard)
     verify(new)  # sizes alone still match
@@ -243,7 +243,7 @@ def test_flipped_bits_are_named_in_one_line_and_fallback_resumes_from_the_previo
     # A checkpoint written before checksums (no CHECKSUMS in its metadata) still loads.
     del meta[CHECKSUMS]
     (new / META).write_text(json.dumps(meta))
-    assert TrainCheckpointer(root).find() == new and verify(new, checksums=True)["step"] == 4
+    assert TrainCheckpointer(root).find() == new and verify(new, checksums=True).step == 4
     assert Path(shard).stat().st_size == meta["files"][str(shard.relative_to(new))]
 
 

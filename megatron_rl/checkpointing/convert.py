@@ -44,7 +44,7 @@ import torch
 
 from megatron_rl.checkpointing.hf_sources import (detect_format, gguf_model_config, gguf_to_safetensors,
                                                   hf_model_config, hf_tensor_files, read_gguf)
-from megatron_rl.checkpointing.inspect import dist_tensors, is_run_root, model_config, reading
+from megatron_rl.checkpointing.inspect import dist_tensors, is_run_root, reading
 from megatron_rl.checkpointing.layout import (CONVERT_FORMAT, META, MODEL_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
                                               CheckpointError, ConversionError, InspectError, read_meta, record_files,
                                               removed_line, verify_weights, write_meta)
@@ -194,7 +194,7 @@ def _overwrite_problem(dst: Path) -> Optional[str]:
         return None
     if META in names:
         try:
-            fmt = read_meta(dst, formats=None).get("format")
+            fmt = read_meta(dst, formats=None).format
         except CheckpointError:
             fmt = None
         if fmt == CONVERT_FORMAT:
@@ -273,8 +273,8 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
         raise
     seconds = time.perf_counter() - start
     parent = meter.report()
-    return {"to": "megatron", "dst": str(dst), "parameters": cfg.num_parameters(tp), "layout": meta["layout"],
-            "tokenizer": tokenizer is not None, "seconds": round(seconds, 2), "source_bytes": source_bytes,
+    return {"to": "megatron", "dst": str(dst), "parameters": cfg.num_parameters(tp),
+            "layout": {"tp": tp, "pp": pp, "dp": 1}, "tokenizer": tokenizer is not None, "seconds": round(seconds, 2), "source_bytes": source_bytes,
             "model_bytes": model_bytes,
             "memory": {"rank_peak_rss_mb": [_mb(r["peak_rss_bytes"]) for r in ranks],
                        "rank_base_rss_mb": [_mb(r["base_rss_bytes"]) for r in ranks],
@@ -380,9 +380,10 @@ def _to_hf(ckpt: Path, dst: Path, overwrite: bool, shard_bytes: int) -> dict:
         safe_load.check_checkpoint(ckpt)  # its pickles hold only data, before torch reads them
     except (InspectError, CheckpointError) as e:
         raise ConversionError(str(e)) from None
-    if not meta.get("model"):
-        raise ConversionError(f"{ckpt}: {META} records no model shape")
-    cfg = model_config(meta)
+    try:
+        cfg = meta.model_config()
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
     reader = DistSliceReader(ckpt / MODEL_DIR)
     names = megatron_names(cfg)
     boxes = {n: _stored_box(reader, n, cfg) for n in names}

@@ -15,11 +15,11 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from megatron_rl.checkpointing.inspect import model_config, reading, resolve_checkpoint
+from megatron_rl.checkpointing.inspect import reading, resolve_checkpoint
 from megatron_rl.checkpointing.layout import (META, MODEL_DIR, CheckpointError, ConversionError, InspectError,
                                               read_meta, verify_weights)
 from megatron_rl.checkpointing import safe_load
-from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
+from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer, recorded_tokenizer_kind, tokenizer_files
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.tokenizers import ByteTokenizer, load_tokenizer, tokenizer_kind
 
@@ -71,9 +71,9 @@ def checkpoint_model_config(spec: str) -> ModelConfig:
         if fmt == "megatron":
             with reading(path) as ckpt:
                 meta = read_meta(ckpt)
-            if not meta.get("model"):
+            if meta.model is None:
                 raise ValueError(f"model.checkpoint={spec!r} records no model shape")
-            return model_config(meta)
+            return meta.model_config()
         if fmt == "hf":
             return hf_model_config(path)
         return gguf_model_config(path)
@@ -189,7 +189,7 @@ def job_tokenizer_kind(cfg) -> Optional[str]:
         if source_format(spec) != "megatron":
             return "hf"
         with reading(source_path(spec)) as ckpt:
-            return (read_meta(ckpt, formats=None).get("tokenizer") or {}).get("type")
+            return recorded_tokenizer_kind(read_meta(ckpt, formats=None))
     except (OSError, ValueError, CheckpointError, InspectError):
         return None
 
@@ -202,8 +202,6 @@ def tokenizer_entry(cfg, tok, ckpt: Optional[Path]) -> Optional[dict]:
         return {"type": "byte"}
     if cfg.model.tokenizer:
         return {"source": cfg.model.tokenizer}
-    entry = read_meta(ckpt, formats=None).get("tokenizer") or {}
-    if entry.get("type") in ("hf", "sentencepiece") and entry.get("path"):
-        path = Path(entry["path"])
-        return {"source": str(path if path.is_absolute() else ckpt / path)}
-    return entry or None
+    meta = read_meta(ckpt, formats=None)
+    files = tokenizer_files(ckpt, meta)
+    return {"source": str(files)} if files is not None else (meta.tokenizer or None)

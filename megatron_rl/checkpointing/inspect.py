@@ -27,12 +27,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from megatron_rl.checkpointing.layout import (CHECKSUMS, CONVERT_FORMAT, DCP_METADATA, LATEST, MANIFEST, META,
-                                              MODEL_DIR, OPTIMIZER_DIR, RL_STATE, RNG_DIR, STEP_DIR, TOKENIZER_DIR,
-                                              TRAIN_FORMAT,
-                                              CheckpointError, InspectError, checksum_mismatches, dir_bytes,
-                                              manifest_problems, mismatch_line, read_latest, read_meta, removed_line,
-                                              step_dirs)
+from megatron_rl.checkpointing.layout import (CONVERT_FORMAT, DCP_METADATA, LATEST, META, MODEL_DIR, OPTIMIZER_DIR,
+                                              RL_STATE, RNG_DIR, STEP_DIR, TOKENIZER_DIR, TRAIN_FORMAT,
+                                              CheckpointError, CheckpointMeta, InspectError, checksum_mismatches,
+                                              dir_bytes, manifest_problems, mismatch_line, read_latest, read_meta,
+                                              removed_line, step_dirs)
 from megatron_rl.checkpointing import leases, safe_load
 from megatron_rl.checkpointing.storage import human_bytes
 from megatron_rl.models.presets import ModelConfig
@@ -79,16 +78,10 @@ def dist_tensors(d: Path, what: str = "model") -> list[dict]:
     return out
 
 
-def model_config(meta: dict):
-    """The ModelConfig recorded in a checkpoint (fields this version does not know are ignored)."""
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in (meta.get("model") or {}).items() if k in known})
-
-
-def read_model(ckpt: Path) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, metadata) of a conversion or training checkpoint (`layout.read_meta`, `model_config`)."""
+def read_model(ckpt: Path) -> tuple[ModelConfig, CheckpointMeta]:
+    """(ModelConfig, metadata) of a conversion or training checkpoint (`layout.read_meta`)."""
     meta = read_meta(Path(ckpt))
-    return model_config(meta), meta
+    return meta.model_config(), meta
 
 
 # ---- run roots ---------------------------------------------------------------------------------------------------
@@ -163,13 +156,13 @@ def inspect_checkpoint(ckpt: Path) -> dict:
     except CheckpointError as e:
         raise InspectError(str(e)) from None
     tensors = dist_tensors(ckpt / MODEL_DIR, MODEL_DIR)
-    fmt = meta["format"]
+    fmt = meta.format
     optimizer = None
     if fmt == TRAIN_FORMAT:
         opt = dist_tensors(ckpt / OPTIMIZER_DIR, OPTIMIZER_DIR)
         optimizer = {"tensors": len(opt), "numel": sum(t["numel"] for t in opt),
                      "bytes": dir_bytes(ckpt / OPTIMIZER_DIR)}
-    problems = manifest_problems(ckpt, meta)
+    problems = manifest_problems(ckpt, meta.files)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise InspectError(f"{ckpt}: corrupt checkpoint: {problems[0]}{more}")
@@ -180,16 +173,18 @@ def inspect_checkpoint(ckpt: Path) -> dict:
         safe_load.check_checkpoint(ckpt)
     except CheckpointError as e:
         raise InspectError(str(e)) from None
-    if meta.get(CHECKSUMS):
-        checksums = f"{len(meta[CHECKSUMS])} files match their CRC-32"
-    elif meta.get(MANIFEST):
+    if meta.checksums:
+        checksums = f"{len(meta.checksums)} files match their CRC-32"
+    elif meta.files:
         checksums = "none (written before checkpoints carried checksums): file sizes checked only"
     elif fmt == CONVERT_FORMAT:
         checksums = "none recorded (converted before conversions carried checksums)"
     else:
         checksums = "none recorded"
-    cfg = model_config(meta) if meta.get("model") else None
-    layout = meta.get("layout")
+    try:
+        cfg = meta.model_config() if meta.model else None
+    except CheckpointError as e:
+        raise InspectError(str(e)) from None
     total = dir_bytes(ckpt)
     sizes = {"model": dir_bytes(ckpt / MODEL_DIR)}
     if optimizer is not None:
@@ -199,9 +194,9 @@ def inspect_checkpoint(ckpt: Path) -> dict:
             sizes[part] = dir_bytes(ckpt / rel)
     sizes["other"] = total - sum(sizes.values())
     sizes["total"] = total
-    info = {"kind": "checkpoint", "path": str(ckpt), "format": fmt, "step": meta.get("step"),
-            "weight_version": meta.get("weight_version"), "layout": layout, "dtype": meta.get("dtype"),
-            "model": dataclasses.asdict(cfg) if cfg else None, "tokenizer": meta.get("tokenizer"), "source": meta.get("source"),
+    info = {"kind": "checkpoint", "path": str(ckpt), "format": fmt, "step": meta.step,
+            "weight_version": meta.weight_version, "layout": meta.layout, "dtype": meta.dtype,
+            "model": dataclasses.asdict(cfg) if cfg else None, "tokenizer": meta.tokenizer, "source": meta.source,
             "parameters": sum(t["numel"] for t in tensors),
             "padded_vocab_size": next((t["shape"][0] for t in tensors
                                        if t["name"] == "embedding.word_embeddings.weight"), None),

@@ -1,8 +1,9 @@
 """What a checkpoint looks like on disk, and the one place that reads and writes it: names, formats, the metadata
 file, the step directories of a run, the `latest` pointer, the manifest check, and the errors that name a bad one.
 
-The one module every other module reads these from (nobody else parses `megatron_rl.json`, lists step directories
-or touches `latest`); it imports nothing from the project.
+The one module every other module reads these from (nobody else parses `megatron_rl.json` or reads its keys: they
+take `CheckpointMeta`'s fields; nobody else lists step directories or touches `latest`); it imports nothing from the
+project but `ModelConfig`, when `CheckpointMeta.model_config` parses the model's entry.
 
     DIR/megatron_rl.json      META: format (CONVERT_FORMAT or TRAIN_FORMAT), model shape, tokenizer, ... and its
                               manifest under MANIFEST (every file with its size) and each file's CRC-32 under
@@ -24,6 +25,7 @@ or touches `latest`); it imports nothing from the project.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -31,7 +33,7 @@ import shutil
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 META = "megatron_rl.json"
 CONVERT_FORMAT = "megatron-rl/dist_checkpointing"
@@ -70,9 +72,97 @@ def first_line(e: BaseException) -> str:
 
 
 # ---- the metadata file ------------------------------------------------------------------------------------------
-def read_meta(ckpt: Path, formats: Optional[tuple[str, ...]] = FORMATS) -> dict:
-    """The metadata of checkpoint directory `ckpt` (its META). CheckpointError in one line when the file is
-    missing, unreadable, not a JSON object, or (unless `formats` is None) records a format not among `formats`."""
+@dataclasses.dataclass(frozen=True)
+class CheckpointMeta:
+    """A checkpoint's META, read once by `read_meta`: every field the project reads, each checked for its type
+    there (one line naming the field and the file), so no other module parses the file or its keys.
+
+    format: CONVERT_FORMAT or TRAIN_FORMAT. step, weight_version, world_size, optimizer_state, optimizer_format:
+    a training save's (None in a conversion's). layout: the trainer layout it was written with, as written ({"tp",
+    "pp", "dp", ...}). dtype: the weights' dtype, torch's name ("float32"). model: the model's shape, as written
+    (`model_config` parses it). tokenizer: the entry of the tokenizer it carries or names (`tokenizer.py`).
+    source: what a conversion read. files / checksums: the manifest, each file's size and CRC-32. extra: every other
+    key (a save's `extra`)."""
+
+    path: Path
+    format: Optional[str]
+    step: Optional[int] = None
+    weight_version: Optional[int] = None
+    layout: Optional[dict] = None
+    world_size: Optional[int] = None
+    dtype: Optional[str] = None
+    model: Optional[dict] = None
+    tokenizer: Optional[dict] = None
+    optimizer_state: Optional[bool] = None
+    optimizer_format: Optional[str] = None
+    source: Optional[str] = None
+    files: dict = dataclasses.field(default_factory=dict)
+    checksums: dict = dataclasses.field(default_factory=dict)
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_training(self) -> bool:
+        return self.format == TRAIN_FORMAT
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """The weights' dtype as torch names it ("float32" when the metadata does not say)."""
+        return (self.dtype or "float32").replace("torch.", "")
+
+    def trainer_layout(self):
+        """The trainer layout the checkpoint was written with, as a `ParallelLayout` (None when it records none)."""
+        from megatron_rl.parallel.layout import ParallelLayout
+
+        if not self.layout:
+            return None
+        try:
+            return ParallelLayout(**self.layout)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{Path(self.path) / META}: bad layout entry ({first_line(e)})") from None
+
+    def model_config(self):
+        """The model's shape as a `ModelConfig`: the one parser of the entry. Fields it lacks take their defaults
+        (a checkpoint written before they existed); a field this version does not know is a CheckpointError naming
+        it (a newer version's model may not be the one this code would build)."""
+        from megatron_rl.models.presets import ModelConfig
+
+        if self.model is None:
+            raise CheckpointError(f"{self.path}: {META} records no model shape")
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = sorted(set(self.model) - known)
+        if unknown:
+            fields = f"field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
+            raise CheckpointError(f"{Path(self.path) / META}: the model entry has {fields}, which this version does "
+                                  f"not know (written by a newer megatron-rl?)")
+        try:
+            return ModelConfig(**self.model)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{Path(self.path) / META}: bad model entry ({first_line(e)})") from None
+
+
+# The fields of META with their types (None is always allowed: absent, or written before the field existed).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "format": (str,), "step": (int,), "weight_version": (int,), "layout": (dict,), "world_size": (int,),
+    "dtype": (str,), "model": (dict,), "tokenizer": (dict,), "optimizer_state": (bool,), "optimizer_format": (str,),
+    "source": (str,), MANIFEST: (dict,), CHECKSUMS: (dict,)}
+
+
+def _parse_meta(ckpt: Path, raw: Any) -> CheckpointMeta:
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{ckpt}: {META} does not hold a JSON object")
+    for key, types in _TYPES.items():
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, types) or (types == (int,) and isinstance(value, bool))):
+            raise CheckpointError(f"{Path(ckpt) / META}: {key} is {value!r}, not a {types[0].__name__}")
+    known = {k: raw.get(k) for k in _TYPES if k not in (MANIFEST, CHECKSUMS)}
+    return CheckpointMeta(path=Path(ckpt), files=raw.get(MANIFEST) or {}, checksums=raw.get(CHECKSUMS) or {},
+                          extra={k: v for k, v in raw.items() if k not in _TYPES}, **known)
+
+
+def read_meta(ckpt: Path, formats: Optional[tuple[str, ...]] = FORMATS) -> CheckpointMeta:
+    """The metadata of checkpoint directory `ckpt` (its META), parsed (`CheckpointMeta`). CheckpointError in one
+    line when the file is missing, unreadable, not a JSON object, holds an ill-typed field, or (unless `formats` is
+    None) records a format not among `formats`."""
     path = Path(ckpt) / META
     try:
         meta = json.loads(path.read_text())
@@ -86,9 +176,7 @@ def read_meta(ckpt: Path, formats: Optional[tuple[str, ...]] = FORMATS) -> dict:
         fmt = meta.get("format") if isinstance(meta, dict) else None
         raise CheckpointError(f"{ckpt}: unknown checkpoint format {fmt!r} in {META} (expected one of "
                               f"{list(formats)})")
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{ckpt}: {META} does not hold a JSON object")
-    return meta
+    return _parse_meta(Path(ckpt), meta)
 
 
 def write_meta(ckpt: Path, meta: dict) -> None:
@@ -244,11 +332,11 @@ def manifest(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
-def manifest_problems(ckpt: Path, meta: dict) -> list[str]:
-    """How the files of checkpoint `ckpt` differ from the manifest in its metadata, one phrase per file (empty when
-    they match, or when there is no manifest)."""
+def manifest_problems(ckpt: Path, files: dict[str, int]) -> list[str]:
+    """How the files of checkpoint `ckpt` differ from `files` (its manifest, or part of it: relative path -> size),
+    one phrase per file (empty when they match, or when there is no manifest)."""
     problems = []
-    for rel, size in (meta.get(MANIFEST) or {}).items():
+    for rel, size in files.items():
         f = Path(ckpt) / rel
         if not f.is_file():
             problems.append(f"{rel} missing")
@@ -285,11 +373,11 @@ def file_checksums(root: Path, files: list[str]) -> dict[str, str]:
 CHECKSUM_MISMATCH = "checksum mismatch (flipped bits or a partial copy)"
 
 
-def checksum_mismatches(ckpt: Path, meta: dict, files: Optional[list[str]] = None) -> list[str]:
+def checksum_mismatches(ckpt: Path, meta: CheckpointMeta, files: Optional[list[str]] = None) -> list[str]:
     """The files of checkpoint `ckpt` (all, or those of `files`) whose content differs from the checksum in its
     metadata, by relative path. Missing files are `manifest_problems`'s to report; a checkpoint written without
     checksums has none to differ."""
-    sums = meta.get(CHECKSUMS) or {}
+    sums = meta.checksums
     present = [rel for rel in (sorted(sums) if files is None else files) if rel in sums and (Path(ckpt) / rel).is_file()]
     found = file_checksums(Path(ckpt), present)
     return [rel for rel in present if found[rel] != sums[rel]]
@@ -308,16 +396,16 @@ def record_files(ckpt: Path, meta: dict) -> dict:
     return {**meta, MANIFEST: files, CHECKSUMS: file_checksums(Path(ckpt), list(files))}
 
 
-def verify_weights(ckpt: Path, meta: dict, part: slice = slice(None)) -> None:
+def verify_weights(ckpt: Path, meta: CheckpointMeta, part: slice = slice(None)) -> None:
     """Check the files a reader of the weights reads (MODEL_DIR and TOKENIZER_DIR; `part` of them, by path: rank r
     of w checks `slice(r, None, w)`) against the manifest and the checksums in `meta` (a converted or a training
     checkpoint; one written without them has nothing to check): CheckpointError in one line naming the first file
     that is missing, truncated or changed (`mismatch_line`)."""
     ckpt = Path(ckpt)
     read = (MODEL_DIR + "/", TOKENIZER_DIR + "/")
-    sizes = meta.get(MANIFEST) or {}
-    files = sorted(rel for rel in {*sizes, *(meta.get(CHECKSUMS) or {})} if rel.startswith(read))[part]
-    problems = manifest_problems(ckpt, {MANIFEST: {rel: sizes[rel] for rel in files if rel in sizes}})
+    sizes = meta.files
+    files = sorted(rel for rel in {*sizes, *meta.checksums} if rel.startswith(read))[part]
+    problems = manifest_problems(ckpt, {rel: sizes[rel] for rel in files if rel in sizes})
     if problems:
         raise CheckpointError(f"{ckpt}: corrupt checkpoint ({problems[0]})")
     mismatches = checksum_mismatches(ckpt, meta, files)
@@ -325,7 +413,7 @@ def verify_weights(ckpt: Path, meta: dict, part: slice = slice(None)) -> None:
         raise CheckpointError(mismatch_line(ckpt, mismatches))
 
 
-def verify(path: Path, checksums: bool = False) -> dict:
+def verify(path: Path, checksums: bool = False) -> CheckpointMeta:
     """Check a training checkpoint is complete (every file of the manifest present with its size) and, with
     `checksums`, unmodified (every file's content matches its checksum; this reads every file); returns its
     metadata, else raises CheckpointError naming what is wrong in one line."""
@@ -335,9 +423,9 @@ def verify(path: Path, checksums: bool = False) -> dict:
     if ".tmp" in path.name:
         raise CheckpointError(f"{path}: incomplete checkpoint (a write that never finished)")
     meta = read_meta(path, formats=None)
-    if meta.get("format") != TRAIN_FORMAT:
-        raise CheckpointError(f"{path}: not a training checkpoint (format {meta.get('format')!r})")
-    problems = manifest_problems(path, meta)
+    if not meta.is_training:
+        raise CheckpointError(f"{path}: not a training checkpoint (format {meta.format!r})")
+    problems = manifest_problems(path, meta.files)
     if problems:
         raise CheckpointError(f"{path}: corrupt checkpoint ({problems[0]})")
     if checksums:

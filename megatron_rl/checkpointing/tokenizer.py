@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_rl.checkpointing.inspect import resolve_checkpoint
-from megatron_rl.checkpointing.layout import META, CheckpointError, read_meta
+from megatron_rl.checkpointing.layout import META, CheckpointError, CheckpointMeta, read_meta
 from megatron_rl.tokenizers import ByteTokenizer, Tokenizer
 from megatron_rl.tokenizers.hf import HFTokenizer
 from megatron_rl.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
@@ -61,13 +61,26 @@ def _keep_model_type(src: Path, dst: Path) -> None:
         (dst / MODEL_TYPE_FILE).write_text(json.dumps({"model_type": model_type}))
 
 
-def tokenizer_dir(ckpt: Path, meta: dict) -> Optional[Path]:
-    """The directory of a checkpoint's HF tokenizer, or None when it records another kind (or none)."""
-    entry = meta.get("tokenizer") or {}
-    if entry.get("type") != "hf" or not entry.get("path"):
+# The one reader of the tokenizer's entry in a checkpoint's metadata (`CheckpointMeta.tokenizer`), whose form this
+# module writes: {"type": "byte"} or {"type": "hf" | "sentencepiece", "path": files, relative to the checkpoint}.
+def recorded_tokenizer_kind(meta: CheckpointMeta) -> Optional[str]:
+    """The kind of tokenizer a checkpoint records ("byte", "hf", "sentencepiece"), None when it records none."""
+    return (meta.tokenizer or {}).get("type")
+
+
+def tokenizer_files(ckpt: Path, meta: CheckpointMeta) -> Optional[Path]:
+    """The files (a directory or a `.model`) of the HF or sentencepiece tokenizer a checkpoint records, or None when
+    it records another kind (or none)."""
+    entry = meta.tokenizer or {}
+    if entry.get("type") not in ("hf", "sentencepiece") or not entry.get("path"):
         return None
     p = Path(entry["path"])
     return p if p.is_absolute() else Path(ckpt) / p
+
+
+def tokenizer_dir(ckpt: Path, meta: CheckpointMeta) -> Optional[Path]:
+    """The directory of a checkpoint's HF tokenizer, or None when it records another kind (or none)."""
+    return tokenizer_files(ckpt, meta) if recorded_tokenizer_kind(meta) == "hf" else None
 
 
 def load_checkpoint_tokenizer(ckpt_dir: str | Path) -> Tokenizer:
@@ -79,17 +92,16 @@ def load_checkpoint_tokenizer(ckpt_dir: str | Path) -> Tokenizer:
         meta = read_meta(ckpt, formats=None)
     except CheckpointError as e:
         raise ValueError(str(e)) from None
-    entry = meta.get("tokenizer")
+    entry = meta.tokenizer
     if not entry:
         raise ValueError(f"{ckpt}: {META} records no tokenizer (pass one explicitly, e.g. a HF directory or 'byte')")
-    kind = entry.get("type")
+    kind = recorded_tokenizer_kind(meta)
     if kind == "byte":
         return ByteTokenizer()
     if kind in ("hf", "sentencepiece"):
-        if not entry.get("path"):
+        p = tokenizer_files(ckpt, meta)
+        if p is None:
             raise ValueError(f"{ckpt}: tokenizer entry {entry} has no path")
-        p = Path(entry["path"])
-        p = p if p.is_absolute() else ckpt / p
         if not p.exists():
             raise ValueError(f"{ckpt}: tokenizer {kind} at {p} is missing")
         return HFTokenizer(p) if kind == "hf" else SentencePieceTokenizer(p)

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpointing.layout import (CHECKSUMS, LATEST, MANIFEST, MODEL_DIR, OPTIMIZER_DIR, RL_STATE,
-                                              RNG_DIR, TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError,
+                                              RNG_DIR, TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError, CheckpointMeta,
                                               checksum_mismatches, file_checksums, list_checkpoints, manifest,
                                               mismatch_line, publish, read_latest, remove_unfinished, retire,
                                               retired, rng_file, step_dir_name, verify, write_meta)
@@ -299,9 +299,7 @@ class TrainCheckpointer:
             shutil.rmtree(tmp / background.MARKERS)
             checksums = {rel: c for v in values.values() for rel, c in v["checksums"].items()}
             checksums.update(file_checksums(tmp, [rel for rel in _files(tmp) if rel not in checksums]))
-            meta[MANIFEST] = manifest(tmp)
-            meta[CHECKSUMS] = checksums
-            write_meta(tmp, meta)
+            write_meta(tmp, {**meta, MANIFEST: manifest(tmp), CHECKSUMS: checksums})
             failpoint("checkpoint_before_rename", name)
             publish(tmp, final)
             self._prune(keep=final)
@@ -376,7 +374,7 @@ class TrainCheckpointer:
         remove_unfinished(self.root)
 
     # ---- find and load ---------------------------------------------------------------------------------------
-    def verify(self, path: Path) -> dict:
+    def verify(self, path: Path) -> CheckpointMeta:
         """`verify(path, checksums=True)`, and every pickled file checked to hold only data (`safe_load`; nothing
         in it runs), collective when torch.distributed is initialized: each rank reads a share of the files (an
         even share of the bytes: `_share_by_bytes`), and every rank gets the same answer. Remembered, so that
@@ -385,10 +383,10 @@ class TrainCheckpointer:
         meta = verify(path)
         if path in self._verified:
             return meta
-        files, pickled = sorted(meta.get(CHECKSUMS) or {}), safe_load.pickled_files(path)
+        files, pickled = sorted(meta.checksums), safe_load.pickled_files(path)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             rank, world = dist.get_rank(), dist.get_world_size()
-            files, pickled = _share_by_bytes(files, pickled, meta.get(MANIFEST) or {}, world)[rank]
+            files, pickled = _share_by_bytes(files, pickled, meta.files, world)[rank]
             parts: list = [None] * world
             dist.all_gather_object(parts, (checksum_mismatches(path, meta, files),
                                            safe_load.problems(path, pickled)))
@@ -435,8 +433,8 @@ class TrainCheckpointer:
     def load(self, path: Path, engine=None, reference=None) -> dict:
         """Collective over the world: restores model, optimizer, scheduler, counters (trainer ranks), the KL
         reference model's weights into `reference` when given (CheckpointError if the checkpoint has none) and,
-        when the world and layout are those it was written with, the RNG states. Returns the metadata plus
-        `rl_state` (the controller's state, on every rank)."""
+        when the world and layout are those it was written with, the RNG states. Returns `rl_state.pt`'s content
+        (the controller's state, on every rank; {} when the checkpoint has none)."""
         from megatron.core import dist_checkpointing
 
         from megatron_rl.checkpointing.loader import resume_strategy
@@ -447,7 +445,7 @@ class TrainCheckpointer:
             raise CheckpointError(f"{path}: saved without a KL reference model, which this run needs (it was "
                                   f"written by a run with algorithm.kl_coef = 0?)")
         if engine is not None:
-            with_state = meta.get("optimizer_state") is not False
+            with_state = meta.optimizer_state is not False
             if with_state:
                 megatron_state.ensure_optimizer_state(engine.optimizer)
             # Each replicated tensor read by one DP rank and broadcast, each chunk only as far as needed.
@@ -472,13 +470,13 @@ class TrainCheckpointer:
             for k, v in ostate["engine"].items():
                 setattr(engine, k, v)
             rng_path = rng_file(path, dist.get_rank())
-            same_world = meta.get("world_size") == dist.get_world_size()
+            same_world = meta.world_size == dist.get_world_size()
             if same_world and rng_path.exists():
                 rng.set_rng_state(safe_load.load_data(rng_path, numpy_arrays=True))
         else:
             dist_checkpointing.load({}, str(path / MODEL_DIR))
             dist_checkpointing.load({}, str(path / OPTIMIZER_DIR))
         rl = path / RL_STATE
-        meta["rl_state"] = safe_load.load_data(rl) if rl.exists() else {}
+        rl_state = safe_load.load_data(rl) if rl.exists() else {}
         dist.barrier()
-        return meta
+        return rl_state

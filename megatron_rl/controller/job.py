@@ -253,10 +253,11 @@ class Job:
         path = self.resume_from
         if path is None:
             return None
-        want = dataclasses.asdict(self.model_cfg)
-        saved_model = verify(path).get("model")
-        if saved_model is not None and saved_model != want:
-            diff = sorted(k for k in saved_model if saved_model[k] != want.get(k))
+        meta = verify(path)
+        saved = meta.model_config() if meta.model is not None else None
+        if saved is not None and saved != self.model_cfg:
+            diff = sorted(f.name for f in dataclasses.fields(saved)
+                          if getattr(saved, f.name) != getattr(self.model_cfg, f.name))
             raise CheckpointError(f"{path}: written for another model shape (differs in {', '.join(diff)}); use "
                                   f"another checkpoint.dir or run.name, or checkpoint.resume=false")
         if self.cfg.algorithm.kl_coef > 0 and not saved_with_reference(path):  # every rank, before the collective
@@ -273,8 +274,7 @@ class Job:
         if self.trainer is not None:
             self.trainer.prepare_resume()
             reference = self.trainer.reference
-        rl = self.ckpt.load(path, self.trainer.engine if self.trainer is not None else None,
-                            reference=reference)["rl_state"]
+        rl = self.ckpt.load(path, self.trainer.engine if self.trainer is not None else None, reference=reference)
         pending = rl.get("pending", {})
         if self.collector is not None:
             self.collector.restore(pending)

@@ -36,12 +36,11 @@ from typing import Optional, Union
 
 from megatron_rl.checkpointing import safe_load
 from megatron_rl.checkpointing.inspect import reading, resolve_checkpoint as resolve
-from megatron_rl.checkpointing.layout import (META, MODEL_DIR, CheckpointError, InspectError, read_meta,
+from megatron_rl.checkpointing.layout import (MODEL_DIR, CheckpointError, InspectError, read_meta,
                                               removed_line, verify_weights)
 from megatron_rl.checkpointing.tokenizer import load_checkpoint_tokenizer
 from megatron_rl.data import ChatPromptBuilder, DataError, default_data_dir, load_prompt_dataset, registry
 from megatron_rl.data.datasets import DATA_DIR_ENV
-from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.layout import ParallelLayout, layout_problems
 from megatron_rl.rewards import get_reward_fn
 from megatron_rl.tokenizers import load_tokenizer
@@ -84,17 +83,12 @@ def resolve_checkpoint(path: Union[str, Path]) -> Path:
 
 
 def read_checkpoint_meta(ckpt: Path):
-    """(ModelConfig, meta dict) of a checkpoint directory."""
+    """(ModelConfig, CheckpointMeta) of a checkpoint directory."""
     try:
         meta = read_meta(ckpt, formats=None)
+        cfg = meta.model_config()
     except CheckpointError as e:
         raise EvalError(str(e)) from None
-    if not isinstance(meta.get("model"), dict):
-        raise EvalError(f"{ckpt / META} records no model shape ('model')")
-    try:
-        cfg = ModelConfig(**meta["model"])
-    except TypeError as e:
-        raise EvalError(f"{ckpt / META}: bad model shape ({e})") from None
     if not (ckpt / MODEL_DIR).is_dir():
         raise EvalError(f"{ckpt} has no model/ directory (the Megatron-Core weights)")
     return cfg, meta
@@ -225,8 +219,8 @@ def _play_episodes(rank, model, cfg, g, params, batch_size: int, *, env, records
         play.close()
 
 
-def _dtype_of(meta: dict) -> str:
-    dtype = str(meta.get("dtype") or "float32").replace("torch.", "")
+def _dtype_of(meta) -> str:
+    dtype = meta.torch_dtype_name
     if dtype not in ("float32", "bfloat16", "float16"):
         raise EvalError(f"checkpoint dtype {dtype!r} is not one of float32, bfloat16, float16")
     return dtype

@@ -86,8 +86,8 @@ def checkpoint_report(path: Path, model: ModelConfig, layout: ParallelLayout, st
             read += n * itemsize * (model.num_layers // layout.pp if stacked else 1)
         owned = sum(p.numel for p in mods.params) / layout.dp
         per_rank[f"pp {pp_rank}"] = read + int(opt_bytes * owned / max(model_elements, 1))
-    return {"path": str(ckpt), "format": meta.get("format"), "step": meta.get("step"),
-            "written_at": meta.get("layout"), "loads": True, "tensors": len(tensors),
+    return {"path": str(ckpt), "format": meta.format, "step": meta.step,
+            "written_at": meta.layout, "loads": True, "tensors": len(tensors),
             "read_bytes_per_rank": per_rank}
 
 

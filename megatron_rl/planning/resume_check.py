@@ -49,8 +49,8 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_rl.checkpointing.coverage import range_text, tensor_problem
-from megatron_rl.checkpointing.layout import (CHECKSUMS, DCP_METADATA, MANIFEST, META, MODEL_DIR, OPTIMIZER_DIR,
-                                              RL_STATE, TRAIN_FORMAT, CheckpointError, first_line, read_meta)
+from megatron_rl.checkpointing.layout import (DCP_METADATA, META, MODEL_DIR, OPTIMIZER_DIR, RL_STATE, CheckpointError,
+                                              CheckpointMeta, first_line, read_meta)
 from megatron_rl.checkpointing.optimizer_state import PREFIX, STATE_KEYS, range_boxes
 from megatron_rl.checkpointing.reads import chunk_read_ranges, read_owners
 from megatron_rl.checkpointing.safe_load import COMMON, read_dcp_metadata
@@ -196,7 +196,7 @@ class Index:
     where: Path  # the checkpoint directory, or the config whose save this is
     files: set[str]
     layout: Optional[ParallelLayout] = None  # the layout it was written with
-    meta: dict = field(default_factory=dict)  # megatron_rl.json (empty for a rehearsed save)
+    meta: Optional[CheckpointMeta] = None  # megatron_rl.json (None for a rehearsed save)
     loaded: Optional[dict] = None  # MODEL_DIR / OPTIMIZER_DIR -> torch.distributed.checkpoint.metadata.Metadata
     _saved: dict = field(default_factory=dict, repr=False)
 
@@ -208,7 +208,7 @@ class Index:
 
     def label(self, d: str) -> str:
         """How a message names directory `d`'s index."""
-        return str(self.where / d / DCP_METADATA) if self.meta else f"{self.where} (rehearsed save) {d}/"
+        return f"{self.where} (rehearsed save) {d}/" if self.meta is None else str(self.where / d / DCP_METADATA)
 
     def saved(self, d: str, key: str) -> Optional["_Saved"]:
         """The saved tensor `key` of directory `d` (None when the index holds no tensor of that name)."""
@@ -268,13 +268,12 @@ def read_index(ckpt: Path) -> Index:
     read when first used); CheckpointError in one line when it is not one."""
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
-    if meta.get("format") != TRAIN_FORMAT:
-        raise CheckpointError(f"{ckpt}: not a training checkpoint (format {meta.get('format')!r})")
-    files = set(meta.get(MANIFEST) or meta.get(CHECKSUMS) or ())
+    if not meta.is_training:
+        raise CheckpointError(f"{ckpt}: not a training checkpoint (format {meta.format!r})")
+    files = set(meta.files or meta.checksums)
     if not files:  # written without a manifest: the files present
         files = {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file()}
-    layout = meta.get("layout")
-    return Index(ckpt, files, ParallelLayout(**layout) if layout else None, meta)
+    return Index(ckpt, files, meta.trainer_layout(), meta)
 
 
 def saved_trainer(index: Index) -> TrainerSpec:
@@ -282,26 +281,21 @@ def saved_trainer(index: Index) -> TrainerSpec:
     distributed optimizer when its state is in pieces (`optimizer.state.param.*`), a reference model when it has
     `reference.*` tensors."""
     meta = index.meta
-    if not isinstance(meta.get("model"), dict):
-        raise CheckpointError(f"{index.where}: {META} records no model shape")
-    try:
-        model = ModelConfig(**meta["model"])
-    except TypeError as e:
-        raise CheckpointError(f"{index.where}: {META}'s model is not one this version builds ({e})") from None
+    model = meta.model_config()
     if index.layout is None:
         raise CheckpointError(f"{index.where}: {META} records no layout")
     keys = [key for _, key, _ in index.tensors()]
-    dtype = getattr(torch, str(meta.get("dtype") or "float32"), torch.float32)
+    dtype = getattr(torch, meta.torch_dtype_name, torch.float32)
     return TrainerSpec(model, index.layout, dtype if isinstance(dtype, torch.dtype) else torch.float32,
                        distributed_optimizer=any(k.startswith(f"{PREFIX}.param.") for k in keys),
-                       optimizer_state=meta.get("optimizer_state") is not False,
+                       optimizer_state=meta.optimizer_state is not False,
                        reference=any(k.startswith(REFERENCE) for k in keys))
 
 
 def loading(spec: TrainerSpec, index: Index) -> TrainerSpec:
     """`spec` loading the checkpoint of `index`: no optimizer state where it was saved before the first update."""
     return dataclasses.replace(spec, optimizer_state=spec.optimizer_state and
-                               index.meta.get("optimizer_state") is not False)
+                               (index.meta is None or index.meta.optimizer_state is not False))
 
 
 def saved_files() -> set[str]:
@@ -488,7 +482,7 @@ def report(index: Index, spec: TrainerSpec, ranks: list[RankBytes], cal) -> dict
     busiest = max(ranks, key=lambda r: (r.read_bytes, r.needed_bytes))
     entries = [entry for _, _, entry in index.tensors()]
     return {
-        "ok": True, "source": str(index.where), "source_kind": "checkpoint" if index.meta else "config",
+        "ok": True, "source": str(index.where), "source_kind": "config" if index.meta is None else "checkpoint",
         "written_at": str(index.layout) if index.layout else None, "target": str(spec.layout),
         "ranks": len(ranks), "tensors": len(entries), "chunks": sum(len(e.chunks) for e in entries),
         "objects": sum(1 for md in index.metadata.values() for e in md.state_dict_metadata.values()
