@@ -48,7 +48,7 @@ def test_tp2_conversion_and_back_is_bit_exact_and_carries_the_chat_template(fami
 
     src, model, ckpt = families[family]
     cfg, meta = read_model(ckpt)
-    assert cfg.family == family and meta["tokenizer"] == {"type": "hf", "path": "tokenizer"}
+    assert cfg.family == family and meta.tokenizer == {"type": "hf", "path": "tokenizer"}
     convert(ckpt, tmp_path / "back", "hf", shard_bytes=50_000)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     assert type(back) is type(model)

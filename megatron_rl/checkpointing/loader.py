@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+import megatron_rl.compat.megatron_core  # noqa: F401 - before Megatron-Core (tests/test_compat.py says why)
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy
