@@ -111,8 +111,24 @@ class AdditionTask(Task):
         return out
 
 
-# ---- the built-in multi-turn task ----------------------------------------------------------------------------------
-class GuessTask(Task):
+# ---- the built-in multi-turn tasks ---------------------------------------------------------------------------------
+class EpisodeTask(Task):
+    """A built-in task played in episodes: its environment scores it (`env.cls`), the first message is the
+    environment's `reset` (the record's prompt, shown as it is), and the held-out records are `heldout`."""
+
+    heldout: list[PromptRecord]
+
+    def eval_records(self) -> list[PromptRecord]:
+        return self.heldout
+
+    def prompt_text(self, record: PromptRecord) -> str:
+        return record.prompt
+
+    def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
+        raise RuntimeError(f"{type(self).__name__} is scored by its environment, in episodes")
+
+
+class GuessTask(EpisodeTask):
     """Find a hidden number in 1..16 from "higher" / "lower" replies, in episodes (`env.cls` GuessNumber,
     `environments/guess.py`): one turn finds it 1 time in 16, an optimal player always within 5. The warm start
     imitates a careless player: each of its guesses uses the answers so far (a number they still allow) with
@@ -138,15 +154,6 @@ class GuessTask(Task):
         from megatron_rl.environments.guess import guess_records
 
         return [self._record(r) for r in guess_records(size, seed=self.seed * 7_919_000 + index)]
-
-    def eval_records(self) -> list[PromptRecord]:
-        return self.heldout
-
-    def prompt_text(self, record: PromptRecord) -> str:
-        return record.prompt
-
-    def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
-        raise RuntimeError("the guessing game is scored by its environment, in episodes")
 
     def demonstrations(self, index: int, size: int) -> list[tuple[list[int], str]]:
         from megatron_rl.environments.guess import GuessNumber
@@ -174,7 +181,7 @@ class GuessTask(Task):
         return rnd.randint(self.LOW, self.HIGH)
 
 
-class CalculatorTask(Task):
+class CalculatorTask(EpisodeTask):
     """Word problems of two or three changes with numbers up to 50 (`data/word_problems.py`), played in episodes
     against the calculator environment (`env.cls` Calculator, `environments/calculator.py`), which scores them.
     Mental arithmetic at this size is beyond a small model; the calculator is not. The warm start imitates a
@@ -195,15 +202,6 @@ class CalculatorTask(Task):
     def train_batch(self, index: int, size: int) -> list[PromptRecord]:
         rnd = random.Random(self.seed * 1_000_003 + index)
         return [rnd.choice(self.train) for _ in range(size)]
-
-    def eval_records(self) -> list[PromptRecord]:
-        return self.heldout
-
-    def prompt_text(self, record: PromptRecord) -> str:
-        return record.prompt
-
-    def score(self, records: Sequence[PromptRecord], responses: Sequence[str]) -> list[float]:
-        raise RuntimeError("the calculator task is scored by its environment, in episodes")
 
     def demonstrations(self, index: int, size: int) -> list[tuple[list[int], str]]:
         from megatron_rl.environments.calculator import Calculator
