@@ -370,9 +370,13 @@ def _episode_problems(cfg: JobConfig, model: Optional[ModelConfig], dataset: Opt
     if dataset is None:
         out.append("env.cls needs prompt records for its episodes: set data.dataset (jsonl, gsm8k, ... or "
                    "guess-number, the built-in multi-turn task)")
-    if cfg.reward.kind != "auto" or cfg.reward.function or cfg.reward.model:
+    if cfg.reward.kind != "auto" or cfg.reward.function:
         out.append(f"env.cls: an episode's reward is the sum of its environment's rewards; reward.kind="
-                   f"{cfg.reward.kind!r}, reward.function and reward.model do nothing with it (leave them unset)")
+                   f"{cfg.reward.kind!r} and reward.function do nothing with it (leave them unset; a reward model on "
+                   f"ranks of its own, reward.model with reward.executor.dp >= 1, adds its score of the episode)")
+    elif cfg.reward.model and not cfg.reward.model_executor:
+        out.append("env.cls: a reward model scores episodes on ranks of its own: set reward.executor.dp >= 1 (its "
+                   "score of the whole episode, times reward.model_coef, is added to the return)")
     if cfg.generator.pp > 1:
         out.append(f"env.cls: episodes need a generator of one pipeline stage (generator.pp={cfg.generator.pp})")
     if model is not None and cfg.episode_length > model.max_position_embeddings:

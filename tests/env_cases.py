@@ -71,6 +71,20 @@ ILL_TYPED = {  # what `step` returns for a reply; each is an error
 }
 
 
+class QuarterAtOnce:
+    """Ends every episode after the first reply, with reward 0.25: an episode that is one response. Its first message
+    is the record's prompt with its words reversed: not the prompt a single-turn job would show."""
+
+    def __init__(self, record, seed):
+        self.prompt = " ".join(reversed(record["prompt"].split()))
+
+    def reset(self):
+        return self.prompt
+
+    def step(self, response):
+        return None, 0.25, True
+
+
 class NoStep:
     def __init__(self, record, seed):
         pass

@@ -71,7 +71,7 @@ def test_episode_settings_that_cannot_work_are_one_line_each(tmp_path):
                          "env.cls=megatron_rl.environments.guess:GuessNumber", f"checkpoint.dir={tmp_path}"])
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
-    assert "reward.kind='gsm8k', reward.function and reward.model do nothing with it" in line
+    assert "reward.kind='gsm8k' and reward.function do nothing with it" in line
     assert "episodes need a generator of one pipeline stage (generator.pp=2)" in line
     proc = warm_cli.run(["train", "data.dataset=guess-number", f"checkpoint.dir={tmp_path}"])
     assert proc.returncode == 2 and "set env.cls=megatron_rl.environments.guess:GuessNumber" in proc.stderr

@@ -115,3 +115,33 @@ def test_reward_executor_layouts_are_checked_against_the_reward_model(reward_mod
     assert cfg.world_size_needed == 4  # trainer 2 + generator 1 + reward model 1
     with pytest.raises(ConfigError, match=r"reward model 1x1\) but the world has 3"):
         validate(cfg, 3)
+
+
+def test_a_reward_model_on_its_ranks_adds_its_score_of_each_episode_to_the_return(reward_model_job, tmp_path):
+    """Episodes (an environment that ends each after one reply with reward 0.25) scored by the reward model on ranks
+    of its own: each sample's reward is its return plus reward.model_coef times the model's score of the episode's
+    first message, as rendered, followed by the episode (transformers' model, scoring in this process, is the
+    reference)."""
+    from megatron_rl.config import load_config
+    from megatron_rl.controller.tasks import build_task
+    from megatron_rl.environments.play import TurnTemplate
+    from megatron_rl.rewards.reward_model import RewardModelReward
+    from megatron_rl.tokenizers import load_tokenizer
+
+    d = reward_model_job
+    args = _args(d, tmp_path, "episodes", "reward.kind=auto", "reward.executor.dp=1", "reward.model_coef=2",
+                 "env.cls=env_cases:QuarterAtOnce", "env.num_workers=1", "env.max_tokens=8",
+                 "rollout.prompts_per_step=2", "run.steps=1")
+    (proc,) = _train_together((args, None))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = _rows(tmp_path, "episodes")[0]
+    tok = load_tokenizer(str(d / "hf"))
+    template = TurnTemplate(tok, chat=tok.has_chat_template)
+    records = build_task(load_config(None, args), tok, with_reward=False).train_batch(0, 2)
+    first = [" ".join(reversed(records[j // 2].prompt.split())) for j in range(4)]  # QuarterAtOnce's first message
+    prompts = [tok.decode(template.prompt({"role": "user", "content": m})) for m in first]
+    assert len(row["samples"]) == 4 and row["episode/turns"] == 1
+    scores = RewardModelReward(str(d / "rm")).score([(p, t) for p, t in zip(prompts, row["samples"])])
+    assert len({round(s, 4) for s in scores}) > 1  # real-valued scores: the test can fail
+    assert row["reward"] == pytest.approx(0.25 + 2 * sum(scores) / 4, abs=1e-5)
+    assert row["time/reward_model_s"] > 0

@@ -219,7 +219,8 @@ class GeneratorExecutor:
         if not self.is_leader:
             return None
         groups = [mine[j // n] for j in range(len(outs))]
-        episodes = dict(returns=turns.returns(), episodes=turns.statistics(outs)) if turns is not None else {}
+        episodes = dict(returns=turns.returns(), episodes=turns.statistics(outs),
+                        prompts=self._prompt_texts(outs)) if turns is not None else {}
         return UnscoredRollouts(batch, version, [problems[i] for i in groups], groups, outs,
                                 [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes)
 
@@ -238,7 +239,13 @@ class GeneratorExecutor:
         if not self.is_leader:
             return None
         return Evaluated([problems[j // n] for j in range(len(outs))], [self.tok.decode(o.token_ids) for o in outs],
-                         returns=turns.returns() if turns is not None else None)
+                         returns=turns.returns() if turns is not None else None,
+                         prompts=self._prompt_texts(outs) if turns is not None else None)
+
+    def _prompt_texts(self, outs: list) -> list[str]:
+        """An episode's first message as the model read it (its environment's `reset`, rendered), for the reward
+        model, which scores it with the episode."""
+        return [self.tok.decode(o.prompt_ids) for o in outs]
 
 
 class RewardModelExecutor:

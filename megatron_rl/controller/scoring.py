@@ -9,8 +9,9 @@
     controller                   `with_model_scores`: the reward model's scores, times `reward.model_coef`, added
                                  to the verifier's rewards of the replica's `ScoredRollouts`
 
-A sample's reward is therefore the verifier's plus `model_coef` times the reward model's (either part is 0 where
-the job has none). Advantages come after scoring, over the whole batch, on the controller
+A sample's reward is therefore the verifier's (an episode's: its return, the sum of its environment's rewards) plus
+`model_coef` times the reward model's (either part is 0 where the job has none); the reward model reads an episode
+as its first message, rendered, followed by everything after it, the environment's turns included. Advantages come after scoring, over the whole batch, on the controller
 (`collector.batch_with_advantages`).
 """
 
@@ -38,6 +39,7 @@ class UnscoredRollouts:
     gen_s: float
     returns: Optional[list[float]] = None  # episodes: each one's return (the sum of its turns' rewards)
     episodes: Optional[dict] = None  # episodes: their statistics (`ScoredRollouts.episodes`)
+    prompts: Optional[list[str]] = None  # episodes: each one's first message as rendered (the reward model's prompt)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Evaluated:
     problems: list
     texts: list[str]
     returns: Optional[list[float]] = None  # episodes: each one's return
+    prompts: Optional[list[str]] = None  # episodes: each one's first message as rendered
 
 
 @dataclass
@@ -122,12 +125,13 @@ def score(task: Task, gen: UnscoredRollouts, evaluated: Optional[Evaluated], *, 
 
 
 def score_request(task: Task, replica: int, gen: UnscoredRollouts, evaluated: Optional[Evaluated]) -> ScoreRequest:
-    """What replica `replica`'s leader sends the reward-model executor: each sample's prompt and response text."""
-    def items(problems, texts):
-        return [(task.prompt_text(p), t) for p, t in zip(problems, texts)]
+    """What replica `replica`'s leader sends the reward-model executor: each sample's prompt and response text (an
+    episode's: its first message as rendered, and everything after it, the environment's turns included)."""
+    def items(part):
+        prompts = part.prompts if part.prompts is not None else [task.prompt_text(p) for p in part.problems]
+        return list(zip(prompts, part.texts))
 
-    return ScoreRequest(gen.batch, replica, items(gen.problems, gen.texts),
-                        items(evaluated.problems, evaluated.texts) if evaluated is not None else [])
+    return ScoreRequest(gen.batch, replica, items(gen), items(evaluated) if evaluated is not None else [])
 
 
 def model_scores(model, req: Optional[ScoreRequest]) -> Optional[ModelScores]:
