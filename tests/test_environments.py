@@ -96,6 +96,42 @@ def test_episodes_step_once_per_call_and_a_replay_matches_a_live_instance():
             pool.step([(record, seed, [])])
 
 
+def test_each_call_goes_to_the_worker_that_holds_its_episode():
+    """Two workers, two episodes: the resets land one on each worker; the steps then come in the other order, and
+    each still finds its episode live where it was left (dispatched in order, as before routing, both replay)."""
+    records = [({"prompt": "a:", "turns": 3}, 0), ({"prompt": "b:", "turns": 3}, 1)]
+    with EnvironmentPool("env_cases:Counter", num_workers=2, timeout_s=TIMEOUT_S) as pool:
+        pool.first(records)
+        replies = [["x"], ["x", "yy"], ["x", "yy", "zzz"]]
+        for k, rs in enumerate(replies):
+            order = records[::-1] if k % 2 == 0 else records
+            turns = pool.step([(record, seed, rs) for record, seed in order])
+            assert all(same(t, live_turns(Counter, record, seed, rs)[-1]) for t, (record, seed) in zip(turns, order))
+        assert pool.stats["replayed_steps"] == 0 and pool.stats["errors"] == 0
+        assert not pool._where  # both episodes are over: nothing kept for them
+
+
+class _W:
+    def __init__(self, state):
+        self.state = state
+
+
+@pytest.mark.parametrize("prefer,workers,taker,expected", [
+    ([1, 0, None], ["idle", "idle"], 0, 1),  # its own call first
+    ([1, None], ["idle", "busy"], 0, 1),  # then one that prefers no worker
+    ([1], ["idle", "busy"], 0, None),  # a busy worker's only call waits for it
+    ([1, 1, 1], ["idle", "busy"], 0, 2),  # two or more waiting: the newest is stolen
+    ([1], ["idle", "starting"], 0, 0),  # its worker restarting: what it held is gone, run it now
+    ([1], ["idle", None], 0, 0),  # its worker could not be restarted
+    ([5, None], ["idle", "idle"], 1, 0),  # a preference for no such worker is none
+])
+def test_which_call_an_idle_worker_takes(prefer, workers, taker, expected):
+    from megatron_rl.rewards.workers import _Queue
+
+    queue = _Queue(prefer, num_workers=len(workers))
+    assert queue.take(taker, [w if w is None else _W(w) for w in workers]) == expected
+
+
 def test_a_hung_crashing_and_raising_environment_each_fail_one_episode_in_one_line(caplog):
     caplog.set_level(logging.WARNING)
     record = {"prompt": "count:", "turns": 5}

@@ -18,9 +18,11 @@ The worker side is stateless: a call carries (record, seed, the model's response
 them is `Class(record, seed)`, reset and stepped through those responses. Environments must therefore be
 deterministic given (record, seed, responses) (draw any randomness from `seed`); then a replaced worker loses
 nothing and a resumed run redraws exactly. Replaying costs O(turns^2) steps per episode, so each worker keeps the
-instances it stepped last (up to LIVE_PER_WORKER, keyed by the episode and its responses so far): a call finds its
-episode live and steps it once, and replays only when the episode's previous call went to another worker (or the
-instance was evicted, or its worker replaced). A call's deadline covers its replay.
+instances it stepped last (up to LIVE_PER_WORKER, keyed by the episode and its responses so far), and the pool
+sends each call to the worker that answered the episode's previous one (`WorkerPool.map(prefer=)`): a call finds its
+episode live and steps it once, and replays only when it ran elsewhere (its worker was busy with two or more calls
+waiting and another was idle, see `rewards.workers._Queue`), or the instance was evicted, or its worker replaced. A
+call's deadline covers its replay.
 """
 
 from __future__ import annotations
@@ -144,6 +146,11 @@ class Turn:
         return cls(None, 0.0, True, _one_line(error), seconds)
 
 
+def episode_key(record: dict, seed: int) -> bytes:
+    """What names one episode, in the workers (their live instances) and in the pool (where each episode lives)."""
+    return hashlib.sha1(pickle.dumps((record, seed), protocol=4)).digest()
+
+
 # ---- the worker side ----------------------------------------------------------------------------------------------
 
 
@@ -168,7 +175,7 @@ class _Runner:
         self.live: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 
     def __call__(self, record: dict, seed: int, responses: tuple) -> _Answer:
-        episode = hashlib.sha1(pickle.dumps((record, seed), protocol=4)).digest()
+        episode = episode_key(record, seed)
         env = self.live.pop((episode, responses[:-1]), None) if responses else None
         replayed = 0
         try:
@@ -285,6 +292,10 @@ class EnvironmentPool:
         self.failures = 0  # episodes of the last call that failed
         self.failing_batches = 0  # calls in a row in which more than half of the episodes failed
         self._counts = {"calls": 0, "errors": 0, "seconds": 0.0, "replayed_steps": 0}
+        # The worker that answered each running episode's last call, where its instance lives: its next call goes
+        # there (`WorkerPool.map(prefer=)`), so that it steps once rather than replaying. Oldest forgotten first.
+        self._where: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._where_limit = 2 * LIVE_PER_WORKER * num_workers
 
     @property
     def stats(self) -> dict:
@@ -314,15 +325,20 @@ class EnvironmentPool:
         if not calls:
             return []
         t0 = time.monotonic()
-        outcomes = self._pool.map(calls)
+        episodes = [episode_key(record, seed) for record, seed, _ in calls]
+        outcomes = self._pool.map(calls, prefer=[self._where.pop(e, None) for e in episodes])
         self._counts["seconds"] += time.monotonic() - t0
         turns = []
-        for outcome in outcomes:
+        for episode, outcome in zip(episodes, outcomes):
             if outcome.ok:  # an _Answer: what the environment did wrong is in its Turn
                 turns.append(dataclasses.replace(outcome.value.turn, seconds=outcome.seconds))
                 self._counts["replayed_steps"] += outcome.value.replayed
             else:  # timed out, or the worker died
                 turns.append(Turn.failed(f"env {self.spec}.{method}: {outcome.error}", outcome.seconds))
+            if not turns[-1].done:
+                self._where[episode] = outcome.worker
+        while len(self._where) > self._where_limit:
+            self._where.popitem(last=False)
         errors = [t.error for t in turns if t.error is not None]
         self._counts["calls"] += len(calls)
         self._counts["errors"] += len(errors)

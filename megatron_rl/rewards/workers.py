@@ -135,6 +135,7 @@ class Outcome:
     value: Any = None
     error: Optional[str] = None
     seconds: float = 0.0
+    worker: Optional[int] = None  # the index of the worker that ran it (None: it never reached one)
 
 
 @dataclass
@@ -155,6 +156,41 @@ def default_start_method() -> str:
 def default_batch_timeout(timeout_s: float) -> float:
     """The deadline of a whole batch when none is given: as long as four calls that time out."""
     return 4 * timeout_s
+
+
+class _Queue:
+    """A batch's calls that wait for a worker, by the worker each prefers (None: any). An idle worker takes the
+    oldest call that prefers it, else the oldest that prefers none; else it steals the newest call of the longest
+    other queue, when that call would otherwise wait for a whole call of its worker to end (two or more queued
+    there) or when its worker is not running (dead, or starting again: what it held is gone anyway). Stealing
+    trades what a preference saves (a worker that keeps state between calls, such as a live environment) for not
+    leaving a worker idle while calls wait."""
+
+    def __init__(self, prefer: Sequence[Optional[int]], num_workers: int):
+        self.by_worker: dict[Optional[int], deque] = collections.defaultdict(deque)
+        for k, i in enumerate(prefer):
+            self.by_worker[i if i is not None and 0 <= i < num_workers else None].append(k)
+
+    def __bool__(self) -> bool:
+        return any(self.by_worker.values())
+
+    def take(self, i: int, workers: list) -> Optional[int]:
+        for key in (i, None):
+            if self.by_worker.get(key):
+                return self.by_worker[key].popleft()
+        others = [j for j, q in self.by_worker.items() if j is not None and q]
+        if not others:
+            return None
+        j = max(others, key=lambda j: len(self.by_worker[j]))
+        w = workers[j]
+        if len(self.by_worker[j]) >= 2 or w is None or w.state == "starting":
+            return self.by_worker[j].pop()
+        return None
+
+    def drain(self) -> list[int]:
+        left = sorted(k for q in self.by_worker.values() for k in q)
+        self.by_worker.clear()
+        return left
 
 
 class WorkerPool:
@@ -258,18 +294,23 @@ class WorkerPool:
 
     # ---- calls -------------------------------------------------------------------------------------------------
 
-    def map(self, calls: Sequence[tuple]) -> list[Outcome]:
-        """Run fn(*args) for each args tuple, spread over the workers; one Outcome per call, in order.
+    def map(self, calls: Sequence[tuple], prefer: Optional[Sequence[Optional[int]]] = None) -> list[Outcome]:
+        """Run fn(*args) for each args tuple, spread over the workers; one Outcome per call, in order, each naming
+        the worker that ran it.
 
-        Never raises for anything the function does. A call that exceeds `timeout_s` (measured from when a worker
-        receives it) gets ok=False and its worker is killed and replaced; the other calls carry on. When the batch
-        exceeds `batch_timeout_s`, the calls still running or waiting get ok=False and the workers running them
-        are replaced.
+        `prefer`: per call, the index of the worker it should run on where it can (its `Outcome.worker` from an
+        earlier batch, for a function that keeps state in its worker), or None for any; see `_Queue` for when a
+        call runs elsewhere. Never raises for anything the function does. A call that exceeds `timeout_s` (measured
+        from when a worker receives it) gets ok=False and its worker is killed and replaced; the other calls carry
+        on. When the batch exceeds `batch_timeout_s`, the calls still running or waiting get ok=False and the
+        workers running them are replaced.
         """
         if self._closed:
             raise RuntimeError("WorkerPool is closed")
+        if prefer is not None and len(prefer) != len(calls):
+            raise ValueError(f"prefer has {len(prefer)} entries for {len(calls)} calls")
         results: list[Optional[Outcome]] = [None] * len(calls)
-        pending = deque(range(len(calls)))
+        pending = _Queue(prefer if prefer is not None else [None] * len(calls), self.num_workers)
         batch_deadline = time.monotonic() + self.batch_timeout_s
         # Workers that could not be restarted earlier get another chance now.
         for i, w in enumerate(self._workers):
@@ -280,16 +321,15 @@ class WorkerPool:
                 self._end_batch(results, pending)
                 break
             if all(w is None for w in self._workers):
-                while pending:  # nothing can run: fail what is left, do not hang or raise
-                    results[pending.popleft()] = Outcome(False, error="no reward worker could be started")
+                for k in pending.drain():  # nothing can run: fail what is left, do not hang or raise
+                    results[k] = Outcome(False, error="no reward worker could be started")
                 break
             for i, w in enumerate(self._workers):
-                if w is not None and w.state == "idle" and pending:
-                    k = pending.popleft()
+                if w is not None and w.state == "idle" and (k := pending.take(i, self._workers)) is not None:
                     try:
                         w.conn.send((k, tuple(calls[k])))
                     except (OSError, EOFError, ValueError) as e:
-                        results[k] = Outcome(False, error=f"could not send the call to the worker: {e}")
+                        results[k] = Outcome(False, error=f"could not send the call to the worker: {e}", worker=i)
                         self.stats["crashes"] += 1
                         self._replace(i)
                         continue
@@ -315,7 +355,7 @@ class WorkerPool:
                         self._collect(i, w, results)
                         continue
                     results[w.call] = Outcome(False, error=f"timed out after {self.timeout_s:g} s",
-                                              seconds=now - w.started)
+                                              seconds=now - w.started, worker=i)
                     self.stats["timeouts"] += 1
                     self._replace(i)
                 elif w.state == "starting":
@@ -326,7 +366,7 @@ class WorkerPool:
         self.stats["errors"] += sum(1 for r in results if r is not None and not r.ok)
         return results  # type: ignore[return-value]
 
-    def _end_batch(self, results: list, pending: deque) -> None:
+    def _end_batch(self, results: list, pending: _Queue) -> None:
         """The batch's deadline has passed: answers already sent are taken, the rest fail; busy workers are
         replaced (they may be stuck, and the next batch needs them idle)."""
         error = f"batch timed out after {self.batch_timeout_s:g} s"
@@ -336,11 +376,11 @@ class WorkerPool:
             if w.conn.poll():  # answered (or died) in the meantime
                 self._collect(i, w, results)
                 continue
-            results[w.call] = Outcome(False, error=error, seconds=time.monotonic() - w.started)
+            results[w.call] = Outcome(False, error=error, seconds=time.monotonic() - w.started, worker=i)
             self.stats["timeouts"] += 1
             self._replace(i)
-        while pending:
-            results[pending.popleft()] = Outcome(False, error=error)
+        for k in pending.drain():
+            results[k] = Outcome(False, error=error)
 
     def _collect(self, i: int, w: _Worker, results: list) -> None:
         elapsed = time.monotonic() - w.started
@@ -348,20 +388,22 @@ class WorkerPool:
             call_id, status, value = w.conn.recv()
         except (EOFError, OSError):
             w.process.join(timeout=5)
-            results[w.call] = Outcome(False, error=f"worker died (exit code {w.process.exitcode})", seconds=elapsed)
+            results[w.call] = Outcome(False, error=f"worker died (exit code {w.process.exitcode})", seconds=elapsed,
+                                      worker=i)
             self.stats["crashes"] += 1
             self._replace(i)
             return
         except Exception as e:  # an answer that cannot be unpickled here
-            results[w.call] = Outcome(False, error=f"unreadable result: {type(e).__name__}: {e}", seconds=elapsed)
+            results[w.call] = Outcome(False, error=f"unreadable result: {type(e).__name__}: {e}", seconds=elapsed,
+                                      worker=i)
             self._replace(i)
             return
         if call_id != w.call:  # cannot happen with one call in flight per worker; do not trust the worker
-            results[w.call] = Outcome(False, error="worker answered the wrong call", seconds=elapsed)
+            results[w.call] = Outcome(False, error="worker answered the wrong call", seconds=elapsed, worker=i)
             self._replace(i)
             return
-        results[w.call] = (Outcome(True, value=value, seconds=elapsed) if status == "ok"
-                           else Outcome(False, error=value, seconds=elapsed))
+        results[w.call] = (Outcome(True, value=value, seconds=elapsed, worker=i) if status == "ok"
+                           else Outcome(False, error=value, seconds=elapsed, worker=i))
         w.state, w.call = "idle", None
 
     # ---- lifetime ----------------------------------------------------------------------------------------------
