@@ -33,11 +33,16 @@ def random_full_state(seed: int = 0) -> dict:
     return full
 
 
-def make_rollouts(vocab: int, n: int = 8, s: int = 20, seed: int = 0, nan_at=None) -> RolloutBatch:
+def make_rollouts(vocab: int, n: int = 8, s: int = 20, seed: int = 0, nan_at=None, long_first=False) -> RolloutBatch:
+    """`long_first`: the first sequence 36 tokens long, the others 9-20 as usual (token-balanced DP shares then
+    hold different numbers of sequences)."""
+    s = 40 if long_first else s
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (n, s), generator=g)
     prompt = torch.randint(3, 8, (n,), generator=g)
     response = torch.minimum(torch.randint(4, 13, (n,), generator=g), s - prompt)
+    if long_first:
+        response[0] = 36 - prompt[0]
     pos = torch.arange(s)[None]
     resp_mask = (pos >= prompt[:, None]) & (pos < (prompt + response)[:, None])
     logp_mu = torch.where(resp_mask, -torch.rand(n, s, generator=g) * 6 - 3, torch.zeros(n, s))
@@ -50,7 +55,10 @@ def make_rollouts(vocab: int, n: int = 8, s: int = 20, seed: int = 0, nan_at=Non
     return batch
 
 
-def rl_step_worker(rank, world_size, layout_kw, state_path, aipo_kw, micro, nan_first=False):
+def rl_step_worker(rank, world_size, layout_kw, state_path, aipo_kw, micro, nan_first=False, packed=None,
+                   long_first=False):
+    """One AIPO step; `packed`: None for padded micro-batches, else packed ones of that many tokens (0: the
+    default budget)."""
     layout = ParallelLayout(**layout_kw)
     cfg = get_preset("tiny")
     g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
@@ -64,8 +72,9 @@ def rl_step_worker(rank, world_size, layout_kw, state_path, aipo_kw, micro, nan_
         ref_full = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(9))
                     for k, v in full.items()}
         load_full_state_dict(reference, ref_full, cfg, g.pgs)
-    settings = RLTrainerSettings(TrainerSettings(micro_batch_size=micro, adam_eps=1e-4, clip_grad=10.0), aipo,
-                                 LRSchedule(lr=1e-3), temperature=0.8)
+    settings = RLTrainerSettings(TrainerSettings(micro_batch_size=micro, adam_eps=1e-4, clip_grad=10.0,
+                                                 packing=packed is not None, max_tokens_per_micro_batch=packed or 0),
+                                 aipo, LRSchedule(lr=1e-3), temperature=0.8)
     trainer = RLTrainer(model, cfg, g, settings, reference_model=reference)
     out = {}
     if nan_first:
@@ -73,7 +82,7 @@ def rl_step_worker(rank, world_size, layout_kw, state_path, aipo_kw, micro, nan_
         out["nan_metrics"] = trainer.step(make_rollouts(cfg.vocab_size, nan_at=3))
         after = gather_full_state_dict(model, cfg, g.pgs)
         out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
-    out["metrics"] = trainer.step(make_rollouts(cfg.vocab_size))
+    out["metrics"] = trainer.step(make_rollouts(cfg.vocab_size, long_first=long_first))
     out["params"] = gather_full_state_dict(model, cfg, g.pgs)
     out["one_rank_syncs_skipped"] = "start_param_sync" in vars(trainer.engine.model)
     return out

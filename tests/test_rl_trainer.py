@@ -16,19 +16,33 @@ def state_path(tmp_path_factory):
     return str(path)
 
 
+# The reference is one process with padded micro-batches; the parallel step runs padded, or packed into rows of
+# 40 tokens (`training.packing`) from a batch with one long sequence: the DP ranks then hold 3 and 5 sequences.
 CASES = [
-    ("aipo-token", dict(tp=2, pp=2, dp=2), dict(rho=2.0)),
-    ("sequence-kl-entropy", dict(tp=2, pp=2, dp=2), dict(rho=2.0, normalization="sequence", kl_coef=0.1,
-                                                          entropy_coef=0.01)),
-    # one weight per response from the mean of its tokens' log-ratios: a row-level reduction on the last stage
-    ("sequence-weight", dict(tp=2, pp=2, dp=2), dict(rho=1.5, correction="sequence")),
+    ("aipo-token-padded", dict(tp=2, pp=2, dp=2), dict(rho=2.0), None),
+    ("sequence-kl-entropy-packed", dict(tp=2, pp=2, dp=2), dict(rho=2.0, normalization="sequence", kl_coef=0.1,
+                                                                 entropy_coef=0.01), 40),
+    # one weight per response from the mean of its tokens' log-ratios: a per-sequence reduction on the last stage
+    ("sequence-weight-packed", dict(tp=2, pp=2, dp=2), dict(rho=1.5, correction="sequence"), 40),
 ]
 
 
-@pytest.mark.parametrize("name,layout,aipo", CASES, ids=[c[0] for c in CASES])
-def test_parallel_rl_step_matches_single_process(state_path, name, layout, aipo):
-    ref = run_local(rl_step_worker, 1, dict(tp=1), state_path, aipo, 4)[0]
-    out = run_local(rl_step_worker, 8, layout, state_path, aipo, 2)
+def test_the_packed_cases_hold_different_numbers_of_sequences_per_rank_and_several_micro_batches():
+    from megatron_rl.models import get_preset
+    from megatron_rl.training.packing import plan_rows
+    from rl_workers import make_rollouts
+
+    batch = make_rollouts(get_preset("tiny").vocab_size, long_first=True)
+    plan = plan_rows((batch.prompt_lengths + batch.response_lengths).tolist(), 2, 40)
+    assert len(plan[0]) == len(plan[1]) == 2
+    assert [sum(map(len, rows)) for rows in plan] == [3, 5]
+
+
+@pytest.mark.parametrize("name,layout,aipo,packed", CASES, ids=[c[0] for c in CASES])
+def test_parallel_rl_step_matches_single_process(state_path, name, layout, aipo, packed):
+    long_first = packed is not None
+    ref = run_local(rl_step_worker, 1, dict(tp=1), state_path, aipo, 4, False, None, long_first)[0]
+    out = run_local(rl_step_worker, 8, layout, state_path, aipo, 2, False, packed, long_first)
     # One DP rank: the DDP collectives over it are skipped (engine.skip_syncs_of_one_rank); two: they run.
     assert ref["one_rank_syncs_skipped"] and not any(r["one_rank_syncs_skipped"] for r in out)
     full0 = torch.load(state_path)

@@ -46,11 +46,34 @@ import torch
 from megatron_rl.algorithms.settings import AIPOSettings
 
 
-def behaviour_weight(log_ratio: torch.Tensor, settings: AIPOSettings,
-                     mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_sums(values: torch.Tensor, segments: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-sequence sums of `values` [b, s], each token's sequence id [b, s]) where a sequence is a row of [b, s]
+    (`segments` None: padded micro-batches) or, in packed micro-batches, each id >= 0 of `segments` [b, s] (the
+    packing's padding is -1, left out)."""
+    if segments is None:
+        rows = torch.arange(values.shape[0], device=values.device).unsqueeze(-1).expand_as(values)
+        return values.sum(-1), rows
+    ids = segments.clamp(min=-1) + 1  # 0: padding
+    sums = values.new_zeros(int(ids.max()) + 1 if ids.numel() else 1).index_add_(0, ids.flatten(), values.flatten())
+    return sums[1:], ids - 1
+
+
+def sequence_means(values: torch.Tensor, mask: torch.Tensor,
+                   segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each sequence's mean of `values` over its tokens in `mask`, its count of those tokens), per sequence
+    (`segment_sums`)."""
+    m = mask.to(values.dtype)
+    sums, _ = segment_sums(values * m, segments)
+    counts, _ = segment_sums(m, segments)
+    return sums / counts.clamp(min=1), counts
+
+
+def behaviour_weight(log_ratio: torch.Tensor, settings: AIPOSettings, mask: Optional[torch.Tensor] = None,
+                     segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the weight of each token, whether the correction changed it: truncated or dropped) for the detached
     log-ratio logp_pi - logp_mu [..., s]. `mask` marks the response tokens [..., s] (all, when None); only
-    "sequence" needs it, to average each response's log-ratios over its own tokens."""
+    "sequence" needs it, to average each response's log-ratios over its own tokens (a response is a row, or a
+    segment of a packed row: `segments`)."""
     ratio = torch.exp(log_ratio)
     rho = settings.rho
     if not settings.importance_weights or settings.correction == "truncate":
@@ -59,21 +82,21 @@ def behaviour_weight(log_ratio: torch.Tensor, settings: AIPOSettings,
     if settings.correction in ("mask", "decoupled"):
         keep = log_ratio.abs() <= math.log(rho) if settings.correction == "mask" else ratio <= rho
         return torch.where(keep, ratio, torch.zeros_like(ratio)), ~keep
-    m = torch.ones_like(log_ratio) if mask is None else mask.to(log_ratio.dtype)
-    mean = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
-    seq = torch.exp(mean).expand_as(log_ratio)
+    means, _ = sequence_means(log_ratio, torch.ones_like(log_ratio) if mask is None else mask, segments)
+    _, ids = segment_sums(log_ratio, segments)
+    seq = torch.exp(means)[ids.clamp(min=0)]
     return torch.clamp(seq, max=rho), seq > rho
 
 
 def aipo_token_loss(logp_pi: torch.Tensor, logp_mu: torch.Tensor, advantages: torch.Tensor,
                     settings: AIPOSettings, logp_ref: Optional[torch.Tensor] = None,
-                    entropy: Optional[torch.Tensor] = None,
-                    mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """Per-token loss (same shape as logp_pi) and per-token statistics (detached). `mask`: the response tokens
-    (`behaviour_weight`)."""
+                    entropy: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+                    segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """Per-token loss (same shape as logp_pi) and per-token statistics (detached). `mask`: the response tokens;
+    `segments`: the sequences of packed rows (`behaviour_weight`)."""
     log_ratio = logp_pi.detach() - logp_mu
     ratio = torch.exp(log_ratio)
-    weight, changed = behaviour_weight(log_ratio, settings, mask)
+    weight, changed = behaviour_weight(log_ratio, settings, mask, segments)
     if settings.importance_weights and settings.correction == "decoupled":
         q = torch.exp(logp_pi - logp_pi.detach())  # pi / pi_prox: 1, with the gradient of logp_pi
         eps = 0.2 if settings.ppo_clip is None else settings.ppo_clip
@@ -102,12 +125,13 @@ def aipo_token_loss(logp_pi: torch.Tensor, logp_mu: torch.Tensor, advantages: to
     return loss, stats
 
 
-def normalize(token_values: torch.Tensor, mask: torch.Tensor, normalization: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum, count) whose global ratio is the token-mean or the sequence-mean of `token_values` [b, s]."""
-    mask = mask.to(token_values.dtype)
+def normalize(token_values: torch.Tensor, mask: torch.Tensor, normalization: str,
+              segments: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) whose global ratio is the token-mean or the sequence-mean of `token_values` [b, s] (a sequence
+    is a row, or a segment of a packed row: `segment_sums`)."""
     if normalization == "token":
+        mask = mask.to(token_values.dtype)
         return (token_values * mask).sum(), mask.sum()
-    per_seq_tokens = mask.sum(-1)
+    seq_mean, per_seq_tokens = sequence_means(token_values, mask, segments)
     has_tokens = per_seq_tokens > 0
-    seq_mean = (token_values * mask).sum(-1) / per_seq_tokens.clamp(min=1)
     return seq_mean[has_tokens].sum(), has_tokens.to(token_values.dtype).sum()

@@ -6,10 +6,10 @@ or with a larger run.steps to extend it), and a relaunch may change how the run 
 
     may change  run.name, run.steps, run.eval_interval, run.world_size, run.backend, run.wandb.*, run.stop_grace_s;
                 checkpoint.*; trainer.lr (a run that went unstable resumes at a lower rate);
-                the executors' layouts and kernels: trainer.tp / pp / dp, trainer.micro_batch_size,
-                trainer.attention, trainer.max_nonfinite_steps, generator.* (a trainer checkpoint loads at any
-                layout, a step does not depend on how its batch is split, the generator's weights come from the
-                trainer); reward.timeout_s, reward.num_workers
+                the executors' layouts and kernels: trainer.tp / pp / dp, trainer.micro_batch_size, trainer.packing,
+                trainer.max_tokens_per_micro_batch, trainer.attention, trainer.max_nonfinite_steps, generator.* (a
+                trainer checkpoint loads at any layout, a step does not depend on how its batch is split, the
+                generator's weights come from the trainer); reward.timeout_s, reward.num_workers
     may not     everything else: model.*, data.*, reward.kind / function / model, algorithm.*, rollout.*, run.seed,
                 and the rest of the optimizer and its precision (trainer.lr_warmup_steps, ..., trainer.dtype,
                 use_distributed_optimizer)
@@ -33,7 +33,8 @@ from megatron_rl.models.presets import PRESETS
 # Fields a resume may change: a name, or a section prefix ending in ".".
 RESUMABLE = ("run.name", "run.steps", "run.eval_interval", "run.world_size", "run.backend", "run.wandb.",
              "run.stop_grace_s", "checkpoint.", "trainer.lr", "trainer.tp", "trainer.pp", "trainer.dp",
-             "trainer.micro_batch_size", "trainer.attention", "trainer.max_nonfinite_steps", "generator.",
+             "trainer.micro_batch_size", "trainer.packing", "trainer.max_tokens_per_micro_batch", "trainer.attention",
+             "trainer.max_nonfinite_steps", "generator.",
              "reward.timeout_s", "reward.num_workers")
 
 

@@ -22,7 +22,8 @@ from megatron.core.utils import divide
 
 
 class SDPAttention(MegatronModule):
-    """Causal (or padding-masked) attention over [s, b, heads, head_dim] tensors, GQA included."""
+    """Causal (or padding-masked) attention over [s, b, heads, head_dim] tensors, GQA included; or over packed
+    sequences (`packed_seq_params`, THD), each attending within itself only."""
 
     def __init__(
         self,
@@ -63,8 +64,10 @@ class SDPAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention does not support an attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b = query.shape[0], query.shape[1]
         sk = key.shape[0]
         # [s, b, n, d] -> [b, n, s, d]
@@ -95,3 +98,26 @@ class SDPAttention(MegatronModule):
         )
         # [b, n, sq, d] -> [sq, b, n * d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params) -> torch.Tensor:
+        """Packed sequences (THD: [t, heads, head_dim], sequence i at rows cu_seqlens[i]:cu_seqlens[i + 1]): causal
+        attention within each sequence, never across. One SDPA call per sequence, each causal without a mask (the
+        flash or fused kernels), rather than one call with a [t, t] block-diagonal mask, which would cost t^2 memory
+        and, on GPUs, the slower masked kernels. [t, heads * head_dim]."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPAttention packs sequences in the 'thd' format, not {params.qkv_format!r}")
+        # The boundaries on the host: given with the parameters (`training.packing`), or read once a layer.
+        bounds = getattr(params, "host_bounds", None) or params.cu_seqlens_q.tolist()
+        if params.cu_seqlens_kv is not None and params.cu_seqlens_kv is not params.cu_seqlens_q \
+                and params.cu_seqlens_kv.tolist() != bounds:
+            raise NotImplementedError("SDPAttention packs self-attention only (the same boundaries for q and kv)")
+        out = torch.empty(query.shape[0], query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+        gqa = self.heads_per_partition != self.groups_per_partition
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                # [n, heads, d] -> [1, heads, n, d]
+                q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                o = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
+                                                   is_causal=b - a > 1, scale=self.softmax_scale, enable_gqa=gqa)
+                out[a:b] = o[0].transpose(0, 1)
+        return out.reshape(query.shape[0], -1)

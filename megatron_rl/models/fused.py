@@ -89,8 +89,10 @@ def rms_norm_math(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -
 # Specializations (`compiled.signature`): activation dtype x weight dtype (or none) x eps x grad mode x which of
 # [s, b] are 1 (decode: s = 1). A job uses a few (trainer with grad, generator prefill and decode without); a reward
 # model or a second model adds its own. Sizes are symbolic: micro-batch widths and decode batches share them.
+# Two graphs a key: [s, 1, h] (one sequence, or a packed row) comes contiguous or transposed from [1, s, h]; a
+# dimension of size 1 is contiguous at any stride, and dynamo guards on that stride (and its base's).
 _rms_norm_compiled = CompiledKernel(rms_norm_math, "fused.rms_norm", lambda *args: (), max_keys=24,
-                                    graphs_per_key=1)
+                                    graphs_per_key=2)
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, impl: Optional[str] = None) -> torch.Tensor:
@@ -172,18 +174,30 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
     return apply_rope(t, freqs, compiled=cuda_rules.gpu_path(t, cuda_rules_on))
 
 
+def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
+                                   cp_size: int = 1, cp_rank: int = 0, *, cuda_rules_on: bool = False) -> torch.Tensor:
+    """The signature Megatron-Core calls its fused RoPE for packed sequences with: t [t, heads, d], sequence i at
+    rows cu_seqlens[i]:cu_seqlens[i + 1], each rotated from position 0 (freqs [max_s, 1, 1, rot_dim]). Each row's
+    angle is gathered by its position in its sequence, so the whole pack is one `rope_math` call."""
+    if cp_size != 1:
+        raise NotImplementedError("our fused RoPE for packed sequences does not split sequences over context ranks")
+    rows = torch.arange(t.shape[0], device=t.device)
+    starts = cu_seqlens.to(t.device, torch.long)
+    positions = rows - starts[torch.searchsorted(starts, rows, right=True) - 1]
+    return apply_rope(t.unsqueeze(1), freqs[positions], compiled=cuda_rules.gpu_path(t, cuda_rules_on)).squeeze(1)
+
+
 def register_rope_fusion(cuda_rules_on: bool) -> bool:
     """Make Megatron-Core's `apply_rope_fusion` path available without transformer-engine: fill its
-    `fused_apply_rotary_pos_emb` slot, when empty or holding ours, with ours bound to `cuda_rules_on` (the CUDA-rules
-    mode of the model being built: the slot is Megatron-Core's, one per process). Returns whether the slot now
-    holds a fused RoPE (ours or TE's). Packed sequences (the THD slot) stay unsupported; this project does not pack
-    sequences."""
+    `fused_apply_rotary_pos_emb` and `fused_apply_rotary_pos_emb_thd` (packed sequences) slots, each when empty or
+    holding ours, with ours bound to `cuda_rules_on` (the CUDA-rules mode of the model being built: the slots are
+    Megatron-Core's, one per process). Returns whether the slots now hold a fused RoPE (ours or TE's)."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    slot = rope_utils.fused_apply_rotary_pos_emb
-    ours = isinstance(slot, functools.partial) and slot.func is fused_apply_rotary_pos_emb
-    if slot is None or ours:
-        rope_utils.fused_apply_rotary_pos_emb = functools.partial(fused_apply_rotary_pos_emb,
-                                                                  cuda_rules_on=cuda_rules_on)
-    return rope_utils.fused_apply_rotary_pos_emb is not None
+    for name, fn in (("fused_apply_rotary_pos_emb", fused_apply_rotary_pos_emb),
+                     ("fused_apply_rotary_pos_emb_thd", fused_apply_rotary_pos_emb_thd)):
+        slot = getattr(rope_utils, name)
+        if slot is None or (isinstance(slot, functools.partial) and slot.func is fn):
+            setattr(rope_utils, name, functools.partial(fn, cuda_rules_on=cuda_rules_on))
+    return rope_utils.fused_apply_rotary_pos_emb is not None and rope_utils.fused_apply_rotary_pos_emb_thd is not None
 

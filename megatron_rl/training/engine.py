@@ -21,6 +21,7 @@ import megatron_rl.compat.megatron_core  # noqa: F401 - first: Megatron-Core wit
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -48,15 +49,28 @@ def _causal_mask(seq_len: int) -> torch.Tensor:
 
 
 def model_forward(model: torch.nn.Module, tokens: torch.Tensor, needs_mask: bool,
-                  logit_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  logit_positions: Optional[torch.Tensor] = None, packed: Optional[dict] = None) -> torch.Tensor:
     """GPTModel forward on [b, s] tokens with positions 0..s-1 (causal). On the last stage: the logits [b, s, v/tp],
     or, with `logit_positions` ([b, s] bool), only those positions' logits, [1, n, v/tp] in the mask's row-major
-    order (`logits_only_at`)."""
+    order (`logits_only_at`). `packed`: a packed micro-batch (`training.packing`; b = 1, its sequences' bounds and
+    positions, and `cp_group`), whose sequences attend within themselves only."""
     b, s = tokens.shape
-    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-    mask = _causal_mask(s).to(tokens.device) if needs_mask else None
+    params = None
+    if packed is not None:
+        if needs_mask:
+            raise ValueError("packed micro-batches need SDPA's or transformer-engine's attention (trainer.attention "
+                             "'local' builds a mask for one sequence a row): set trainer.packing=false")
+        cu = packed["cu_seqlens"]
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=packed["max_seqlen"],
+                                 max_seqlen_kv=packed["max_seqlen"], cp_group=packed["cp_group"])
+        params.host_bounds = packed["host_bounds"]  # read by SDPAttention, saving a device-to-host copy a layer
+        position_ids = packed["position_ids"]
+        mask = None
+    else:
+        position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        mask = _causal_mask(s).to(tokens.device) if needs_mask else None
     with logits_only_at(model, logit_positions):
-        return model(tokens, position_ids, mask)
+        return model(tokens, position_ids, mask, packed_seq_params=params)
 
 
 @contextlib.contextmanager
@@ -165,12 +179,13 @@ def run_schedule(model: torch.nn.Module, pgs: ProcessGroupCollection, micro_batc
 
     Each micro-batch is a dict with `tokens` [b, s]; `loss_fn(logits_shard, micro_batch)` runs on the last stage.
     A micro-batch with `logit_positions` ([b, s] bool) gets only those positions' logits, [1, n, v/tp]
-    (`logits_only_at`).
+    (`logits_only_at`); one with `cu_seqlens` is packed (`training.packing`).
     """
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
-        output = model_forward(chunk, batch["tokens"], needs_mask, batch.get("logit_positions"))
+        packed = {**batch, "cp_group": pgs.cp} if "cu_seqlens" in batch else None
+        output = model_forward(chunk, batch["tokens"], needs_mask, batch.get("logit_positions"), packed)
         return output, lambda logits: loss_fn(logits, batch)
 
     b, s = micro_batches[0]["tokens"].shape

@@ -1,11 +1,14 @@
 """The trainer executor's RL step: AIPO on rollouts, inside Megatron-Core's training loop.
 
-Variable lengths are handled by padding, not packing: every micro-batch of a step is right-padded to the
-step's longest sequence (rounded up to a multiple of 8), because Megatron-Core's pipeline schedule exchanges
-fixed-shape activations between stages, and packed sequences (THD) need transformer-engine's attention.
-Padding positions carry no loss and, with causal attention, do not influence real positions. The model computes
-logits only where the loss reads them (the positions before response tokens, `engine.logits_only_at`): a prompt
-position's logits would cost the output layer and a pass over the vocabulary for nothing.
+Variable lengths: by default whole sequences are packed into micro-batches of a token budget
+(`training.packing`, `trainer.max_tokens_per_micro_batch`), attending within themselves only, so a step pays for
+its tokens and not for padding. With `trainer.packing=false` (needed by the 'local' attention, which masks one
+sequence a row), every micro-batch is right-padded to the step's longest sequence (rounded up to a multiple of 8):
+padding carries no loss and, with causal attention, does not influence real positions. Either way the micro-batches
+of a step share one shape, because Megatron-Core's pipeline schedule exchanges fixed-shape activations between
+stages, and every per-token and per-sequence quantity is the same. The model computes logits only where the loss
+reads them (the positions before response tokens, `engine.logits_only_at`): a prompt position's logits would cost
+the output layer and a pass over the vocabulary for nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from megatron_rl.parallel.topology import ExecutorGroups
 from megatron_rl.rollout import RolloutBatch
 from megatron_rl.training.engine import TrainEngine, current_device, run_schedule
 from megatron_rl.training.logprobs import logit_positions, target_logprobs, target_logprobs_and_entropy
+from megatron_rl.training.packing import packed_micro_batches
 from megatron_rl.training.reference import freeze
 from megatron_rl.training.settings import LRSchedule, TrainerSettings
 
@@ -194,13 +198,15 @@ def aipo_microbatch_loss(logits: torch.Tensor, mb: dict, tp_group, vocab_size: i
                                                    mask=mb["loss_mask"], logits_at_mask="logit_positions" in mb)
     if not s.aipo.entropy_coef:
         entropy = entropy.detach() if s.log_entropy else None
-    mask = mb["loss_mask"]
-    adv = mb["adv"].unsqueeze(1).expand_as(logp_pi)
+    mask, segments = mb["loss_mask"], mb.get("segments")
+    # Per sequence in padded rows, per token in packed ones (`training.packing`).
+    adv = mb["adv"].unsqueeze(1).expand_as(logp_pi) if mb["adv"].dim() == 1 else mb["adv"]
     # Outside the mask, keep the arithmetic finite (those positions are zeroed below anyway).
     logp_mu = torch.where(mask, mb["logp_mu"], logp_pi.detach())
-    loss_tok, stats = aipo_token_loss(logp_pi, logp_mu, adv, s.aipo, mb.get("logp_ref"), entropy, mask=mask)
+    loss_tok, stats = aipo_token_loss(logp_pi, logp_mu, adv, s.aipo, mb.get("logp_ref"), entropy, mask=mask,
+                                      segments=segments)
     loss_tok = torch.where(mask, loss_tok, torch.zeros_like(loss_tok))
-    loss_sum, count = normalize(loss_tok, mask, s.aipo.normalization)
+    loss_sum, count = normalize(loss_tok, mask, s.aipo.normalization, segments)
     return loss_sum, count.to(torch.int64), TokenStats.of_micro_batch(stats, mask)
 
 
@@ -242,13 +248,20 @@ class RLTrainer:
             run_schedule(self.reference, self.pgs, micro_batches, loss_fn, forward_only=True,
                          needs_mask=self.engine.needs_mask)
 
+    def micro_batches(self, batch: RolloutBatch) -> list[dict]:
+        """This rank's micro-batches of `batch`: packed (`trainer.packing`) or padded, as the module says."""
+        t, layout = self.settings.trainer, self.groups.layout
+        seq_len = padded_seq_len(batch.tokens.shape[1])
+        if t.packing:
+            budget = t.max_tokens_per_micro_batch or t.micro_batch_size * seq_len
+            return packed_micro_batches(batch, layout.dp, self.groups.dp_rank, budget, current_device())
+        mine = shard_for_dp(batch, layout.dp, self.groups.dp_rank)
+        return make_micro_batches(mine, t.micro_batch_size, seq_len)
+
     def step(self, batch: RolloutBatch) -> dict:
         """One AIPO update from a global batch (every rank passes the same batch; each takes its DP share)."""
         t0 = time.perf_counter()
-        layout = self.groups.layout
-        mine = shard_for_dp(batch, layout.dp, self.groups.dp_rank)
-        seq_len = padded_seq_len(batch.tokens.shape[1])
-        micro = make_micro_batches(mine, self.settings.trainer.micro_batch_size, seq_len)
+        micro = self.micro_batches(batch)
         if self.settings.aipo.kl_coef:
             if self.reference is None:
                 raise ValueError("algorithm.kl_coef > 0 needs a reference model (RLTrainer.set_reference)")

@@ -20,6 +20,11 @@ class TrainerSettings(Section):
     pp: int = 1
     dp: int = 1
     micro_batch_size: int = ranged(64, ">= 1")
+    # Packed micro-batches (`training.packing`): whole sequences concatenated up to max_tokens_per_micro_batch
+    # tokens (0: micro_batch_size x the step's longest sequence, the tokens of a padded micro-batch), so a step pays
+    # for its tokens, not for padding; false pads every sequence to the step's longest.
+    packing: bool = True
+    max_tokens_per_micro_batch: int = ranged(0, ">= 0", "(0: micro_batch_size x the step's longest sequence)")
     lr: float = ranged(2e-4, "> 0")  # the RL learning rate (constant after `lr_warmup_steps` of linear warm-up)
     lr_warmup_steps: int = ranged(0, ">= 0")
     # Supervised warm start inside the job, before RL (0 to skip): steps and peak learning rate.
@@ -39,6 +44,16 @@ class TrainerSettings(Section):
     @property
     def layout(self) -> ParallelLayout:
         return ParallelLayout(self.tp, self.pp, self.dp)
+
+    def rules(self, path: str) -> list[str]:
+        out = []
+        if self.packing and self.attention == "local":
+            out.append(f"{path}.packing=true needs SDPA's or transformer-engine's attention: {path}.attention='local' "
+                       f"masks one sequence a row (set {path}.packing=false)")
+        if self.max_tokens_per_micro_batch and not self.packing:
+            out.append(f"{path}.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is the budget of packed "
+                       f"micro-batches and {path}.packing=false")
+        return out
 
 
 @dataclass(frozen=True)
