@@ -56,10 +56,10 @@ def first_fit(lengths: dict[int, int], budget: int) -> list[list[int]]:
 
 
 def spread(lengths: dict[int, int], rows: list[list[int]], count: int, budget: int) -> list[list[int]]:
-    """`rows` made `count` rows: the sequences re-spread over `count` rows (longest first, each to the emptiest
-    row) where that keeps every row within `budget`, else `rows` and rows of padding only (empty lists)."""
-    if len(rows) >= count:
-        return rows
+    """`rows` (at most `count`) made `count` rows of near-equal tokens: the sequences re-spread over `count` rows
+    (longest first, each to the emptiest row) where that keeps every row within `budget`, else `rows` and rows of
+    padding only (empty lists). Even rows matter because every row is padded to the fullest (module docstring):
+    first fit alone fills its first rows to the budget and leaves the last nearly empty."""
     spread_rows, loads = [[] for _ in range(count)], [0] * count
     for i in sorted(lengths, key=lambda i: (-lengths[i], i)):
         r = min(range(count), key=lambda r: (loads[r], r))

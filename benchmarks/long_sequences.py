@@ -1,0 +1,118 @@
+"""Long, uneven rollouts in the trainer: a packed RL step against a padded one (issue 57).
+
+    python benchmarks/long_sequences.py                          # SmolLM2-135M shape, 16 responses of 64-2,048
+    python benchmarks/long_sequences.py --preset tiny --sequences 8 --max-len 256     # a quick look
+
+One process, fp32, the trainer's real step (`RLTrainer.step`: Megatron-Core DDP, distributed optimizer, AIPO).
+The batch: `--sequences` sequences of a 32-token prompt and a response, total lengths spread evenly over
+[--min-len, --max-len] (seeded), random tokens and behaviour log-probs, RLOO advantages over groups of 4. The same
+weights take one step with padded micro-batches (`trainer.packing=false`: `--micro-batch` rows each, padded to the
+longest sequence) and one with packed ones (the default budget: the same tokens per micro-batch as a padded one).
+
+Printed: each step's time and tokens per second (real tokens, not padding), their ratio beside the ceiling the
+padding sets (the tokens the padded step computes over the real ones: what packing would gain if a step's time were
+proportional to its tokens; attention, quadratic in each sequence's length, makes the real gain smaller), and how
+far apart the two steps' loss, gradient norm, metrics and gradients are (fp32 rounding: a different summation
+order). Ends with one JSON line holding `packed_speedup`; `cache_capacity_ratio` (the generator's paged cache) is
+null until that cache exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit  # noqa: E402
+
+PROMPT = 32
+
+
+def rollouts(vocab: int, n: int, lo: int, hi: int, seed: int):
+    from megatron_rl.algorithms import compute_advantages
+    from megatron_rl.rollout import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(lo, hi, n).round().long()[torch.randperm(n, generator=g)]
+    s = int(lengths.max())
+    tokens = torch.randint(0, vocab, (n, s), generator=g)
+    prompt = torch.full((n,), PROMPT)
+    response = lengths - PROMPT
+    pos = torch.arange(s)[None]
+    mask = (pos >= prompt[:, None]) & (pos < lengths[:, None])
+    logp_mu = torch.where(mask, -torch.rand(n, s, generator=g) * 4 - 8, torch.zeros(n, s))
+    rewards = torch.randint(0, 2, (n,), generator=g).float()
+    groups = torch.arange(n) // 4
+    batch = RolloutBatch(tokens, prompt, response, logp_mu, rewards, groups, torch.zeros(n, dtype=torch.long))
+    batch.advantages = compute_advantages(rewards, groups, "rloo")
+    return batch
+
+
+def _step(rank, world_size, args, packing: bool):
+    from megatron_rl.algorithms import AIPOSettings
+    from megatron_rl.models import build_gpt_model, get_preset
+    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+    from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
+    from megatron_rl.training.settings import LRSchedule, TrainerSettings
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    cfg = get_preset(args.preset)
+    layout = ParallelLayout(tp=1)
+    g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
+    model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", seed=args.seed)
+    settings = RLTrainerSettings(TrainerSettings(micro_batch_size=args.micro_batch, packing=packing),
+                                 AIPOSettings(rho=2.0), LRSchedule(lr=1e-6), temperature=1.0)
+    trainer = RLTrainer(model, cfg, g, settings)
+    batch = rollouts(cfg.vocab_size, args.sequences, args.min_len, args.max_len, args.seed)
+    micro = trainer.micro_batches(batch)
+    computed = sum(mb["tokens"].numel() for mb in micro)
+    t0 = time.perf_counter()
+    metrics = trainer.step(batch)
+    seconds = time.perf_counter() - t0
+    grads = torch.cat([b.grad_data.float().flatten() for b in trainer.engine.model.buffers])
+    return {"seconds": seconds, "metrics": metrics, "grads": grads, "micro_batches": len(micro),
+            "computed_tokens": computed, "real_tokens": int((batch.prompt_lengths + batch.response_lengths).sum())}
+
+
+def main() -> None:
+    from megatron_rl.launch.spawn import run_local
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="smollm2-135m")
+    p.add_argument("--sequences", type=int, default=16)
+    p.add_argument("--min-len", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4, help="rows of a padded micro-batch")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    out = {}
+    for name, packing in (("padded", False), ("packed", True)):
+        r = run_local(_step, 1, args, packing)[0]
+        out[name] = r
+        print(f"{name:6s}: {r['micro_batches']} micro-batches, {r['computed_tokens']} tokens computed for "
+              f"{r['real_tokens']} real, {r['seconds']:.1f} s, {r['real_tokens'] / r['seconds']:.0f} tokens/s",
+              flush=True)
+    pad, pk = out["padded"], out["packed"]
+    speedup = pad["seconds"] / pk["seconds"]
+    ceiling = pad["computed_tokens"] / pk["computed_tokens"]
+    grad_diff = float((pad["grads"] - pk["grads"]).abs().max() / pad["grads"].abs().max())
+    keys = ("loss", "grad_norm", "is_weight_mean", "entropy", "kl_mu_pi", "logp_diff_mean")
+    rel = {k: abs(pk["metrics"][k] - pad["metrics"][k]) / max(abs(pad["metrics"][k]), 1e-12) for k in keys}
+    print(f"packed / padded tokens per second: {speedup:.2f}x (padding's ceiling {ceiling:.2f}x, "
+          f"{speedup / ceiling:.2f} of it)")
+    print(f"largest gradient difference {grad_diff:.1e} of the largest gradient; metrics' relative differences: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in rel.items()))
+    emit({"preset": args.preset, "sequences": args.sequences, "lengths": [args.min_len, args.max_len],
+          "padded_s": pad["seconds"], "packed_s": pk["seconds"], "packed_speedup": speedup,
+          "padding_ceiling": ceiling, "padded_tokens_computed": pad["computed_tokens"],
+          "packed_tokens_computed": pk["computed_tokens"], "real_tokens": pk["real_tokens"],
+          "max_grad_rel_diff": grad_diff, "metric_rel_diff": rel, "threads": torch.get_num_threads(),
+          "cache_capacity_ratio": None})
+
+
+if __name__ == "__main__":
+    main()
