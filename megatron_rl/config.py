@@ -356,6 +356,12 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
         out += _episode_problems(cfg, model, dataset, cluster_files)
     if cluster_files and cfg.run.name_is_plain:
         out += cfg.checkpoint.dir_problems(cfg.run.name)
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    if cfg.trainer.packing and budget and budget < cfg.episode_length:
+        longest = "env.max_tokens" if cfg.env.cls else "rollout.max_new_tokens"
+        out.append(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step can hold "
+                   f"({cfg.episode_length} tokens: rollout.max_prompt_length + {longest}); each micro-batch holds "
+                   f"whole sequences")
     if cfg.generator.colocated and cfg.generator.layout.size != cfg.trainer.layout.size:
         out.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp (both executors span "
                    "the same ranks)")

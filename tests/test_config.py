@@ -64,6 +64,11 @@ BAD = [
     (["run.eval_interval=0"], r"^run.eval_interval=0 must be >= 1$"),
     (["checkpoint.save_interval=-1"], r"^checkpoint.save_interval=-1 must be >= 0 \(0: only the final checkpoint\)$"),
     (["trainer.micro_batch_size=0"], r"^trainer.micro_batch_size=0 must be >= 1$"),
+    (["trainer.max_tokens_per_micro_batch=50"], r"^trainer.max_tokens_per_micro_batch=50 is less than the longest "
+     r"sequence a step can hold \(64 tokens: rollout.max_prompt_length \+ rollout.max_new_tokens\)"),
+    (["trainer.attention=local"], r"^trainer.packing=true needs SDPA's or transformer-engine's attention"),
+    (["trainer.packing=false", "trainer.max_tokens_per_micro_batch=512"],
+     r"^trainer.max_tokens_per_micro_batch=512 is the budget of packed micro-batches and trainer.packing=false$"),
     (["generator.max_batch_size=0"], r"^generator.max_batch_size=0 must be >= 1"),
     (["reward.num_workers=0"], r"^reward.num_workers=0 must be >= 1$"),
     (["reward.timeout_s=0"], r"^reward.timeout_s=0.0 must be > 0$"),

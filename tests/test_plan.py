@@ -451,3 +451,23 @@ def test_meta_modules_know_which_weights_are_split_over_tp():
                 else None if "norm" in name else 0)
         assert dim == want, (name, dim)
     assert {"embedding.word_embeddings.weight", "output_layer.weight"} <= set(dims)
+
+
+def test_what_fits_is_the_largest_batch_that_fits():
+    """The 8B recipe at 8,192 new tokens fits neither executor; the plan names the largest micro-batch and
+    generator batch that fit, and the plan of the job with them says so (one more does not)."""
+    cal = load_calibration()
+
+    def plan(*overrides):
+        cfg = load_config(str(CONFIGS / "llama3-8b.yaml"), ["rollout.max_new_tokens=8192", *overrides])
+        return make_plan(cfg, validate(cfg, cfg.run.world_size, cluster_files=False), cal)
+
+    p = plan()
+    assert not p.trainer.fits and not p.generator.fits
+    notes = [n for n in p.notes if "fits with" in n]
+    assert notes[0].startswith("the trainer fits with trainer.micro_batch_size=3 ")
+    assert notes[1].startswith("the generator fits with generator.max_batch_size=55 ")
+    fixed = plan("trainer.micro_batch_size=3", "generator.max_batch_size=55")
+    assert fixed.trainer.fits and fixed.generator.fits
+    over = plan("trainer.micro_batch_size=4", "generator.max_batch_size=56")
+    assert not over.trainer.fits and not over.generator.fits

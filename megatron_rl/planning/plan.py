@@ -20,8 +20,8 @@ neither step time: it scores each batch as it arrives, overlapping generation an
 baseline is the trainer's and generator's GPUs, as in the paper.
 
 Where the plan depends on a rule of the job, it calls the job's own function, so that the two cannot drift apart:
-the trainer's padding (`training.rl_trainer.padded_seq_len`, `micro_batch_rows`), the generator's attention
-(`inference.settings.GeneratorSettings.model_attention`), the reward model's body and scoring batch
+the trainer's padding and packing (`training.rl_trainer.padded_seq_len`, `micro_batch_rows`), the generator's
+attention (`inference.settings.GeneratorSettings.model_attention`), the reward model's body and scoring batch
 (`rewards.sequence_classifier.body_config`, `BODY_ATTENTION`, `SCORING_BATCH_SIZE`, `scoring_max_length`), the
 modules themselves (built by the job's builders, `planning.meta`) and the DDMA plan (`ddma.planner`).
 """
@@ -170,13 +170,19 @@ def workload(cfg: JobConfig) -> Workload:
 
 
 def _trainer_batch(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
-    """(sequence length, rows per micro-batch, micro-batches) of one trainer DP rank, as `RLTrainer.step` pads."""
+    """(sequence length, sequences per micro-batch, micro-batches) of one trainer DP rank, every sequence at its
+    longest, as `RLTrainer.step` pads or packs them. Packed (`training.packing`), a micro-batch holds as many
+    longest sequences as its token budget does (by default as many as a padded one: at the longest, packing
+    changes nothing; its gain is at a spread of lengths, benchmarks/long_sequences.py)."""
     from megatron_rl.training.rl_trainer import micro_batch_rows, padded_seq_len
 
     w = workload(cfg)
     seq = padded_seq_len(w.seq_len)
     per_dp = -(-w.sequences // dp)
-    rows = micro_batch_rows(per_dp, cfg.trainer.micro_batch_size)
+    t = cfg.trainer
+    limit = max(t.max_tokens_per_micro_batch // w.seq_len, 1) if t.packing and t.max_tokens_per_micro_batch \
+        else t.micro_batch_size
+    rows = micro_batch_rows(per_dp, limit)
     return seq, rows, -(-per_dp // rows)
 
 
@@ -215,6 +221,48 @@ def _generator_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout
     return RankMemory("generator", "every rank" if layout.pp == 1 else f"pp {pp_rank}", {
         "weights": mods.weight_bytes, "kv_cache": mods.kv_cache_bytes, "prefill_workspace": work,
         "ddma_staging": staging, "reserve": int(cal.reserve_gib * GIB)})
+
+
+def _what_fits(cfg: JobConfig, model: ModelConfig, cal: Calibration, stages: list[RankModules],
+               gen_stages: list[RankModules], staging: int, device_bytes: int) -> list[str]:
+    """For an executor on ranks of its own that does not fit: the largest batch that does, everything else as
+    configured (one note each): the trainer's micro-batch (`trainer.micro_batch_size`, or the packed budget
+    `trainer.max_tokens_per_micro_batch` where it is set), the generator's slots (`generator.max_batch_size`, whose
+    KV cache and prefill workspace scale with it); or that none does, and what else to change."""
+    import dataclasses
+
+    notes, t, g = [], cfg.trainer, cfg.generator
+    tl, gl = t.layout, g.layout
+    peak = lambda ranks: max(r.total for r in ranks)  # noqa: E731
+    if peak(_trainer_memory(cfg, model, tl, cal, stages, staging)) > device_bytes:
+        seq = workload(cfg).seq_len
+        budget = t.packing and t.max_tokens_per_micro_batch
+        for rows in range(max(budget // seq, 1) if budget else t.micro_batch_size, 0, -1):
+            fix = {"max_tokens_per_micro_batch": rows * seq} if budget else {"micro_batch_size": rows}
+            c = dataclasses.replace(cfg, trainer=dataclasses.replace(t, **fix))
+            top = peak(_trainer_memory(c, model, tl, cal, stages, staging))
+            if top <= device_bytes:
+                (name, value), = fix.items()
+                notes.append(f"the trainer fits with trainer.{name}={value} (peak {top / GIB:.1f} GiB)")
+                break
+        else:
+            notes.append(f"the trainer does not fit even one sequence of {seq} tokens a micro-batch: raise trainer.tp "
+                         f"or trainer.pp, or shorten the sequences")
+    if not g.colocated and max(_generator_memory(cfg, model, gl, cal, m, staging, p).total
+                               for p, m in enumerate(gen_stages)) > device_bytes:
+        for slots in range(g.max_batch_size - 1, 0, -1):
+            c = dataclasses.replace(cfg, generator=dataclasses.replace(g, max_batch_size=slots))
+            scaled = [dataclasses.replace(m, kv_cache_bytes=(m.kv_cache_bytes or 0) * slots // g.max_batch_size)
+                      for m in gen_stages]
+            top = max(_generator_memory(c, model, gl, cal, m, staging, p).total for p, m in enumerate(scaled))
+            if top <= device_bytes:
+                notes.append(f"the generator fits with generator.max_batch_size={slots} (peak {top / GIB:.1f} GiB; "
+                             f"each slot's KV cache holds {cfg.episode_length} tokens)")
+                break
+        else:
+            notes.append(f"the generator does not fit one sequence of {cfg.episode_length} tokens: raise generator.tp "
+                         f"or generator.pp, or quantize its weights (generator.quantization)")
+    return notes
 
 
 def _sync_estimate(model: ModelConfig, trainer: ParallelLayout, generator: ParallelLayout, colocated: bool,
@@ -415,6 +463,8 @@ def make_plan(cfg: JobConfig, model: ModelConfig, calibration: Calibration, *,
     sync = _sync_estimate(model, tl, gl, colocated, stages, cal)
 
     steps, assumptions, notes = predict_steps(cfg, model, cal, device_bytes, gen_stages[gen_worst], sync, stages)
+    if not colocated:
+        notes = _what_fits(cfg, model, cal, stages, gen_stages, staging, device_bytes) + notes
     reward_mem = None
     if cfg.reward.model_executor:  # its GPUs are the job's; both step times leave it out (module docstring)
         reward_mem, assumptions["reward_model"] = _reward_model_memory(cfg, cal, device_bytes)
