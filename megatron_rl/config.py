@@ -383,8 +383,6 @@ def _episode_problems(cfg: JobConfig, model: Optional[ModelConfig], dataset: Opt
     elif cfg.reward.model and not cfg.reward.model_executor:
         out.append("env.cls: a reward model scores episodes on ranks of its own: set reward.executor.dp >= 1 (its "
                    "score of the whole episode, times reward.model_coef, is added to the return)")
-    if cfg.generator.pp > 1:
-        out.append(f"env.cls: episodes need a generator of one pipeline stage (generator.pp={cfg.generator.pp})")
     if model is not None and cfg.episode_length > model.max_position_embeddings:
         out.append(f"rollout.max_prompt_length + env.max_tokens = {cfg.episode_length} exceeds "
                    f"model.max_position_embeddings={model.max_position_embeddings}")

@@ -58,6 +58,27 @@ def episodes_worker(rank, world_size, cfg, full, tp, requests, max_batch, max_tu
     return [(o.token_ids, o.logprobs, o.policy_mask, o.finish_reason, o.turns) for o in outs], filled
 
 
+def pipeline_episodes_worker(rank, world_size, cfg, full, pp, batches, max_turns, max_tokens):
+    """Each (requests, max_batch) played as episodes against the scripted environment by one replica of `pp` stages
+    (TP1, fp32): this rank's pp rank, and per batch the episodes (tokens, logprobs, policy mask, finish reason, turns)
+    and whether a `start` was left without its `finish`."""
+    from megatron_rl.models import build_gpt_model
+    from megatron_rl.models.sharding import load_full_state_dict
+    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+
+    g = build_topology([ExecutorPlacement("generator", ParallelLayout(pp=pp))])["generator"]
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa")
+    load_full_state_dict(model, full, cfg, g.pgs)
+    out = []
+    for requests, max_batch in batches:
+        gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=max_batch, max_len=64, pp_group=g.pgs.pp)
+        turns = ScriptedTurns(max_turns, max_tokens)
+        outs = gen.generate(requests, turns=turns)
+        out.append(([(o.token_ids, o.logprobs, o.policy_mask, o.finish_reason, o.turns) for o in outs],
+                    bool(turns.started)))
+    return g.pp_rank, out
+
+
 def reference_worker(rank, world_size, cfg, full, tp, requests, max_turns, max_tokens):
     """Each greedy episode played turn by turn: the whole history sent again as a fresh prompt every turn (no cache
     kept between turns), the scripted environment's ids appended."""
@@ -108,7 +129,7 @@ def failing_environments_worker(rank, world_size, cfg, full):
     tok = ByteTokenizer()
     gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=128)
     env = EnvSettings(cls="env_cases:Misbehaves", max_turns=2, max_tokens=40, timeout_s=5.0, num_workers=1)
-    episodes = Episodes(env, tok, chat=False, tp_group=g.pgs.tp, is_leader=True,
+    episodes = Episodes(env, tok, chat=False, replica_group=g.pgs.mp, is_leader=True,
                         sampling=SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(tok.eos_id,)))
     try:
         records = [PromptRecord("ok", "count:", metadata={"turns": 2}),

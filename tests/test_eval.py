@@ -155,10 +155,12 @@ def test_prompts_carry_each_datasets_instruction(shared_data):
     assert gsm[0].reference == "18"
 
 
-def test_eval_plays_episodes_as_transformers_replaying_each_whole_conversation_does(tmp_path, capsys):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_eval_plays_episodes_as_transformers_replaying_each_whole_conversation_does(tmp_path, capsys, pp):
     """`--dataset guess-number` (its own environment) on a small random Llama with the byte tokenizer: each greedy
-    episode (the generator keeping its cache between turns, each observation prefilled alone) equals transformers'
-    greedy decoding of the whole conversation at every turn, with the game stepped here; returns and turns too."""
+    episode (the generator keeping its cache between turns, each observation prefilled alone; one stage, or two
+    pipelined) equals transformers' greedy decoding of the whole conversation at every turn, with the game stepped
+    here; returns and turns too."""
     from megatron_rl.checkpointing.convert import convert
     from megatron_rl.environments import GuessNumber
     from megatron_rl.environments.play import TurnTemplate
@@ -174,7 +176,7 @@ def test_eval_plays_episodes_as_transformers_replaying_each_whole_conversation_d
     turns, new = 3, 4
     assert main(["eval", str(tmp_path / "ckpt"), "--dataset", "guess", "--tokenizer", "byte", "--limit", "3",
                  "--max-new-tokens", str(new), "--max-turns", str(turns), "--max-tokens", "64",
-                 "--samples-out", str(tmp_path / "s.jsonl")]) == 0
+                 "--samples-out", str(tmp_path / "s.jsonl"), "--pp", str(pp)]) == 0
     summary = json.loads(capsys.readouterr().out)
     rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
     tok = load_tokenizer("byte")

@@ -1,12 +1,13 @@
 """The pipeline-parallel generator (generator.pp > 1) against the one-stage generator on the same weights: greedy
 tokens and log-probs over mixed prompt lengths, stop tokens and max lengths, and seeded sampling, at TP1 x PP2 and
-TP2 x PP2; every rank of the replica returns the same outputs."""
+TP2 x PP2; multi-turn episodes at TP1 x PP2; every rank of the replica returns the same outputs."""
 
 import pytest
 
 from megatron_rl.inference import GenerationRequest, SamplingParams
 from megatron_rl.launch.spawn import run_local
 from conftest import make_tiny_llama
+from episode_workers import pipeline_episodes_worker
 from gen_workers import pipeline_worker
 
 pytest.importorskip("transformers")
@@ -56,6 +57,34 @@ def test_pipelined_generator_equals_one_stage(tiny4):
                 assert [f for _, _, f in g] == [f for _, _, f in w], where
                 gap = max(abs(x - y) for (_, lg, _), (_, lw, _) in zip(g, w) for x, y in zip(lg, lw))
                 assert gap < 1e-5, (where, gap)
+
+
+def test_pipelined_episodes_equal_one_stage(tiny4):
+    """Episodes against the scripted environment (`episode_workers.py`: 2, 3 or 4 turns by request, observations of
+    1 to 3 ids) on a PP2 generator: greedy over 3 slots (lanes of one and two slots) and seeded sampling with stop
+    tokens (n=2) over 4, more episodes than slots in both, some ending on their environment, some at max_turns, one
+    on its token budget. Tokens, policy masks, turns and finish reasons equal the one-stage generator's (so every
+    observation was prefilled at its own positions, and each sampling stream went on across turns), log-probs to
+    rounding, and no `start` is left without its `finish`."""
+    cfg, full = tiny4
+    greedy = [GenerationRequest(p, _greedy(10 if i == 4 else 3 + i % 3)) for i, p in enumerate(PROMPTS)]
+    stops = tuple(range(0, 300, 12))
+    sampled = [GenerationRequest(p, SamplingParams(temperature=1.0, max_new_tokens=5, stop_token_ids=stops,
+                                                   seed=40 + i, n=2)) for i, p in enumerate(PROMPTS)]
+    batches = [(greedy, 3), (sampled, 4)]
+    (_, want), = run_local(pipeline_episodes_worker, 1, cfg, full, 1, batches, 3, 16)
+    finishes = [e[3] for episodes, _ in want for e in episodes]
+    assert {"done", "turns", "length"} <= set(finishes) and finishes.count("length") >= 1
+    assert {e[4] for episodes, _ in want for e in episodes} == {2, 3}
+    assert all(False in e[2] for episodes, _ in want for e in episodes)  # observations in every episode
+    ranks = run_local(pipeline_episodes_worker, 2, cfg, full, 2, batches, 3, 16)
+    assert sorted(r for r, _ in ranks) == [0, 1]
+    for pp_rank, got in ranks:
+        for b, ((g, left), (w, _)) in enumerate(zip(got, want)):
+            assert not left, (pp_rank, b)
+            assert [(t, m, f, n) for t, _, m, f, n in g] == [(t, m, f, n) for t, _, m, f, n in w], (pp_rank, b)
+            gap = max(abs(x - y) for e, f in zip(g, w) for x, y in zip(e[1], f[1]))
+            assert gap < 1e-5, (pp_rank, b, gap)
 
 
 def test_job_with_a_pp2_generator_runs_and_resumes(tmp_path):

@@ -177,7 +177,7 @@ class GeneratorExecutor:
             from megatron_rl.environments.play import Episodes
 
             chat = tokenizer.has_chat_template if cfg.data.chat is None else cfg.data.chat
-            self.episodes = Episodes(cfg.env, tokenizer, chat, groups.pgs.tp, self.is_leader, self._sampling(0, 1))
+            self.episodes = Episodes(cfg.env, tokenizer, chat, groups.pgs.mp, self.is_leader, self._sampling(0, 1))
 
     @property
     def is_leader(self) -> bool:

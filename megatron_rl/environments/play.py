@@ -96,10 +96,11 @@ class _Episode:
 
 class Episodes:
     """The environments of one generator replica: their worker processes on its leader (`pool`, None on the other
-    ranks), the rendering of turns, and the replica's TP group, over which the leader shares what it renders."""
+    ranks), the rendering of turns, and the replica's group (all its ranks, TP and pipeline stages: `pgs.mp`), over
+    which the leader, its first rank, shares what it renders."""
 
-    def __init__(self, env, tokenizer, chat: bool, tp_group, is_leader: bool, sampling: SamplingParams):
-        self.env, self.tok, self.is_leader, self.tp_group = env, tokenizer, is_leader, tp_group
+    def __init__(self, env, tokenizer, chat: bool, replica_group, is_leader: bool, sampling: SamplingParams):
+        self.env, self.tok, self.is_leader, self.group = env, tokenizer, is_leader, replica_group
         self.template = TurnTemplate(tokenizer, chat)
         self.sampling = sampling
         # The leader's workers start in the background (an interpreter each, and the class's imports), while the job
@@ -132,11 +133,11 @@ class Episodes:
                 self._pool.close()
 
     def share(self, obj):
-        """The leader's `obj` on every rank of the replica (a broadcast over its TP group, where it has several)."""
-        if self.tp_group is None or self.tp_group.size() == 1:
+        """The leader's `obj` on every rank of the replica (a broadcast over its group, where it has several ranks)."""
+        if self.group is None or self.group.size() == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
     def requests(self, records: list, base_seeds: list[int], n: int) -> tuple[list[GenerationRequest], "EpisodeTurns"]:

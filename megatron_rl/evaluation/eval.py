@@ -203,7 +203,7 @@ def _play_episodes(rank, model, cfg, g, params, batch_size: int, *, env, records
     from megatron_rl.inference import Generator
 
     tok = checkpoint_tokenizer(Path(checkpoint), tokenizer)
-    play = Episodes(env, tok, chat, g.pgs.tp, rank == 0, params)
+    play = Episodes(env, tok, chat, g.pgs.mp, rank == 0, params)
     try:
         reqs, turns = play.requests(records, list(range(len(records))), 1)
         max_len = min(cfg.max_position_embeddings, max(len(r.prompt_ids) for r in reqs) + env.max_tokens)
@@ -339,8 +339,6 @@ def _env_settings(s: EvalSettings, spec):
     for name, value in (("--max-turns", s.max_turns), ("--max-tokens", s.max_tokens)):
         if value < 1:
             raise EvalError(f"{name}={value} must be >= 1")
-    if s.pp > 1:
-        raise EvalError(f"--pp={s.pp}: episodes need a generator of one pipeline stage")
     return EnvSettings(cls=cls, max_turns=s.max_turns, max_tokens=s.max_tokens)
 
 

@@ -13,7 +13,9 @@ that iteration's decode step has been launched (so the environment calls overlap
 rank. A sequence that waits for its environment keeps its slot while the others decode. Because the iteration at
 which an observation enters is fixed, which sequences share a decode step never depends on how long an environment
 took, and a batch of episodes is a pure function of its requests, seeds and environments: a resumed run draws the
-same episodes. (An environment slower than a decode step makes the generator wait for it at iteration i + 1.)
+same episodes. (An environment slower than a decode step makes the generator wait for it at iteration i + 1.) A
+pipelined generator keeps the same order of calls, with a lane's round for an iteration, and finishes a start as late
+as the next start or the round its observations enter (`inference/pipeline.py`).
 """
 
 from __future__ import annotations

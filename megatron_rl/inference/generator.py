@@ -10,7 +10,9 @@ stream_seed(s, k).
 With `turns` (`inference/episodes.py`), a sequence is an episode: when a turn ends, the sequence keeps its slot and
 its cache while its environment answers and the other sequences decode; the observation's token ids are appended
 (no loss: `SampledResponse.policy_mask`), only they are prefilled into the slot, and decoding resumes, with the
-sequence's sampling stream continuing where the last turn left it.
+sequence's sampling stream continuing where the last turn left it. A pipelined generator plays episodes the same
+way, a lane's round standing for a decode iteration (`inference/pipeline.py`), with this module's bookkeeping
+(`_append`, `_observe`) and prefill rule (`Prefill`): its episodes are the one-stage generator's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from megatron_rl.compat import cuda_rules
 from megatron_rl.inference.episodes import EndedTurn, Turns
 from megatron_rl.inference.kv_forward import IncrementalForward
-from megatron_rl.inference.pipeline import PipelinedDecode
+from megatron_rl.inference.pipeline import PipelinedDecode, Prefill
 from megatron_rl.inference.sampling import SamplingParams, sample, stream_seed
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,10 @@ class _Seq:
     def last(self) -> int:
         """The last token of `history`, without building it."""
         return self.tokens[-1] if self.tokens else self.prompt[-1]
+
+    def ended_turn(self) -> EndedTurn:
+        """The turn that has just ended, for `Turns.start`."""
+        return EndedTurn(self.req, self.sample, tuple(self.tokens[self.turn_start:]), self.finish)
 
 
 def _to_device(t: torch.Tensor, device: torch.device, cuda_rules_on: bool) -> torch.Tensor:
@@ -210,7 +216,7 @@ class Generator:
         self.forward = IncrementalForward(model, tp_group, self.cuda_rules_on)
         self.pipeline = None
         if pp_group is not None and pp_group.size() > 1:
-            self.pipeline = PipelinedDecode(self.forward, pp_group, self._full_logits, self._stopped)
+            self.pipeline = PipelinedDecode(self.forward, pp_group, self._full_logits, self._append, self._observe)
         elif not (model.pre_process and model.post_process):
             raise ValueError("the model is one pipeline stage: the generator needs its pp_group")
         gpu = torch.cuda.is_available() or self.cuda_rules_on
@@ -266,9 +272,7 @@ class Generator:
     @torch.no_grad()
     def generate(self, requests: list[GenerationRequest], turns: Optional[Turns] = None) -> list[SampledResponse]:
         """Outputs in request order, n per request; a bad request gets finish_reason "error", the rest run. With
-        `turns`, each sequence is an episode (`inference/episodes.py`; one pipeline stage only)."""
-        if turns is not None and self.pipeline is not None:
-            raise ValueError("episodes (multi-turn generation) need a generator of one pipeline stage")
+        `turns`, each sequence is an episode (`inference/episodes.py`)."""
         t0 = time.perf_counter()
         self.model.eval()
         device = next(self.model.parameters()).device
@@ -309,32 +313,20 @@ class Generator:
         return outputs  # type: ignore[return-value]
 
     def _prefill(self, admitted: list[_Seq], cache, device) -> None:
-        """Fill the cache of newly admitted sequences from position `cached` up to their last token, exclusive (one
-        right-padded chunk): a new sequence's prompt but its last token; an episode's turn that resumes, its last
-        reply token and the observation but its last token."""
-        prefill = [s for s in admitted if len(s.prompt) + len(s.tokens) - 1 > s.cached]
-        if not prefill:
+        """Fill the cache of newly admitted sequences (`Prefill`: a new sequence's prompt but its last token; an
+        episode's turn that resumes, its last reply token and the observation but its last token)."""
+        chunk = Prefill.of(admitted, cache.max_len)
+        if chunk is None:
             return
-        width = max(len(s.prompt) + len(s.tokens) - 1 - s.cached for s in prefill)
-        toks = torch.zeros(len(prefill), width, dtype=torch.long)
-        for j, s in enumerate(prefill):
-            chunk = s.history[s.cached:-1]
-            toks[j, : len(chunk)] = torch.tensor(chunk)
-        # Padding sits at positions past its own tokens: decoding overwrites those cache entries before any query
-        # attends to them (clamped to the cache: an episode resuming near its end pads at its last position).
-        start = torch.tensor([s.cached for s in prefill])
-        pos = (start[:, None] + torch.arange(width)[None, :]).clamp_(max=cache.max_len - 1)
-        slots = torch.tensor([s.slot for s in prefill])
         # kv_len given: no device-to-host read, so a step launched ahead keeps running meanwhile.
-        rules = self.cuda_rules_on
-        self.forward(_to_device(toks, device, rules), _to_device(pos, device, rules), _to_device(slots, device, rules),
-                     cache, kv_len=min(int(start.max()) + width, cache.max_len), logits=False)
+        c = chunk.to(lambda t: _to_device(t, device, self.cuda_rules_on))
+        self.forward(c.tokens, c.positions, c.slots, cache, kv_len=c.kv_len, logits=False)
 
     def _run(self, pending: list[_Seq], cache, device, turns: Optional[Turns] = None) -> None:
         filtering = any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in pending)
         noise = any(s.params.temperature > 0 for s in pending)
         if self.pipeline is not None:
-            return self.pipeline.run(pending, cache, device, filtering, noise)
+            return self.pipeline.run(pending, cache, device, filtering, noise, turns)
         key = (filtering, noise)
         if key not in self._steps:
             use_graph = self.cuda_graphs and (device.type == "cuda" or self.cuda_rules_on)
@@ -389,7 +381,7 @@ class Generator:
                 resuming = self._observe(answering, turns.finish(), turns, free)
             answering = ended
             if ended:
-                turns.start([EndedTurn(s.req, s.sample, tuple(s.tokens[s.turn_start:]), s.finish) for s in ended])
+                turns.start([s.ended_turn() for s in ended])
 
     def _take(self, done, by_slot: dict, free: list[int], turns: Optional[Turns]) -> list[_Seq]:
         """Append a finished step's tokens to its sequences; a sequence that stops frees its slot, or, in an
@@ -402,24 +394,31 @@ class Generator:
         for slot, s in slots.items():
             if s.finish is not None:  # ended at the previous step: this one ran ahead for nothing
                 continue
-            s.tokens.append(tokens[slot])
-            s.logprobs.append(logprobs[slot])
-            s.policy.append(True)
-            s.sampled += 1
-            s.finish = self._stopped(s, tokens[slot])
-            if s.finish is not None:
+            if self._append(s, tokens[slot], logprobs[slot]):
                 del by_slot[slot]
                 if turns is None:
                     free.append(slot)
                 else:  # its slot is held while the environment answers
-                    s.turns += 1
                     ended.append(s)
         return ended
 
+    def _append(self, s: _Seq, token: int, logprob: float) -> bool:
+        """Append a token `s` sampled; True when it ends the sequence or, in an episode, its turn (`s.finish`)."""
+        s.tokens.append(token)
+        s.logprobs.append(logprob)
+        s.policy.append(True)
+        s.sampled += 1
+        s.finish = self._stopped(s, token)
+        if s.finish is None:
+            return False
+        s.turns += 1
+        return True
+
     def _observe(self, ended: list[_Seq], observations: list, turns: Turns, free: list[int]) -> list[_Seq]:
         """Apply the environments' answers to the turns that ended: an episode that is over (its environment said
-        so, or its turns, token budget or context are used up) frees its slot; the others get their observation's
-        ids appended and are returned, to resume in their own slots (prefilled from their last reply token)."""
+        so, or its turns, token budget or context are used up) frees its slot into `free`; the others get their
+        observation's ids appended and are returned, to resume in their own slots (prefilled from their last reply
+        token). The pipelined generator calls it with a lane's sequences and free slots."""
         resuming = []
         for s, obs in zip(ended, observations):
             used = len(s.tokens) + (len(obs) if obs is not None else 0)

@@ -19,11 +19,26 @@ lane per tick and each lane is smaller, so it reads its weights more often per t
 Sampling is `sampling.sample` over the lane's slots with each sequence's own (seed, step), so tokens depend neither
 on lanes, slots nor stages: they are the one-stage generator's, up to the fp32 rounding of differently batched
 matmuls. Decoding here is eager and reads every tick's tokens on the host (no CUDA graph, no lookahead).
+
+Episodes (`turns`, `inference/episodes.py`) follow the `Turns` contract with a lane's round in place of a decode
+iteration: the turns that end in a round are handed to `turns.start` when the round comes back from the last stage
+(on every rank, at the same tick), and their episodes keep their slots and caches in the lane ("held": a held slot
+is fed its last reply token, its result unread, which writes the cache entry its prefill will write again) while the
+others decode. Their observations enter the lane's next round, pp ticks later: its prefill writes the last reply
+token and the observation but its last token at their positions (`Prefill`: the one-stage generator's rule), and the
+observation's last token is the round's decode input. `Turns` has one start outstanding at a time (`EpisodeTurns`
+runs one thread of environment calls), so the outstanding one is finished as late as that allows: before the next
+start (the next round in which turns end, of any lane), or before its own lane sets up the round its observations
+enter. Either way they enter that same round, so which sequences share a round, and every token, depend on the
+requests, seeds and environments only, never on how long an environment took; finishing late only gives the
+environments more ticks to answer. The loop ends once no lane runs or holds a sequence, so no start is left
+outstanding.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -31,32 +46,61 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.compat import cuda_rules
+from megatron_rl.inference.episodes import Turns
 from megatron_rl.inference.kv_forward import IncrementalForward, KVCache
 from megatron_rl.inference.sampling import sample
 
 
 @dataclass(frozen=True)
-class _Chunk:
-    """Prompts of newly admitted sequences but their last token, right-padded: tokens, positions [n, width]."""
+class Prefill:
+    """What newly admitted sequences write into their cache slots before their first decode there: each one's
+    history from position `cached` up to its last token, exclusive (that one is the decode's input), in one
+    right-padded chunk. For a new sequence, its prompt but the last token; for an episode resuming its turn, its last
+    reply token (sampled, never fed) and the observation but its last token. The one-stage generator and every
+    pipeline stage build their prefills with this one rule."""
 
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor  # [n], in the lane
+    tokens: torch.Tensor  # [n, width]
+    positions: torch.Tensor  # [n, width]: row j from its sequence's `cached` on (padding clamped to the cache)
+    slots: torch.Tensor  # [n]
+    kv_len: int  # the cache prefix the chunk's attention reads
 
     @property
     def width(self) -> int:
         return self.tokens.shape[1]
+
+    @classmethod
+    def of(cls, admitted: list, max_len: int) -> Optional["Prefill"]:
+        """The prefill of `admitted` (the generator's sequences) into a cache of `max_len` positions, on the host;
+        None when none has anything to prefill (a one-token prompt)."""
+        rows = [q for q in admitted if len(q.prompt) + len(q.tokens) - 1 > q.cached]
+        if not rows:
+            return None
+        width = max(len(q.prompt) + len(q.tokens) - 1 - q.cached for q in rows)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        for j, q in enumerate(rows):
+            chunk = q.history[q.cached:-1]
+            tokens[j, : len(chunk)] = torch.tensor(chunk)
+        # Padding sits at positions past its own row's tokens: decoding overwrites those cache entries before any
+        # query attends to them (clamped to the cache: an episode resuming near its end pads at its last position).
+        start = torch.tensor([q.cached for q in rows])
+        positions = (start[:, None] + torch.arange(width)[None, :]).clamp_(max=max_len - 1)
+        return cls(tokens, positions, torch.tensor([q.slot for q in rows]), min(int(start.max()) + width, max_len))
+
+    def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "Prefill":
+        """The same prefill with its tensors moved by `move` (to the device)."""
+        return dataclasses.replace(self, tokens=move(self.tokens), positions=move(self.positions),
+                                   slots=move(self.slots))
 
 
 @dataclass(frozen=True)
 class _Round:
     """What every stage runs for one lane to advance each of its sequences by one token (built alike on every rank)."""
 
-    prefill: Optional[_Chunk]
-    tokens: torch.Tensor  # [slots] each slot's input token (0 in a free slot: its result is ignored)
+    prefill: Optional[Prefill]
+    tokens: torch.Tensor  # [slots] each slot's input token (a free or held slot's result is ignored)
     positions: torch.Tensor  # [slots]
     kv_len: int  # the furthest position + 1: the cache prefix attention reads
-    seqs: dict  # slot -> the sequence running there
+    seqs: dict  # slot -> the sequence decoding there (not a held episode's)
 
 
 @dataclass
@@ -64,7 +108,11 @@ class _Lane:
     cache: KVCache  # a view of the replica's cache: this lane's slots
     free: list[int]
     running: dict = field(default_factory=dict)  # slot -> running sequence
-    work: Optional[_Round] = None  # the round under way; None once the lane has nothing left to run
+    # Episodes: slot -> an episode whose turn ended, holding its slot and cache until it resumes or is over; and the
+    # held ones whose observations have been appended, which enter the lane's next round.
+    held: dict = field(default_factory=dict)
+    resumed: list = field(default_factory=list)
+    work: Optional[_Round] = None  # the round under way; None while nothing in the lane decodes
 
 
 @dataclass
@@ -85,16 +133,20 @@ class PipelinedDecode:
     """The decode loop of a pipeline stage; every rank of the replica runs `run` with the same sequences."""
 
     def __init__(self, forward: IncrementalForward, pp_group, full_logits: Callable[[torch.Tensor], torch.Tensor],
-                 stopped: Callable):
-        self.forward, self.pp_group = forward, pp_group
-        self.full_logits, self.stopped = full_logits, stopped  # the generator's TP gather and stop rule
+                 append: Callable, observe: Callable):
+        self.forward, self.pp_group, self.full_logits = forward, pp_group, full_logits  # full_logits: the TP gather
+        # The generator's bookkeeping: a sampled token appended to a sequence (True: its turn or itself ended), and
+        # observations applied to the episodes whose turns ended (returns those that resume).
+        self.append, self.observe = append, observe
         self.stage, self.stages = pp_group.rank(), pp_group.size()
         self.last = forward.model.post_process
         self.hidden_size = forward.model.config.hidden_size
         self.dtype = forward.dtype  # of the activations between stages
 
-    def run(self, pending: list, cache: KVCache, device, filtering: bool, noise: bool) -> None:
-        """Decode `pending` (the generator's sequences) to the end, filling in their tokens, log-probs, finish."""
+    def run(self, pending: list, cache: KVCache, device, filtering: bool, noise: bool,
+            turns: Optional[Turns] = None) -> None:
+        """Decode `pending` (the generator's sequences; episodes with `turns`) to the end, filling in their tokens,
+        log-probs, finish."""
         self._check_agreement(len(pending), cache.slots, device)
         pp, s = self.stages, self.stage
         lanes = [_Lane(KVCache(cache.keys[:, a:b], cache.values[:, a:b]), list(range(b - a)))
@@ -103,8 +155,9 @@ class PipelinedDecode:
         for lane in lanes:
             self._next_round(lane, waiting, device)
         inbox: dict[int, _StageOutput] = {}  # lane -> the previous stage's activations for its round
+        asked = None  # the outstanding `turns.start`: (its lane, its episodes), all held in that lane
         t = 0
-        while any(lane.work is not None for lane in lanes):
+        while any(lane.work is not None or lane.held for lane in lanes):
             m = (t - s) % pp
             work = lanes[m].work if t >= s else None
             out = None
@@ -116,11 +169,15 @@ class PipelinedDecode:
             received = self._exchange(out if not self.last else None, incoming, device)
             if received is not None:
                 inbox[m_in] = received
-            # The last stage ran lane (t - (pp - 1)) mod pp this tick: its tokens go to every stage.
+            # The last stage ran lane (t - (pp - 1)) mod pp this tick: its tokens go to every stage. (A lane whose
+            # sequences all wait for their environments has no round, and sets up its next one here all the same.)
             m_out = (t - pp + 1) % pp
-            if t >= pp - 1 and lanes[m_out].work is not None:
-                tokens, logprobs = self._broadcast(out if self.last else None, lanes[m_out].cache.slots, device)
-                self._finish_round(lanes[m_out], tokens, logprobs)
+            if t >= pp - 1:
+                ended = []
+                if lanes[m_out].work is not None:
+                    tokens, logprobs = self._broadcast(out if self.last else None, lanes[m_out].cache.slots, device)
+                    ended = self._finish_round(lanes[m_out], tokens, logprobs, turns is not None)
+                asked = self._converse(lanes, m_out, ended, asked, turns)
                 self._next_round(lanes[m_out], waiting, device)
             t += 1
 
@@ -135,8 +192,12 @@ class PipelinedDecode:
             raise RuntimeError(f"the pipeline stages of a generator replica were given different work ({got})")
 
     def _next_round(self, lane: _Lane, waiting: list, device) -> None:
-        """Admit waiting sequences into the lane's free slots and set up its next round (None: the lane is done)."""
-        admitted = []
+        """Set up the lane's next round (None: nothing to decode): the held episodes whose observations came resume
+        in their own slots, waiting sequences take its free slots, and both are prefilled."""
+        admitted, lane.resumed = lane.resumed, []
+        for seq in admitted:
+            del lane.held[seq.slot]
+            lane.running[seq.slot] = seq
         while waiting and lane.free:
             seq = waiting.pop(0)
             seq.slot = lane.free.pop(0)
@@ -145,22 +206,33 @@ class PipelinedDecode:
         if not lane.running:
             lane.work = None
             return
+        # Each slot's input token and its position: a free slot's (0 at 0) is overwritten by its next prefill; a
+        # held episode's is its last reply token, at the position where its resumption's prefill starts.
         tokens, positions = [0] * lane.cache.slots, [0] * lane.cache.slots
-        for slot, seq in lane.running.items():
-            tokens[slot] = seq.tokens[-1] if seq.tokens else seq.prompt[-1]
+        for slot, seq in (*lane.running.items(), *lane.held.items()):
+            tokens[slot] = seq.last
             positions[slot] = len(seq.prompt) + len(seq.tokens) - 1
-        prefill = None
-        chunk = [q for q in admitted if len(q.prompt) > 1]
-        if chunk:
-            width = max(len(q.prompt) - 1 for q in chunk)
-            toks = torch.zeros(len(chunk), width, dtype=torch.long)
-            for j, q in enumerate(chunk):
-                toks[j, : len(q.prompt) - 1] = torch.tensor(q.prompt[:-1])
-            # Padding sits past each prompt: the decode writes those cache entries before anything reads them.
-            pos = torch.arange(width).expand(len(chunk), width)
-            prefill = _Chunk(toks.to(device), pos.to(device), torch.tensor([q.slot for q in chunk], device=device))
-        lane.work = _Round(prefill, torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+        prefill = Prefill.of(admitted, lane.cache.max_len)
+        lane.work = _Round(prefill.to(lambda x: x.to(device)) if prefill is not None else None,
+                           torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
                            max(positions) + 1, dict(lane.running))
+
+    def _converse(self, lanes: list[_Lane], m: int, ended: list, asked: Optional[tuple[int, list]],
+                  turns: Optional[Turns]) -> Optional[tuple[int, list]]:
+        """Lane m's round has come back, and its turns `ended` (held in the lane): finish the outstanding start
+        `asked` if these must be started or lane m sets up the round its observations enter (module docstring),
+        then start these. Returns the start now outstanding."""
+        if asked is not None and (ended or asked[0] == m):
+            lane, episodes = lanes[asked[0]], asked[1]
+            lane.resumed += self.observe(episodes, turns.finish(), turns, lane.free)
+            for seq in episodes:
+                if seq.finish is not None:  # over: its slot is free again
+                    del lane.held[seq.slot]
+            asked = None
+        if ended:
+            turns.start([seq.ended_turn() for seq in ended])
+            asked = (m, ended)
+        return asked
 
     def _run_stage(self, work: _Round, cache: KVCache, received: Optional[_StageOutput], device, filtering: bool,
                    noise: bool):
@@ -170,7 +242,7 @@ class PipelinedDecode:
         prefill = None
         if work.prefill is not None:
             c = work.prefill
-            prefill = fwd(c.tokens, c.positions, c.slots, cache, kv_len=c.width, logits=False,
+            prefill = fwd(c.tokens, c.positions, c.slots, cache, kv_len=c.kv_len, logits=False,
                           hidden=received.prefill if received is not None else None)
         b = work.tokens.shape[0]
         # Pipelined decoding is eager; in the CUDA-rules mode the stage's decode step is still held to what a CUDA
@@ -182,8 +254,9 @@ class PipelinedDecode:
                       kv_len=work.kv_len, all_slots=True, hidden=received.decode if received is not None else None)
         if not self.last:
             return _StageOutput(prefill, out)
-        # Per slot: temperature, top_p, top_k, seed and step (the tokens drawn so far); a free slot samples greedily.
-        rows = [(q.params.temperature, q.params.top_p, q.params.top_k, q.seed, len(q.tokens))
+        # Per slot: temperature, top_p, top_k, seed and step (the tokens it sampled so far: an episode's stream goes
+        # on across its turns); a free or held slot samples greedily.
+        rows = [(q.params.temperature, q.params.top_p, q.params.top_k, q.seed, q.sampled)
                 if (q := work.seqs.get(slot)) is not None else (0.0, 1.0, 0, 0, 0) for slot in range(b)]
         temperature, top_p, top_k, seeds, steps = (
             torch.tensor(col, dtype=dtype, device=device)
@@ -226,11 +299,16 @@ class PipelinedDecode:
         dist.broadcast(logprobs, group=self.pp_group, group_src=last)
         return tokens.tolist(), logprobs.tolist()
 
-    def _finish_round(self, lane: _Lane, tokens: list[int], logprobs: list[float]) -> None:
+    def _finish_round(self, lane: _Lane, tokens: list[int], logprobs: list[float], episodes: bool) -> list:
+        """Append the round's tokens to its sequences; one that stops frees its slot or, an episode, holds it: those
+        are returned (their turn has ended)."""
+        ended = []
         for slot, seq in lane.work.seqs.items():
-            seq.tokens.append(tokens[slot])
-            seq.logprobs.append(logprobs[slot])
-            seq.finish = self.stopped(seq, tokens[slot])
-            if seq.finish is not None:
+            if self.append(seq, tokens[slot], logprobs[slot]):
                 del lane.running[slot]
-                lane.free.append(slot)
+                if episodes:
+                    lane.held[slot] = seq
+                    ended.append(seq)
+                else:
+                    lane.free.append(slot)
+        return ended
