@@ -328,6 +328,16 @@ def _layout_problems(cfg: JobConfig, model: ModelConfig) -> list[str]:
     return out
 
 
+def _trainer_is_bf16(dtype: str) -> bool:
+    """Is the trainer bf16 (an "auto" one where this machine multiplies bf16 natively, as the ranks here resolve
+    it)?"""
+    if dtype != "auto":
+        return dtype == "bf16"
+    from megatron_rl.models.precision import resolve_dtype_name  # imports torch: only for "auto"
+
+    return resolve_dtype_name(dtype) == "bf16"
+
+
 def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_files: bool) -> list[str]:
     """The rules that tie one section to another (each section's own rules are its class's)."""
     out, r, a = [], cfg.rollout, cfg.algorithm
@@ -356,6 +366,12 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
         out += _episode_problems(cfg, model, dataset, cluster_files)
     if cluster_files and cfg.run.name_is_plain:
         out += cfg.checkpoint.dir_problems(cfg.run.name)
+    if not cfg.trainer.use_distributed_optimizer and _trainer_is_bf16(cfg.trainer.dtype):
+        out.append(f"trainer.use_distributed_optimizer=false with a bf16 trainer (trainer.dtype={cfg.trainer.dtype!r}"
+                   f"{' here' if cfg.trainer.dtype == 'auto' else ''}) cannot save its optimizer: Megatron-Core "
+                   f"0.16's non-distributed mixed-precision optimizer writes its state as if every parameter were "
+                   f"bf16, and the trainer keeps its norms in fp32; keep the distributed optimizer, or set "
+                   f"trainer.dtype=fp32")
     budget = cfg.trainer.max_tokens_per_micro_batch
     if cfg.trainer.packing and budget and budget < cfg.episode_length:
         longest = "env.max_tokens" if cfg.env.cls else "rollout.max_new_tokens"

@@ -67,6 +67,9 @@ BAD = [
     (["trainer.max_tokens_per_micro_batch=50"], r"^trainer.max_tokens_per_micro_batch=50 is less than the longest "
      r"sequence a step can hold \(64 tokens: rollout.max_prompt_length \+ rollout.max_new_tokens\)"),
     (["trainer.attention=local"], r"^trainer.packing=true needs SDPA's or transformer-engine's attention"),
+    (["trainer.use_distributed_optimizer=false", "trainer.dtype=bf16"],
+     r"^trainer.use_distributed_optimizer=false with a bf16 trainer \(trainer.dtype='bf16'\) cannot save its "
+     r"optimizer"),
     (["trainer.packing=false", "trainer.max_tokens_per_micro_batch=512"],
      r"^trainer.max_tokens_per_micro_batch=512 is the budget of packed micro-batches and trainer.packing=false$"),
     (["generator.max_batch_size=0"], r"^generator.max_batch_size=0 must be >= 1"),
