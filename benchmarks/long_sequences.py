@@ -78,9 +78,55 @@ def _step(rank, world_size, args, packing: bool):
             "computed_tokens": computed, "real_tokens": int((batch.prompt_lengths + batch.response_lengths).sum())}
 
 
-def main() -> None:
+def _decode(rank, world_size, args, kv_cache_tokens, slots: int):
+    """64 sequences of a 32-token prompt and lengths spread over [--min-len, --max-len] (each request's own
+    max_new_tokens, no stop token), decoded in `slots` slots of a slot cache, or a paged one of `kv_cache_tokens`."""
+    from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+    from megatron_rl.models import build_gpt_model, get_preset
+    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    cfg = get_preset(args.gen_preset)
+    g = build_topology([ExecutorPlacement("generator", ParallelLayout())])["generator"]
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", seed=args.seed)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=slots, max_len=args.max_len,
+                    kv_cache_tokens=kv_cache_tokens, cuda_graphs=False)
+    rng = torch.Generator().manual_seed(args.seed)
+    lengths = torch.linspace(args.min_len, args.max_len, args.gen_sequences).round().long()
+    lengths = lengths[torch.randperm(args.gen_sequences, generator=rng)].tolist()
+    reqs = [GenerationRequest(torch.randint(3, cfg.vocab_size, (PROMPT,), generator=rng).tolist(),
+                              SamplingParams(temperature=1.0, seed=i, max_new_tokens=n - PROMPT, stop_token_ids=[]))
+            for i, n in enumerate(lengths)]
+    t0 = time.perf_counter()
+    outs = gen.generate(reqs)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tokens": sum(len(o.token_ids) for o in outs), "cache_bytes": gen._cache.nbytes(),
+            "mean_batch": gen.stats["mean_batch"], "preempted": gen.stats.get("preempted", 0),
+            "first_tokens": [o.token_ids[:8] for o in outs]}
+
+
+def decode_comparison(args) -> dict:
+    """The slot cache (`--slots` slots of --max-len tokens) against a paged cache of the same tokens holding up to
+    all the sequences at once: the sequences decoding together on average, tokens per second, memory."""
     from megatron_rl.launch.spawn import run_local
 
+    out = {}
+    for name, tokens, slots in (("slot", None, args.slots), ("paged", args.slots * args.max_len, args.gen_sequences)):
+        r = run_local(_decode, 1, args, tokens, slots, timeout=None)[0]
+        out[name] = r
+        print(f"{name:5s} cache: {r['cache_bytes'] / 2**20:.0f} MiB, {r['mean_batch']:.1f} sequences a decode step, "
+              f"{r['tokens'] / r['seconds']:.0f} tokens/s, {r['preempted']} preempted", flush=True)
+    same = out["slot"]["first_tokens"] == out["paged"]["first_tokens"]
+    ratio = out["paged"]["mean_batch"] / out["slot"]["mean_batch"]
+    rate = {k: r["tokens"] / r["seconds"] for k, r in out.items()}
+    print(f"paged / slot sequences decoding at once in the same memory: {ratio:.2f}x; tokens per second "
+          f"{rate['paged'] / rate['slot']:.2f}x; same first tokens: {same}")
+    return {"cache_capacity_ratio": ratio, "decode_speedup": (out["slot"]["seconds"] / out["paged"]["seconds"]),
+            "decode": {k: {kk: v for kk, v in r.items() if kk != "first_tokens"} for k, r in out.items()},
+            "decode_same_first_tokens": same}
+
+
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="smollm2-135m")
     p.add_argument("--sequences", type=int, default=8)
@@ -88,7 +134,23 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=2, help="rows of a padded micro-batch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gen-preset", default="tiny", help="the generator's model")
+    p.add_argument("--gen-sequences", type=int, default=64)
+    p.add_argument("--slots", type=int, default=16, help="slots of the slot cache, whose tokens the paged one gets")
+    p.add_argument("--skip-train", action="store_true")
     args = p.parse_args()
+    result = {"lengths": [args.min_len, args.max_len], "gen_preset": args.gen_preset,
+              "gen_sequences": args.gen_sequences, "slots": args.slots, "threads": torch.get_num_threads(),
+              **decode_comparison(args)}
+    if not args.skip_train:
+        result.update(packed_comparison(args))
+    emit(result)
+
+
+def packed_comparison(args) -> dict:
+    """The RL step, padded and packed (the module docstring)."""
+    from megatron_rl.launch.spawn import run_local
+
     out = {}
     for name, packing in (("padded", False), ("packed", True)):
         r = run_local(_step, 1, args, packing, timeout=None)[0]
@@ -106,13 +168,10 @@ def main() -> None:
           f"{speedup / ceiling:.2f} of it)")
     print(f"largest gradient difference {grad_diff:.1e} of the largest gradient; metrics' relative differences: "
           + ", ".join(f"{k} {v:.1e}" for k, v in rel.items()))
-    emit({"preset": args.preset, "sequences": args.sequences, "lengths": [args.min_len, args.max_len],
-          "padded_s": pad["seconds"], "packed_s": pk["seconds"], "packed_speedup": speedup,
-          "padding_ceiling": ceiling, "padded_tokens_computed": pad["computed_tokens"],
-          "packed_tokens_computed": pk["computed_tokens"], "real_tokens": pk["real_tokens"],
-          "max_grad_rel_diff": grad_diff, "metric_rel_diff": rel, "threads": torch.get_num_threads(),
-          "cache_capacity_ratio": None})
-
+    return {"preset": args.preset, "sequences": args.sequences, "padded_s": pad["seconds"],
+            "packed_s": pk["seconds"], "packed_speedup": speedup, "padding_ceiling": ceiling,
+            "padded_tokens_computed": pad["computed_tokens"], "packed_tokens_computed": pk["computed_tokens"],
+            "real_tokens": pk["real_tokens"], "max_grad_rel_diff": grad_diff, "metric_rel_diff": rel}
 
 if __name__ == "__main__":
     main()

@@ -372,6 +372,10 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
                    f"0.16's non-distributed mixed-precision optimizer writes its state as if every parameter were "
                    f"bf16, and the trainer keeps its norms in fp32; keep the distributed optimizer, or set "
                    f"trainer.dtype=fp32")
+    kv = cfg.generator.kv_cache_tokens
+    if kv and kv < cfg.episode_length:
+        out.append(f"generator.kv_cache_tokens={kv} holds less than one sequence at its longest ({cfg.episode_length} "
+                   f"tokens)")
     budget = cfg.trainer.max_tokens_per_micro_batch
     if cfg.trainer.packing and budget and budget < cfg.episode_length:
         longest = "env.max_tokens" if cfg.env.cls else "rollout.max_new_tokens"

@@ -39,11 +39,12 @@ class ScriptedTurns(Turns):
 
 
 def episodes_worker(rank, world_size, cfg, full, tp, requests, max_batch, max_turns, max_tokens, lookahead=None,
-                    count_prefill=False):
+                    count_prefill=False, kv_cache_tokens=None):
     """Episodes from one `generate` call: (tokens, logprobs, policy mask, finish reason, turns) each; and, with
-    `count_prefill`, the positions each prefill call filled."""
+    `count_prefill`, the positions each prefill call filled (with `kv_cache_tokens`, a paged cache)."""
     g, model = _setup(cfg, full, tp)
-    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=max_batch, max_len=128, lookahead=lookahead)
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=max_batch, max_len=128, lookahead=lookahead,
+                    kv_cache_tokens=kv_cache_tokens)
     filled = []
     if count_prefill:  # the positions each prefill fills, per admitted sequence: [cached, last token)
         prefill = gen._prefill

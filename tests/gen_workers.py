@@ -39,6 +39,19 @@ def lookahead_worker(rank, world_size, cfg, full, tp, batches):
     return out
 
 
+def paged_worker(rank, world_size, cfg, full, tp, requests, runs):
+    """The same requests through a slot cache and through paged caches: each run (slots, tokens or None) gives the
+    outputs and the generator's paging statistics."""
+    g, model = _setup(cfg, full, tp)
+    out = []
+    for slots, tokens in runs:
+        gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=slots, max_len=64, kv_cache_tokens=tokens)
+        outputs = gen.generate(requests)
+        out.append(([(o.token_ids, o.logprobs, o.finish_reason) for o in outputs],
+                    {k: v for k, v in gen.stats.items() if k in ("kv_blocks_peak", "kv_blocks", "preempted")}))
+    return out
+
+
 def parity_worker(rank, world_size, cfg, full, tp):
     """Sample, then score the samples with the trainer's forward: behaviour log-probs must agree."""
     g, model = _setup(cfg, full, tp)

@@ -67,6 +67,10 @@ BAD = [
     (["trainer.max_tokens_per_micro_batch=50"], r"^trainer.max_tokens_per_micro_batch=50 is less than the longest "
      r"sequence a step can hold \(64 tokens: rollout.max_prompt_length \+ rollout.max_new_tokens\)"),
     (["trainer.attention=local"], r"^trainer.packing=true needs SDPA's or transformer-engine's attention"),
+    (["generator.kv_cache_tokens=63"], r"^generator.kv_cache_tokens=63 holds less than one sequence at its longest "
+     r"\(64 tokens\)$"),
+    (["generator.kv_cache_tokens=640", "generator.pp=2"], r"^generator.kv_cache_tokens=640: a paged KV cache needs "
+     r"generator.pp=1"),
     (["trainer.use_distributed_optimizer=false", "trainer.dtype=bf16"],
      r"^trainer.use_distributed_optimizer=false with a bf16 trainer \(trainer.dtype='bf16'\) cannot save its "
      r"optimizer"),

@@ -206,9 +206,9 @@ def test_capture_checker_refuses_what_capture_forbids(body, what):
     assert torch.Tensor.tolist(torch.ones(2)) == [1.0, 1.0]  # restored after the block
 
 
-def _generate_both(rank, world_size, cfg, full, tp, requests):
+def _generate_both(rank, world_size, cfg, full, tp, requests, kv_cache_tokens=None):
     """Greedy generation with the CUDA-rules mode on (decode step captured-checked, pinned copies, lookahead, the
-    compiled fusions) and off, on the same weights."""
+    compiled fusions) and off, on the same weights; with a paged cache of `kv_cache_tokens`, where given."""
     from gen_workers import _setup
 
     from megatron_rl.inference import Generator
@@ -217,7 +217,7 @@ def _generate_both(rank, world_size, cfg, full, tp, requests):
     for mode in ("1", "0"):
         os.environ[cuda_rules.ENV] = mode
         g, model = _setup(cfg, full, tp)
-        gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=3, max_len=64)
+        gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=3, max_len=64, kv_cache_tokens=kv_cache_tokens)
         outs = gen.generate(requests)
         out.append(([o.token_ids for o in outs], [o.logprobs for o in outs], gen.lookahead,
                     getattr(model, "megatron_rl_fusions", None)))
@@ -225,17 +225,19 @@ def _generate_both(rank, world_size, cfg, full, tp, requests):
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_generation_under_cuda_rules_equals_the_cpu_path(tiny_hf, tp):
+@pytest.mark.parametrize("tp,kv_cache_tokens", [(1, None), (2, None), (1, 48)])
+def test_generation_under_cuda_rules_equals_the_cpu_path(tiny_hf, tp, kv_cache_tokens):
     """The decode step passes the capture check and the pinned copies CUDA's rule (a prefill's expanded position
-    grid was refused before), and its tokens equal the CPU path's."""
+    grid was refused before), and its tokens equal the CPU path's; with a paged cache too (its block table read
+    inside the captured step; 48 tokens for 3 slots: sequences preempted)."""
     from megatron_rl.inference import GenerationRequest, SamplingParams
 
     _, cfg, full = tiny_hf
     prompts = [[5, 17, 42, 99], [7], [250, 3, 3, 3, 8, 61, 12, 4, 90], [1, 2]]
     reqs = [GenerationRequest(p, SamplingParams(temperature=0, max_new_tokens=8)) for p in prompts]
-    for (rules_out, cpu_out) in run_local(rules_worker, tp, _generate_both, cfg, full, tp, reqs):
-        assert rules_out[2] is True and rules_out[3] == {"rmsnorm", "rope"}  # the GPU paths ran
+    for (rules_out, cpu_out) in run_local(rules_worker, tp, _generate_both, cfg, full, tp, reqs, kv_cache_tokens):
+        # the GPU paths ran (lookahead but with a paged cache, which decides between steps)
+        assert rules_out[2] is (kv_cache_tokens is None) and rules_out[3] == {"rmsnorm", "rope"}
         assert cpu_out[3] == frozenset()
         assert rules_out[0] == cpu_out[0]
         gap = max(abs(a - b) for x, y in zip(rules_out[1], cpu_out[1]) for a, b in zip(x, y))

@@ -56,12 +56,14 @@ def test_a_killed_episode_job_resumes_to_the_same_weights_and_metrics(tmp_path):
 
 def test_a_colocated_episode_job_runs_the_calculator_task(tmp_path):
     """The colocated layout, and the built-in tool-use task end to end: its warm start's demonstrations (transcripts
-    as ids) train, and its episodes are played against the calculator."""
+    as ids) train, and its episodes are played against the calculator, in a paged KV cache of two episodes'
+    tokens."""
     proc = warm_cli.run(["train", "data.dataset=calculator", "env.cls=megatron_rl.environments.calculator:Calculator",
                          "env.max_tokens=48", "env.max_turns=3", "env.num_workers=1", "rollout.max_new_tokens=20",
                          "trainer.sft_warmup_steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
                          "data.eval_size=2", "data.eval_samples=1", "run.steps=1", "trainer.tp=1",
-                         "generator.colocated=true", f"checkpoint.dir={tmp_path}", "run.name=c"])
+                         "generator.colocated=true", "generator.kv_cache_tokens=192", f"checkpoint.dir={tmp_path}",
+                         "run.name=c"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(tmp_path / "c")
     assert rows[0]["warm_start_s"] > 0 and all(r["episode/turns"] >= 1 and r["env_failures"] == 0 for r in rows)

@@ -22,8 +22,11 @@ def test_greedy_episodes_equal_replaying_the_history_every_turn(tiny_hf):
     _, cfg, full = tiny_hf
     want = run_local(reference_worker, 1, cfg, full, 1, _greedy(), 3, 40)[0]
     assert {w[3] for w in want} >= {"done", "turns"} and max(w[4] for w in want) == 3
-    for tp, lookahead, slots in ((1, False, 2), (1, True, 3), (2, False, 8)):
-        got = run_local(episodes_worker, tp, cfg, full, tp, _greedy(), slots, 3, 40, lookahead)
+    # The last: a paged cache of 64 tokens (the longest episode's) for 5 slots: episodes wait for blocks, and those
+    # held between turns keep theirs (preemption: test_generator.py).
+    cases = ((1, False, 2, None), (1, True, 3, None), (2, False, 8, None), (1, False, 5, 64))
+    for tp, lookahead, slots, paged in cases:
+        got = run_local(episodes_worker, tp, cfg, full, tp, _greedy(), slots, 3, 40, lookahead, False, paged)
         for episodes, _ in got:  # every rank of the replica
             for (tokens, lps, mask, finish, turns), (wt, wl, wm, wf, wturns) in zip(episodes, want):
                 assert (tokens, mask, finish, turns) == (wt, wm, wf, wturns), (tp, lookahead)

@@ -5,7 +5,7 @@ import torch
 
 from megatron_rl.inference import GenerationRequest, SamplingParams
 from megatron_rl.launch.spawn import run_local
-from gen_workers import generate_worker, lookahead_worker, parity_worker
+from gen_workers import generate_worker, lookahead_worker, paged_worker, parity_worker
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,6 +92,24 @@ def test_lookahead_decoding_gives_the_same_outputs(tiny_hf):
                            for a, b in zip(x, y)) < 1e-5
             lengths = [[len(t) for t, _, _ in mode[0]] for mode in rank_out]
             assert lengths == [[4, 4, 7, 7, 10, 10, 13, 13, 5, 1], [5, 30]]
+
+
+def test_a_paged_cache_decodes_as_the_slot_cache_does_in_less_memory(tiny_hf):
+    """Sequences of uneven lengths (1 to 40 new tokens), sampled: a paged cache (16-token blocks) gives the slot
+    cache's tokens, with room for as many sequences in fewer tokens than slots x 64; a pool too small for them all at
+    once preempts the latest and prefills it again later, tokens unchanged; at TP1 and TP2."""
+    _, cfg, full = tiny_hf
+    reqs = [GenerationRequest(p, SamplingParams(temperature=1.0, top_p=0.95, seed=i, n=2, max_new_tokens=1 + 13 * i))
+            for i, p in enumerate(PROMPTS)]
+    runs = [(8, None), (8, 8 * 48), (8, 64)]  # slot cache 8 x 64; paged 384 and 64 tokens
+    for tp in (1, 2):
+        for (slot, _), (paged, stats), (small, tight) in run_local(paged_worker, tp, cfg, full, tp, reqs, runs):
+            for other in (paged, small):
+                assert [t for t, _, _ in other] == [t for t, _, _ in slot]
+                assert [f for _, _, f in other] == [f for _, _, f in slot]
+                assert max(abs(a - b) for (_, x, _), (_, y, _) in zip(slot, other) for a, b in zip(x, y)) < 1e-5
+            assert stats["preempted"] == 0 and stats["kv_blocks_peak"] * 16 < 8 * 64
+            assert tight["preempted"] > 0 and tight["kv_blocks_peak"] <= tight["kv_blocks"] == 4
 
 
 def test_no_cache_slot_is_an_error_not_a_hang():

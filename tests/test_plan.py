@@ -471,3 +471,9 @@ def test_what_fits_is_the_largest_batch_that_fits():
     assert fixed.trainer.fits and fixed.generator.fits
     over = plan("trainer.micro_batch_size=4", "generator.max_batch_size=56")
     assert not over.trainer.fits and not over.generator.fits
+    # A paged cache: the most tokens that fit, whatever the slots.
+    paged = plan("generator.max_batch_size=256", "generator.kv_cache_tokens=2000000")
+    (note,) = [n for n in paged.notes if n.startswith("the generator fits with")]
+    tokens = int(note.rsplit("=", 1)[1])
+    assert plan("generator.max_batch_size=256", f"generator.kv_cache_tokens={tokens}").generator.fits
+    assert not plan("generator.max_batch_size=256", f"generator.kv_cache_tokens={tokens + 160}").generator.fits

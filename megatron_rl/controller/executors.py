@@ -171,7 +171,8 @@ class GeneratorExecutor:
         self.generator = Generator(self.model, model_cfg.vocab_size, groups.pgs.tp,
                                    max_batch_size=cfg.generator.max_batch_size,
                                    max_len=cfg.episode_length,
-                                   tokenizer=tokenizer, pp_group=groups.pgs.pp)
+                                   tokenizer=tokenizer, pp_group=groups.pgs.pp,
+                                   kv_cache_tokens=cfg.generator.kv_cache_tokens or None)
         self.episodes = None  # with env.cls: the replica's environments (`environments/play.py`)
         if cfg.env.cls is not None:
             from megatron_rl.environments.play import Episodes

@@ -1,5 +1,12 @@
 """The generator executor's sampling loop: continuous batching over a slot KV cache, behaviour log-probs.
 
+With `kv_cache_tokens` the cache is paged (`kv_forward.PagedKVCache`, `inference/paging.py`): a sequence holds blocks
+of positions as it grows, a sequence waits for a slot and for blocks, and when the running sequences outgrow the
+cache the one admitted last is preempted and prefilled again later. Its memory follows the tokens in use, so more
+sequences decode at once in the same memory where lengths vary. The host then decides between steps which sequence
+holds which block, so nothing runs ahead (no lookahead); a CUDA graph still replays the decode step, which reads the
+block table and gathers each slot's blocks (one pipeline stage only).
+
 Requests are expanded into sequences (n per request), which wait for a free cache slot. Each step prefills the
 sequences that just got a slot (one batched chunk, right-padded) and decodes one token for every running one;
 a finished sequence frees its slot at once, so a long tail does not idle the batch. Every tensor-parallel rank
@@ -27,7 +34,8 @@ import torch.distributed as dist
 
 from megatron_rl.compat import cuda_rules
 from megatron_rl.inference.episodes import EndedTurn, Turns
-from megatron_rl.inference.kv_forward import IncrementalForward
+from megatron_rl.inference.kv_forward import IncrementalForward, PagedKVCache
+from megatron_rl.inference.paging import BlockPool
 from megatron_rl.inference.pipeline import PipelinedDecode, Prefill
 from megatron_rl.inference.sampling import SamplingParams, sample, stream_seed
 
@@ -76,6 +84,7 @@ class _Seq:
     sampled: int = 0
     cached: int = 0
     budget: Optional[int] = None  # an episode's most tokens after its prompt (`Turns.max_tokens`)
+    admitted_at: int = 0  # when it last got a slot (a paged cache preempts the latest first)
 
     @property
     def history(self) -> list[int]:
@@ -202,7 +211,7 @@ class Generator:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, tp_group, max_batch_size: int = 64,
                  max_len: Optional[int] = None, tokenizer=None, cuda_graphs: Optional[bool] = None,
-                 lookahead: Optional[bool] = None, pp_group=None):
+                 lookahead: Optional[bool] = None, pp_group=None, kv_cache_tokens: Optional[int] = None):
         if max_batch_size < 1:  # no cache slot: no sequence could ever start, and `generate` would spin
             raise ValueError(f"generator max_batch_size={max_batch_size} must be >= 1 (the number of sequences "
                              f"decoded at once)")
@@ -219,21 +228,28 @@ class Generator:
             self.pipeline = PipelinedDecode(self.forward, pp_group, self._full_logits, self._append, self._observe)
         elif not (model.pre_process and model.post_process):
             raise ValueError("the model is one pipeline stage: the generator needs its pp_group")
+        # A paged cache of that many tokens (`kv_forward.PagedKVCache`, `inference/paging.py`), or None: a slot cache.
+        self.kv_cache_tokens = kv_cache_tokens
+        if kv_cache_tokens is not None and self.pipeline is not None:
+            raise ValueError("a paged KV cache needs a generator of one pipeline stage (its lanes split a slot cache)")
         gpu = torch.cuda.is_available() or self.cuda_rules_on
         self.cuda_graphs = gpu if cuda_graphs is None else cuda_graphs
         # Launch step t + 1 before reading step t's tokens (on by default with CUDA, where it hides the host's
         # bookkeeping behind the GPU's work; on a CPU there is nothing to overlap). A sequence that ends at step t
         # then costs its slot one more (discarded) step, and its successor is admitted one step later; every
         # sequence's tokens are the same either way.
-        self.lookahead = gpu if lookahead is None else lookahead
+        # With a paged cache the host decides between steps which sequence holds which block (and may preempt one):
+        # nothing may run ahead of those decisions.
+        self.lookahead = (gpu if lookahead is None else lookahead) and kv_cache_tokens is None
         self.stats: dict = {}
         self._cache = None
         self._steps: dict = {}
+        self._paging_stats: dict = {}  # the last batch's decode batch size, and its paged cache's use
 
     def _cache_for(self, slots: int, max_len: int):
         c = self._cache
         if c is None or c.slots != slots or c.max_len < max_len:
-            self._cache = self.forward.allocate_cache(slots, max_len)
+            self._cache = self.forward.allocate_cache(slots, max_len, tokens=self.kv_cache_tokens)
             self._steps = {}
         return self._cache
 
@@ -274,6 +290,7 @@ class Generator:
         """Outputs in request order, n per request; a bad request gets finish_reason "error", the rest run. With
         `turns`, each sequence is an episode (`inference/episodes.py`)."""
         t0 = time.perf_counter()
+        self._paging_stats = {}
         self.model.eval()
         device = next(self.model.parameters()).device
         outputs: list[Optional[SampledResponse]] = []
@@ -309,7 +326,8 @@ class Generator:
         n_tokens = sum(len(s.tokens) if turns is None else s.sampled for s in pending)
         elapsed = time.perf_counter() - t0
         self.stats = {"generated_tokens": n_tokens, "time_s": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9),
-                      "cuda_graph": any(step.graph is not None for step in self._steps.values())}
+                      "cuda_graph": any(step.graph is not None for step in self._steps.values()),
+                      **self._paging_stats}
         return outputs  # type: ignore[return-value]
 
     def _prefill(self, admitted: list[_Seq], cache, device) -> None:
@@ -340,6 +358,8 @@ class Generator:
         waiting = list(pending)
         by_slot: dict[int, _Seq] = {}  # running sequences (not known to have finished)
         free = list(range(cache.slots))
+        pool = BlockPool(cache) if isinstance(cache, PagedKVCache) else None
+        preempted = batched = 0  # sequences preempted (paged cache); sequences over the decode steps
         in_flight = None  # (tokens, logprobs, ready event or None, {slot: sequence} when launched)
         launched = 0
         # Episodes: turns handed to `turns.start` at the last iteration (their slots held), and the sequences whose
@@ -351,17 +371,23 @@ class Generator:
             resuming = []
             for seq in admitted:
                 by_slot[seq.slot] = seq
-            while waiting and free:
+            if pool is not None:  # blocks for the running sequences' next positions, preempting where they lack
+                preempted += self._grow(pool, by_slot, admitted, waiting, free)
+            while waiting and free and (pool is None or pool.admits(len(waiting[0].history), len(by_slot))):
                 seq = waiting.pop(0)
                 seq.slot = free.pop(0)
+                seq.admitted_at = launched
                 by_slot[seq.slot] = seq
                 admitted.append(seq)
+                if pool is not None:
+                    pool.grow(seq.slot, len(seq.history))
             if not (by_slot or in_flight or answering):  # nothing runs and nothing could start: never spin
                 raise RuntimeError(f"{len(waiting)} sequences wait for a cache of {cache.slots} slots")
             self._prefill(admitted, cache, device)
             step.admit(admitted)
             current = None
             if by_slot:
+                batched += len(by_slot)
                 tokens, logprobs = step()
                 toks_h, lps_h = host[launched % 2]
                 launched += 1
@@ -376,16 +402,45 @@ class Generator:
                 done, in_flight = in_flight, current
             else:
                 done = current
-            ended = self._take(done, by_slot, free, turns) if done is not None else []
+            ended = self._take(done, by_slot, free, turns, pool) if done is not None else []
             if answering:  # this iteration's step launched: the observations of the turns that ended at the last
-                resuming = self._observe(answering, turns.finish(), turns, free)
+                resuming = self._observe(answering, turns.finish(), turns, free, pool)
             answering = ended
             if ended:
                 turns.start([s.ended_turn() for s in ended])
+        self._paging_stats = {"mean_batch": batched / max(launched, 1)}
+        if pool is not None:
+            self._paging_stats.update(kv_blocks_peak=pool.peak, kv_blocks=cache.blocks, preempted=preempted)
 
-    def _take(self, done, by_slot: dict, free: list[int], turns: Optional[Turns]) -> list[_Seq]:
-        """Append a finished step's tokens to its sequences; a sequence that stops frees its slot, or, in an
-        episode, holds it: those are returned (their turn has ended)."""
+    def _grow(self, pool: BlockPool, by_slot: dict, resumed: list, waiting: list, free: list) -> int:
+        """Give every running sequence the blocks for its next decode position (and a resumed episode those of its
+        observation); where the cache runs out, preempt the sequence admitted last (its blocks freed, its slot
+        too, back to the front of `waiting` with nothing cached). Returns how many were preempted."""
+        preempted = 0
+        need = lambda q: len(q.prompt) + len(q.tokens)  # noqa: E731 - positions up to its last token's
+        while sum(pool.missing(slot, need(q)) for slot, q in by_slot.items()) > len(pool.free):
+            if len(by_slot) == 1 and set(pool.held) <= set(by_slot):  # alone in the cache, and still too long
+                (q,) = by_slot.values()
+                raise RuntimeError(f"a sequence of {need(q)} tokens does not fit the paged KV cache of "
+                                   f"{pool.cache.blocks * pool.block_size} tokens (generator.kv_cache_tokens)")
+            # (Alone but beside episodes that hold blocks while their environments answer: it waits for them.)
+            slot, victim = max(by_slot.items(), key=lambda item: item[1].admitted_at)
+            del by_slot[slot]
+            if victim in resumed:
+                resumed.remove(victim)
+            pool.release(slot)
+            free.append(slot)
+            victim.cached, victim.slot = 0, -1
+            waiting.insert(0, victim)
+            preempted += 1
+        for slot, q in by_slot.items():
+            pool.grow(slot, need(q))
+        return preempted
+
+    def _take(self, done, by_slot: dict, free: list[int], turns: Optional[Turns],
+              pool: Optional[BlockPool] = None) -> list[_Seq]:
+        """Append a finished step's tokens to its sequences; a sequence that stops frees its slot (and its cache
+        blocks), or, in an episode, holds it: those are returned (their turn has ended)."""
         toks_h, lps_h, ready, slots = done
         if ready is not None:
             ready.synchronize()
@@ -398,6 +453,8 @@ class Generator:
                 del by_slot[slot]
                 if turns is None:
                     free.append(slot)
+                    if pool is not None:
+                        pool.release(slot)
                 else:  # its slot is held while the environment answers
                     ended.append(s)
         return ended
@@ -414,7 +471,8 @@ class Generator:
         s.turns += 1
         return True
 
-    def _observe(self, ended: list[_Seq], observations: list, turns: Turns, free: list[int]) -> list[_Seq]:
+    def _observe(self, ended: list[_Seq], observations: list, turns: Turns, free: list[int],
+                 pool: Optional[BlockPool] = None) -> list[_Seq]:
         """Apply the environments' answers to the turns that ended: an episode that is over (its environment said
         so, or its turns, token budget or context are used up) frees its slot into `free`; the others get their
         observation's ids appended and are returned, to resume in their own slots (prefilled from their last reply
@@ -438,4 +496,6 @@ class Generator:
                 resuming.append(s)
                 continue
             free.append(s.slot)
+            if pool is not None:
+                pool.release(s.slot)
         return resuming

@@ -1,4 +1,5 @@
-"""A lean incremental forward pass over a Megatron-Core GPTModel's own modules, with a slot-based KV cache.
+"""A lean incremental forward pass over a Megatron-Core GPTModel's own modules, with a slot-based KV cache (or a
+paged one, `PagedKVCache`).
 
 Megatron-Core's inference engines are CUDA-only and its static inference context gives every sequence of a
 batch the same length offset, which rules out continuous batching. This module reuses the model's modules
@@ -100,6 +101,73 @@ class KVCache:
         return self.keys.numel() * self.keys.element_size() * 2
 
 
+@dataclass
+class PagedKVCache:
+    """A KV cache sized by tokens in use: blocks of `block_size` positions, keys/values [layers, blocks,
+    groups_per_rank, block_size, head_dim], and a block table [slots, max_len / block_size] mapping each slot's
+    positions to blocks.
+
+    The generator (`inference/generator.py: BlockPool`) gives a slot blocks as its sequence grows and takes them back
+    when it ends, so the memory follows the tokens held, not slots x `max_len`, and more sequences decode at once in
+    the same memory. Block 0 is scratch: every table entry not given to a sequence points there, so the writes of
+    free slots and of positions past a sequence's end (the fixed-shape decode step computes every slot) land in it,
+    and nothing reads them unmasked. Reading a slot's keys gathers its blocks (a copy per layer, where the slot
+    cache reads in place: the price of the memory on this path, which has no paged attention kernel)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    table: torch.Tensor  # [slots, max_len // block_size] block ids, on the model's device
+
+    @classmethod
+    def allocate(cls, num_layers: int, slots: int, groups: int, max_len: int, head_dim: int, dtype: torch.dtype,
+                 device, tokens: int, block_size: int) -> "PagedKVCache":
+        if max_len % block_size:
+            raise ValueError(f"max_len={max_len} is not a multiple of the block size {block_size}")
+        blocks = 1 + -(-tokens // block_size)  # and the scratch block
+        shape = (num_layers, blocks, groups, block_size, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(slots, max_len // block_size, dtype=torch.long, device=device))
+
+    @property
+    def block_size(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def blocks(self) -> int:
+        """Blocks sequences can hold (the scratch block aside)."""
+        return self.keys.shape[1] - 1
+
+    @property
+    def max_len(self) -> int:
+        return self.table.shape[1] * self.block_size
+
+    @property
+    def slots(self) -> int:
+        return self.table.shape[0]
+
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store k, v [b, s, groups, d] at `positions` [b, s] of `slots` [b]."""
+        blocks = self.table[slots[:, None], positions // self.block_size]
+        offsets = positions % self.block_size
+        self.keys[layer][blocks, :, offsets] = k.to(self.keys.dtype)
+        self.values[layer][blocks, :, offsets] = v.to(self.values.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `slots` [b] at positions 0..kv_len-1: [b, groups, kv_len, d] each (gathered)."""
+        n = -(-kv_len // self.block_size)
+        blocks = self.table[slots, :n]  # [b, n]
+        out = []
+        for store in (self.keys[layer], self.values[layer]):
+            x = store[blocks]  # [b, n, groups, block, d]
+            b, _, g, block, d = x.shape
+            out.append(x.transpose(1, 2).reshape(b, g, n * block, d)[:, :, :kv_len])
+        return out[0], out[1]
+
+
 class IncrementalForward:
     """Runs chunks of tokens for chosen cache slots through the model (one pipeline stage of it) and returns
     vocab-parallel logits (last stage) or the stage's output activations (the other stages). `cuda_rules_on`: CPU
@@ -135,8 +203,13 @@ class IncrementalForward:
         """The model's RoPE fusion (`models/fused.py: apply_rope`), compiled on the GPU path."""
         return apply_rope(t, angles, compiled=cuda_rules.gpu_path(t, self.cuda_rules_on))
 
-    def allocate_cache(self, slots: int, max_len: int) -> KVCache:
+    def allocate_cache(self, slots: int, max_len: int, tokens: Optional[int] = None,
+                       block_size: int = 16) -> "KVCache | PagedKVCache":
+        """The slot cache (slots x max_len), or with `tokens` a paged one holding that many tokens in all."""
         device = next(self.model.parameters()).device
+        if tokens is not None:
+            return PagedKVCache.allocate(len(self.layers), slots, self.groups, max_len, self.head_dim, self.dtype,
+                                         device, tokens, block_size)
         return KVCache.allocate(len(self.layers), slots, self.groups, max_len, self.head_dim, self.dtype, device)
 
     def prepare(self, max_len: int) -> None:
@@ -250,14 +323,18 @@ class IncrementalForward:
             else:
                 q, k = self._rotate(q, angles), self._rotate(k, angles)
             # Write this chunk's keys/values into each sequence's slot at its positions.
-            kc, vc = cache.keys[i], cache.values[i]
-            slot_idx = slots[:, None].expand(b, s)
-            kc[slot_idx, :, positions] = k.permute(1, 0, 2, 3).to(kc.dtype)
-            vc[slot_idx, :, positions] = v.permute(1, 0, 2, 3).to(vc.dtype)
-            if all_slots:  # decoding every slot in order: attend straight from the cache, no gather copy
-                keys, values = kc[:, :, :kv_len], vc[:, :, :kv_len]
+            if isinstance(cache, PagedKVCache):
+                cache.write(i, slots, positions, k.permute(1, 0, 2, 3), v.permute(1, 0, 2, 3))
+                keys, values = cache.read(i, slots, kv_len)
             else:
-                keys, values = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
+                kc, vc = cache.keys[i], cache.values[i]
+                slot_idx = slots[:, None].expand(b, s)
+                kc[slot_idx, :, positions] = k.permute(1, 0, 2, 3).to(kc.dtype)
+                vc[slot_idx, :, positions] = v.permute(1, 0, 2, 3).to(vc.dtype)
+                if all_slots:  # decoding every slot in order: attend straight from the cache, no gather copy
+                    keys, values = kc[:, :, :kv_len], vc[:, :, :kv_len]
+                else:
+                    keys, values = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
             context = self._attend(q.permute(1, 2, 0, 3), keys, values, attend)
             hidden = hidden + self._linear(attn.linear_proj, context)
             hidden = hidden + self._mlp(layer.mlp, layer.pre_mlp_layernorm(hidden))

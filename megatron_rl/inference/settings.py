@@ -25,6 +25,9 @@ class GeneratorSettings(Section):
     quantization: Literal["none", "int8", "fp8"] = "none"
     push_check_interval: Union[int, Literal["auto"]] = ranged("auto", ">= 0", "(0 never checks a weight push)")
     max_batch_size: int = ranged(64, ">= 1", "(sequences decoded together)")
+    # A paged KV cache of this many tokens in all (`inference/paging.py`): memory follows the tokens sequences hold,
+    # so max_batch_size can exceed what slots of the longest sequence would fit. 0: a slot cache.
+    kv_cache_tokens: int = ranged(0, ">= 0", "(0: a slot cache, each slot the longest sequence)")
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
 
@@ -42,10 +45,14 @@ class GeneratorSettings(Section):
         return self.attention
 
     def rules(self, path: str) -> list[str]:
+        out = []
         if self.quantization != "none" and self.attention == "te":
-            return [f"{path}.quantization={self.quantization!r} needs Megatron-Core's own linear layers: set "
-                    f"{path}.attention to 'sdpa' or 'local' (not 'te')"]
-        return []
+            out.append(f"{path}.quantization={self.quantization!r} needs Megatron-Core's own linear layers: set "
+                       f"{path}.attention to 'sdpa' or 'local' (not 'te')")
+        if self.kv_cache_tokens and self.pp > 1:
+            out.append(f"{path}.kv_cache_tokens={self.kv_cache_tokens}: a paged KV cache needs {path}.pp=1 (the "
+                       f"pipeline's lanes split a slot cache)")
+        return out
 
 
 @dataclass

@@ -219,8 +219,18 @@ def _generator_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout
     work = prefill_workspace_bytes(model, layout.tp, cfg.generator.max_batch_size, cfg.rollout.max_prompt_length,
                                    executor_dtype(cfg.generator.dtype, cal).itemsize, quantized)
     return RankMemory("generator", "every rank" if layout.pp == 1 else f"pp {pp_rank}", {
-        "weights": mods.weight_bytes, "kv_cache": mods.kv_cache_bytes, "prefill_workspace": work,
+        "weights": mods.weight_bytes, "kv_cache": _kv_cache_bytes(cfg, mods), "prefill_workspace": work,
         "ddma_staging": staging, "reserve": int(cal.reserve_gib * GIB)})
+
+
+def _kv_cache_bytes(cfg: JobConfig, mods: RankModules) -> int:
+    """A generator rank's KV cache: its slot cache as built (`max_batch_size` x the longest sequence), or a paged
+    one of `generator.kv_cache_tokens` (in blocks of 16, and the scratch block: `kv_forward.PagedKVCache`)."""
+    tokens = cfg.generator.kv_cache_tokens
+    if not tokens:
+        return mods.kv_cache_bytes
+    per_token = mods.kv_cache_bytes / (cfg.generator.max_batch_size * cfg.episode_length)
+    return int(per_token * 16 * (1 + -(-tokens // 16)))
 
 
 def _what_fits(cfg: JobConfig, model: ModelConfig, cal: Calibration, stages: list[RankModules],
@@ -248,8 +258,16 @@ def _what_fits(cfg: JobConfig, model: ModelConfig, cal: Calibration, stages: lis
         else:
             notes.append(f"the trainer does not fit even one sequence of {seq} tokens a micro-batch: raise trainer.tp "
                          f"or trainer.pp, or shorten the sequences")
-    if not g.colocated and max(_generator_memory(cfg, model, gl, cal, m, staging, p).total
-                               for p, m in enumerate(gen_stages)) > device_bytes:
+    gen_peak = max(_generator_memory(cfg, model, gl, cal, m, staging, p).total for p, m in enumerate(gen_stages))
+    if not g.colocated and gen_peak > device_bytes and g.kv_cache_tokens:
+        worst = max(gen_stages, key=lambda m: m.kv_cache_bytes or 0)
+        per_token = (worst.kv_cache_bytes or 0) / (g.max_batch_size * cfg.episode_length)
+        room = (device_bytes - gen_peak + _kv_cache_bytes(cfg, worst)) // per_token - 16 if per_token else 0
+        tokens = int(room) // 16 * 16
+        notes.append(f"the generator fits with generator.kv_cache_tokens={tokens}" if tokens >= cfg.episode_length
+                     else f"the generator does not fit one sequence of {cfg.episode_length} tokens: raise "
+                          f"generator.tp or generator.pp, or quantize its weights (generator.quantization)")
+    elif not g.colocated and gen_peak > device_bytes:
         for slots in range(g.max_batch_size - 1, 0, -1):
             c = dataclasses.replace(cfg, generator=dataclasses.replace(g, max_batch_size=slots))
             scaled = [dataclasses.replace(m, kv_cache_bytes=(m.kv_cache_bytes or 0) * slots // g.max_batch_size)
