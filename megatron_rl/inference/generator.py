@@ -159,6 +159,24 @@ class _DecodeStep:
         self.steps.add_(1)
         return tokens, logprobs
 
+    def _running(self, active: list[int]):
+        """The eager step for the `active` slots only (a CPU without the CUDA-rules mode): free slots and episodes
+        waiting for their environments cost nothing, and attention reads up to the furthest running position. The
+        tokens and log-probs come back per slot, as `_body`'s do (the other slots' are unread)."""
+        idx = torch.tensor(active, device=self.tokens.device)
+        positions = self.positions[idx]
+        logits = self.gen.forward(self.tokens[idx][:, None], positions[:, None], idx, self.cache,
+                                  kv_len=int(positions.max()) + 1)
+        full = self.gen._full_logits(logits[:, 0])
+        tokens, logprobs = sample(full, self.temperature[idx], self.top_p[idx], self.top_k[idx], self.seeds[idx],
+                                  self.steps[idx], self.filtering, self.noise)
+        self.tokens[idx] = tokens
+        self.positions[idx] = (positions + 1).clamp_(max=self.cache.max_len - 1)
+        self.steps[idx] += 1
+        out_t, out_lp = torch.zeros_like(self.tokens), torch.zeros(self.tokens.shape, device=self.tokens.device)
+        out_t[idx], out_lp[idx] = tokens, logprobs.float()
+        return out_t, out_lp
+
     def admit(self, seqs: list) -> None:
         """Point the given slots at newly admitted sequences (their last token, its position, their parameters, and
         their sampling stream's counter: 0, or where an episode's last turn left it)."""
@@ -195,10 +213,13 @@ class _DecodeStep:
         for buf in (self.tokens, self.positions, self.steps):  # the warm-up and capture advanced them
             buf.zero_()
 
-    def __call__(self):
+    def __call__(self, active: Optional[list[int]] = None):
+        """One step; `active` (the running slots) lets an eager CPU step run those alone."""
         if self.graph is not None:
             self.graph.replay()
             return self.out
+        if active is not None and not cuda_rules.gpu_path(self.tokens, self.gen.cuda_rules_on):
+            return self._running(active)
         return self._body()
 
 
@@ -388,7 +409,7 @@ class Generator:
             current = None
             if by_slot:
                 batched += len(by_slot)
-                tokens, logprobs = step()
+                tokens, logprobs = step(sorted(by_slot))
                 toks_h, lps_h = host[launched % 2]
                 launched += 1
                 toks_h.copy_(tokens, non_blocking=True)

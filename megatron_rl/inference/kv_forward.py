@@ -103,16 +103,18 @@ class KVCache:
 
 @dataclass
 class PagedKVCache:
-    """A KV cache sized by tokens in use: blocks of `block_size` positions, keys/values [layers, blocks,
-    groups_per_rank, block_size, head_dim], and a block table [slots, max_len / block_size] mapping each slot's
-    positions to blocks.
+    """A KV cache sized by tokens in use: blocks of `block_size` positions, keys/values [layers, blocks, block_size,
+    groups_per_rank, head_dim], and a block table [slots, max_len / block_size] mapping each slot's positions to
+    blocks.
 
     The generator (`inference/generator.py: BlockPool`) gives a slot blocks as its sequence grows and takes them back
     when it ends, so the memory follows the tokens held, not slots x `max_len`, and more sequences decode at once in
     the same memory. Block 0 is scratch: every table entry not given to a sequence points there, so the writes of
     free slots and of positions past a sequence's end (the fixed-shape decode step computes every slot) land in it,
-    and nothing reads them unmasked. Reading a slot's keys gathers its blocks (a copy per layer, where the slot
-    cache reads in place: the price of the memory on this path, which has no paged attention kernel)."""
+    and nothing reads them unmasked. Reading a slot's keys gathers its positions (one copy per layer, where the slot
+    cache reads in place: the price of the memory on this path, which has no paged attention kernel); a position's
+    groups and head dimension are contiguous, so the gather moves whole rows and its result feeds the attention's
+    matmuls as a strided view."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -124,13 +126,13 @@ class PagedKVCache:
         if max_len % block_size:
             raise ValueError(f"max_len={max_len} is not a multiple of the block size {block_size}")
         blocks = 1 + -(-tokens // block_size)  # and the scratch block
-        shape = (num_layers, blocks, groups, block_size, head_dim)
+        shape = (num_layers, blocks, block_size, groups, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                    torch.zeros(slots, max_len // block_size, dtype=torch.long, device=device))
 
     @property
     def block_size(self) -> int:
-        return self.keys.shape[3]
+        return self.keys.shape[2]
 
     @property
     def blocks(self) -> int:
@@ -148,24 +150,21 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() * 2
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """Store k, v [b, s, groups, d] at `positions` [b, s] of `slots` [b]."""
-        blocks = self.table[slots[:, None], positions // self.block_size]
-        offsets = positions % self.block_size
-        self.keys[layer][blocks, :, offsets] = k.to(self.keys.dtype)
-        self.values[layer][blocks, :, offsets] = v.to(self.values.dtype)
+    def rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Where positions [b, s] of `slots` [b] are among all the cache's positions (blocks x block_size)."""
+        block = self.table[slots[:, None], positions // self.block_size]
+        return block * self.block_size + positions % self.block_size
 
-    def read(self, layer: int, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of `slots` [b] at positions 0..kv_len-1: [b, groups, kv_len, d] each (gathered)."""
-        n = -(-kv_len // self.block_size)
-        blocks = self.table[slots, :n]  # [b, n]
-        out = []
-        for store in (self.keys[layer], self.values[layer]):
-            x = store[blocks]  # [b, n, groups, block, d]
-            b, _, g, block, d = x.shape
-            out.append(x.transpose(1, 2).reshape(b, g, n * block, d)[:, :, :kv_len])
-        return out[0], out[1]
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [b, s, groups, d] at `rows` [b, s] (`rows`)."""
+        g, d = self.keys.shape[-2:]
+        self.keys[layer].view(-1, g, d)[rows] = k.to(self.keys.dtype)
+        self.values[layer].view(-1, g, d)[rows] = v.to(self.values.dtype)
+
+    def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `rows` [b, kv] (each slot's positions 0..kv-1): [b, groups, kv, d] each."""
+        g, d = self.keys.shape[-2:]
+        return tuple(store[layer].view(-1, g, d)[rows].transpose(1, 2) for store in (self.keys, self.values))
 
 
 class IncrementalForward:
@@ -309,6 +308,9 @@ class IncrementalForward:
         if self._lean and not gpu and self._rotate is _apply_rotary_pos_emb_bshd:
             rope = (angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype))
         g, per, d = self.groups, self.heads // self.groups, self.head_dim
+        if isinstance(cache, PagedKVCache):  # where this chunk writes, and what it reads, once for every layer
+            written = cache.rows(slots, positions)
+            attended = cache.rows(slots, cols[None, :].expand(b, kv_len))
         for i, layer in enumerate(self.layers):
             attn = layer.self_attention
             x = layer.input_layernorm(hidden)
@@ -324,8 +326,8 @@ class IncrementalForward:
                 q, k = self._rotate(q, angles), self._rotate(k, angles)
             # Write this chunk's keys/values into each sequence's slot at its positions.
             if isinstance(cache, PagedKVCache):
-                cache.write(i, slots, positions, k.permute(1, 0, 2, 3), v.permute(1, 0, 2, 3))
-                keys, values = cache.read(i, slots, kv_len)
+                cache.write(i, written, k.permute(1, 0, 2, 3), v.permute(1, 0, 2, 3))
+                keys, values = cache.read(i, attended)
             else:
                 kc, vc = cache.keys[i], cache.values[i]
                 slot_idx = slots[:, None].expand(b, s)
