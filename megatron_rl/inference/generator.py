@@ -162,7 +162,8 @@ class _DecodeStep:
     def _running(self, active: list[int]):
         """The eager step for the `active` slots only (a CPU without the CUDA-rules mode): free slots and episodes
         waiting for their environments cost nothing, and attention reads up to the furthest running position. The
-        tokens and log-probs come back per slot, as `_body`'s do (the other slots' are unread)."""
+        tokens and log-probs come back per slot, as `_body`'s do (the other slots' are unread; their inputs stay as
+        they were, and admitting a sequence there sets them)."""
         idx = torch.tensor(active, device=self.tokens.device)
         positions = self.positions[idx]
         logits = self.gen.forward(self.tokens[idx][:, None], positions[:, None], idx, self.cache,
@@ -214,11 +215,14 @@ class _DecodeStep:
             buf.zero_()
 
     def __call__(self, active: Optional[list[int]] = None):
-        """One step; `active` (the running slots) lets an eager CPU step run those alone."""
+        """One step; `active` (the running slots) lets an eager CPU step run those alone: always with a paged
+        cache, which gathers what it reads anyway; with a slot cache when they are under half of the slots (the
+        step over every slot reads the cache in place, where a subset's keys are gathered, a copy)."""
         if self.graph is not None:
             self.graph.replay()
             return self.out
-        if active is not None and not cuda_rules.gpu_path(self.tokens, self.gen.cuda_rules_on):
+        subset = active is not None and (isinstance(self.cache, PagedKVCache) or 2 * len(active) < self.cache.slots)
+        if subset and not cuda_rules.gpu_path(self.tokens, self.gen.cuda_rules_on):
             return self._running(active)
         return self._body()
 
