@@ -147,6 +147,20 @@ def main() -> None:
     emit(result)
 
 
+def _flop_ceiling(args, pad: dict, pk: dict) -> float:
+    """What packing can gain in matmul FLOPs: the layers' matmuls run on every token computed (padding included),
+    the output layer's only on the response tokens (`engine.logits_only_at`), whichever way the batch is laid out;
+    so a large vocabulary's share of the work does not shrink with the padding."""
+    from megatron_rl.models import get_preset
+
+    m = get_preset(args.preset)
+    kv = m.num_query_groups * m.kv_channels
+    q = m.num_attention_heads * m.kv_channels
+    body = m.num_layers * (m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.ffn_hidden_size)
+    out = m.vocab_size * m.hidden_size * (pk["real_tokens"] - args.sequences * PROMPT)
+    return (body * pad["computed_tokens"] + out) / (body * pk["computed_tokens"] + out)
+
+
 def packed_comparison(args) -> dict:
     """The RL step, padded and packed (the module docstring)."""
     from megatron_rl.launch.spawn import run_local
@@ -161,15 +175,17 @@ def packed_comparison(args) -> dict:
     pad, pk = out["padded"], out["packed"]
     speedup = pad["seconds"] / pk["seconds"]
     ceiling = pad["computed_tokens"] / pk["computed_tokens"]
+    flop_ceiling = _flop_ceiling(args, pad, pk)
     grad_diff = float((pad["grads"] - pk["grads"]).abs().max() / pad["grads"].abs().max())
     keys = ("loss", "grad_norm", "is_weight_mean", "entropy", "kl_mu_pi", "logp_diff_mean")
     rel = {k: abs(pk["metrics"][k] - pad["metrics"][k]) / max(abs(pad["metrics"][k]), 1e-12) for k in keys}
-    print(f"packed / padded tokens per second: {speedup:.2f}x (padding's ceiling {ceiling:.2f}x, "
-          f"{speedup / ceiling:.2f} of it)")
+    print(f"packed / padded tokens per second: {speedup:.2f}x (the tokens' ceiling {ceiling:.2f}x; the matmul "
+          f"FLOPs' {flop_ceiling:.2f}x, {speedup / flop_ceiling:.2f} of it)")
     print(f"largest gradient difference {grad_diff:.1e} of the largest gradient; metrics' relative differences: "
           + ", ".join(f"{k} {v:.1e}" for k, v in rel.items()))
     return {"preset": args.preset, "sequences": args.sequences, "padded_s": pad["seconds"],
             "packed_s": pk["seconds"], "packed_speedup": speedup, "padding_ceiling": ceiling,
+            "flop_ceiling": flop_ceiling,
             "padded_tokens_computed": pad["computed_tokens"], "packed_tokens_computed": pk["computed_tokens"],
             "real_tokens": pk["real_tokens"], "max_grad_rel_diff": grad_diff, "metric_rel_diff": rel}
 
