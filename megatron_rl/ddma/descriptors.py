@@ -3,7 +3,9 @@
 DDMA has to plan transfers between two executors before (and independently of) either model existing on a given
 rank: a trainer rank does not build the generator's model, yet it must know which slices each generator rank
 wants. So the layout of every parameter is derived here as a pure function of the model shape and the
-`ParallelLayout`, following Megatron-Core's conventions for the local layer spec that `build_gpt_model` uses:
+`ParallelLayout`. Each parameter's name, shape and tensor-parallel split is `models.param_spec`'s table (the one
+the Hugging Face conversion reads); from it and Megatron-Core's conventions for the local layer spec that
+`build_gpt_model` uses:
 
 - the logical (TP=1, PP=1) model has canonical names with global layer indices (`decoder.layers.{i}.*`);
 - tensor-parallel weights are split along `partition_dim` with `partition_stride` blocks per rank (SwiGLU's
@@ -27,17 +29,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
+from megatron_rl.models.param_spec import EMBEDDING, FINAL_NORM, OUTPUT, layer_params, model_params
 from megatron_rl.models.presets import ModelConfig, pad_vocab
 from megatron_rl.parallel.layout import ParallelLayout, layout_problems
-
-EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT = "output_layer.weight"
-FINAL_NORM = "decoder.final_layernorm.weight"
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The fields of a ModelConfig that decide parameter names and shapes (hashable, so plans can be cached)."""
+    """The fields of a ModelConfig that decide parameter names and shapes (`param_spec.DecoderShape`), hashable so
+    plans can be cached."""
 
     num_layers: int
     hidden_size: int
@@ -155,27 +155,6 @@ def check_same_architecture(src: "ModelConfig | ModelShape", dst: "ModelConfig |
         raise ValueError("trainer and generator models differ: " + ", ".join(diffs))
 
 
-@lru_cache(maxsize=64)
-def _layer_params(m: ModelShape) -> tuple[tuple[str, tuple[int, ...], Optional[int], int], ...]:
-    """(suffix, shape, partition_dim, stride) of one transformer layer, in Megatron's registration order."""
-    h, kv = m.hidden_size, m.kv_channels
-    qkv_rows = (m.num_attention_heads + 2 * m.num_query_groups) * kv
-    attention = [("self_attention.linear_proj.weight", (h, m.num_attention_heads * kv), 1, 1),
-                 ("self_attention.linear_qkv.weight", (qkv_rows, h), 0, 1)]
-    if m.add_qkv_bias:
-        attention.append(("self_attention.linear_qkv.bias", (qkv_rows,), 0, 1))
-    if m.qk_layernorm:
-        attention += [("self_attention.q_layernorm.weight", (kv,), None, 1),
-                      ("self_attention.k_layernorm.weight", (kv,), None, 1)]
-    return (
-        ("input_layernorm.weight", (h,), None, 1),
-        *attention,
-        ("pre_mlp_layernorm.weight", (h,), None, 1),
-        ("mlp.linear_fc1.weight", (2 * m.ffn_hidden_size, h), 0, 2),
-        ("mlp.linear_fc2.weight", (h, m.ffn_hidden_size), 1, 1),
-    )
-
-
 def layer_range(cfg: "ModelConfig | ModelShape", pp: int, pp_rank: int) -> range:
     """Global indices of the layers pipeline stage `pp_rank` of `pp` holds (Megatron's even split)."""
     m = ModelShape.of(cfg)
@@ -192,14 +171,8 @@ def logical_params(cfg: "ModelConfig | ModelShape") -> tuple[LogicalParam, ...]:
 
 @lru_cache(maxsize=64)
 def _logical_params(m: ModelShape) -> tuple[LogicalParam, ...]:
-    out = [LogicalParam(EMBEDDING, (m.vocab_size, m.hidden_size), 0, 1, True)]
-    for i in range(m.num_layers):
-        for suffix, shape, dim, stride in _layer_params(m):
-            out.append(LogicalParam(f"decoder.layers.{i}.{suffix}", shape, dim, stride))
-    out.append(LogicalParam(FINAL_NORM, (m.hidden_size,), None))
-    if not m.tie_word_embeddings:
-        out.append(LogicalParam(OUTPUT, (m.vocab_size, m.hidden_size), 0, 1, True))
-    return tuple(out)
+    return tuple(LogicalParam(p.name, p.shape, p.partition_dim, p.partition_stride, p.is_vocab)
+                 for p in model_params(m))
 
 
 @lru_cache(maxsize=256)
@@ -217,8 +190,8 @@ def _stage_params(m: ModelShape, layout: ParallelLayout, pp_rank: int, tp_rank: 
     if first:
         out.append(local(EMBEDDING, EMBEDDING))
     for j, i in enumerate(layer_range(m, layout.pp, pp_rank)):
-        for suffix, *_ in _layer_params(m):
-            out.append(local(f"decoder.layers.{j}.{suffix}", f"decoder.layers.{i}.{suffix}"))
+        for p in layer_params(m):
+            out.append(local(f"decoder.layers.{j}.{p.name}", f"decoder.layers.{i}.{p.name}"))
     if last:
         out.append(local(FINAL_NORM, FINAL_NORM))
         if not m.tie_word_embeddings:

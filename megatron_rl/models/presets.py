@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_rl.models.families import family
+from megatron_rl.models.param_spec import model_params
 
 
 def pad_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -63,16 +64,9 @@ class ModelConfig:
         return pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
     def num_parameters(self, tp: int = 1) -> int:
-        """Parameters of the unsharded model (padded vocabulary at the given TP)."""
-        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        q, kv = self.num_attention_heads * self.kv_channels, self.num_query_groups * self.kv_channels
-        attn = h * (q + 2 * kv) + q * h
-        attn += (q + 2 * kv) * self.add_qkv_bias + 2 * self.kv_channels * self.qk_layernorm
-        mlp = 3 * h * f
-        norms = 2 * h
-        v = self.padded_vocab_size(tp)
-        emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return L * (attn + mlp + norms) + emb + h
+        """Parameters of the unsharded model (`param_spec.model_params`), vocabulary padded at the given TP."""
+        pad = (self.padded_vocab_size(tp) - self.vocab_size) * self.hidden_size
+        return sum(p.numel + pad * p.is_vocab for p in model_params(self))
 
 
 PRESETS: dict[str, ModelConfig] = {
