@@ -49,12 +49,14 @@ from megatron_rl.algorithms.settings import AIPOSettings
 def segment_sums(values: torch.Tensor, segments: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-sequence sums of `values` [b, s], each token's sequence id [b, s]) where a sequence is a row of [b, s]
     (`segments` None: padded micro-batches) or, in packed micro-batches, each id >= 0 of `segments` [b, s] (the
-    packing's padding is -1, left out)."""
+    packing's padding is -1, left out; the sums run past the last sequence with zeros, which hold no tokens)."""
     if segments is None:
         rows = torch.arange(values.shape[0], device=values.device).unsqueeze(-1).expand_as(values)
         return values.sum(-1), rows
     ids = segments.clamp(min=-1) + 1  # 0: padding
-    sums = values.new_zeros(int(ids.max()) + 1 if ids.numel() else 1).index_add_(0, ids.flatten(), values.flatten())
+    # As many sums as tokens (an upper bound on the sequences; those past the last are zeros with no tokens): the
+    # exact count would be a device-to-host read in the loss.
+    sums = values.new_zeros(ids.numel() + 1).index_add_(0, ids.flatten(), values.flatten())
     return sums[1:], ids - 1
 
 
@@ -132,6 +134,5 @@ def normalize(token_values: torch.Tensor, mask: torch.Tensor, normalization: str
     if normalization == "token":
         mask = mask.to(token_values.dtype)
         return (token_values * mask).sum(), mask.sum()
-    seq_mean, per_seq_tokens = sequence_means(token_values, mask, segments)
-    has_tokens = per_seq_tokens > 0
-    return seq_mean[has_tokens].sum(), has_tokens.to(token_values.dtype).sum()
+    seq_mean, per_seq_tokens = sequence_means(token_values, mask, segments)  # 0 where a sequence has no tokens
+    return seq_mean.sum(), (per_seq_tokens > 0).to(token_values.dtype).sum()
