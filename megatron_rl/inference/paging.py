@@ -31,6 +31,7 @@ class BlockPool:
         self.free = list(range(cache.blocks, 0, -1))  # popped from the end: block 1 first
         self.held: dict[int, list[int]] = {}  # slot -> its blocks, in position order
         self.peak = 0  # the most blocks held at once
+        cache.table.zero_()  # every slot at scratch: a batch starts with the whole cache free, whatever came before
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
