@@ -109,6 +109,8 @@ def test_each_call_goes_to_the_worker_that_holds_its_episode():
             assert all(same(t, live_turns(Counter, record, seed, rs)[-1]) for t, (record, seed) in zip(turns, order))
         assert pool.stats["replayed_steps"] == 0 and pool.stats["errors"] == 0
         assert not pool._where  # both episodes are over: nothing kept for them
+        # Its processes (and its workers' log lines) name the class, not the runner the workers import.
+        assert {w.process.name for w in pool._pool._workers} == {"worker[env 'env_cases:Counter']"}
 
 
 class _W:

@@ -285,7 +285,7 @@ class EnvironmentPool:
         worker = worker_spec(spec)
         try:
             self._pool = WorkerPool(worker, num_workers=num_workers, timeout_s=timeout_s, start_method=start_method,
-                                    batch_timeout_s=batch_timeout_s)
+                                    batch_timeout_s=batch_timeout_s, label=f"env {spec!r}")
         except RewardFunctionError as e:  # the workers' own lines name the class; the pool's name its function
             line = str(e).replace(f"reward function {worker!r}", f"env {spec!r}")
             raise EnvironmentSpecError(line if line.startswith("env ") else f"env {spec!r}: {line}") from None

@@ -202,7 +202,8 @@ class WorkerPool:
     """
 
     def __init__(self, spec: str, num_workers: int = 1, timeout_s: float = 5.0, start_method: Optional[str] = None,
-                 startup_timeout_s: float = 120.0, batch_timeout_s: Optional[float] = None):
+                 startup_timeout_s: float = 120.0, batch_timeout_s: Optional[float] = None,
+                 label: Optional[str] = None):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
         if not timeout_s > 0:
@@ -210,6 +211,9 @@ class WorkerPool:
         if batch_timeout_s is not None and not batch_timeout_s > 0:
             raise ValueError(f"batch_timeout_s={batch_timeout_s} must be > 0")
         self.spec = spec
+        # What the log and the process names call the function ("reward function 'mod:f'" by default; the
+        # environments' pool names its class rather than the runner it imports).
+        self.label = label or f"reward function {spec!r}"
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.batch_timeout_s = float(batch_timeout_s if batch_timeout_s is not None
@@ -234,7 +238,7 @@ class WorkerPool:
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(target=_worker_main, args=(self.spec, child), daemon=True,
-                                 name=f"reward-worker[{self.spec}]")
+                                 name=f"worker[{self.label}]")
         proc.start()
         child.close()  # keep only the worker's copy, so its death shows up as EOF on ours
         now = time.monotonic()
@@ -263,7 +267,7 @@ class WorkerPool:
         self._workers[i] = None
         if fail_fast:
             raise RewardFunctionError(msg[1])
-        log.error("reward worker for %s could not restart: %s", self.spec, msg[1])
+        log.error("a worker of %s could not restart: %s", self.label, msg[1])
 
     def _await_startup(self, fail_fast: bool) -> None:
         while True:
@@ -279,8 +283,7 @@ class WorkerPool:
                 if w.state == "starting" and self._workers[i] is w and now >= w.deadline:
                     self._kill(w)
                     self._workers[i] = None
-                    message = (f"reward function {self.spec!r}: worker did not start within "
-                               f"{self.startup_timeout_s:g} s")
+                    message = f"{self.label}: worker did not start within {self.startup_timeout_s:g} s"
                     if fail_fast:
                         raise RewardFunctionError(message)
                     log.error("%s", message)
@@ -322,7 +325,7 @@ class WorkerPool:
                 break
             if all(w is None for w in self._workers):
                 for k in pending.drain():  # nothing can run: fail what is left, do not hang or raise
-                    results[k] = Outcome(False, error="no reward worker could be started")
+                    results[k] = Outcome(False, error="no worker could be started")
                 break
             for i, w in enumerate(self._workers):
                 if w is not None and w.state == "idle" and (k := pending.take(i, self._workers)) is not None:
@@ -361,7 +364,7 @@ class WorkerPool:
                 elif w.state == "starting":
                     self._kill(w)
                     self._workers[i] = None
-                    log.error("reward worker for %s did not restart within %g s", self.spec, self.startup_timeout_s)
+                    log.error("a worker of %s did not restart within %g s", self.label, self.startup_timeout_s)
         self.stats["calls"] += len(calls)
         self.stats["errors"] += sum(1 for r in results if r is not None and not r.ok)
         return results  # type: ignore[return-value]
