@@ -2,6 +2,7 @@
 
 import pytest
 
+from megatron_rl.models.families import FAMILIES
 from megatron_rl.models.presets import PRESETS, get_preset
 
 # Published parameter counts (Hugging Face model cards / safetensors metadata).
@@ -56,6 +57,33 @@ def test_parameter_counts_equal_transformers_model_of_the_preset(name):
     padding = pad_rows * m.hidden_size * (1 if m.tie_word_embeddings else 2)
     assert sum(p.numel() for p in model.parameters()) == m.num_parameters(tp=1) - padding
     assert model_config_from_hf(config, name=name) == m
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_param_spec_matches_a_tiny_transformers_model_of_each_family(family, tied):
+    """`param_spec` (which the HF mapping, DDMA and `num_parameters` read) against transformers itself: every HF
+    tensor's shape and the parameter count of a tiny model of each family, with its features (QKV bias, q/k norms
+    on heads wider than hidden/heads); each Megatron tensor holds exactly its HF tensors' elements."""
+    transformers = pytest.importorskip("transformers")
+    import math
+
+    import torch
+
+    from megatron_rl.models.families import hf_config_dict
+    from megatron_rl.models.param_spec import model_params
+
+    m = get_preset("tiny", family=family, tie_word_embeddings=tied, head_dim=32 if family == "qwen3" else None,
+                   make_vocab_size_divisible_by=1)  # no vocabulary padding: counts compare as they are
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**hf_config_dict(m, "float32")))
+    params = model_params(m, output_layer=True)
+    assert {n: s for p in params for n, s in zip(p.hf, p.hf_shapes())} == {
+        k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert sum(p.numel() for p in model.parameters()) == m.num_parameters()
+    for p in params:
+        assert sum(math.prod(s) for s in p.hf_shapes()) == p.numel, p.name
 
 
 def test_vocab_padding_is_a_multiple_of_128_times_tp():
