@@ -28,6 +28,7 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_rl.compat import cuda_rules
+from megatron_rl.inference.settings import KV_BLOCK_SIZE
 from megatron_rl.models.fused import apply_rope
 from megatron_rl.models.precision import native_bf16
 
@@ -203,7 +204,7 @@ class IncrementalForward:
         return apply_rope(t, angles, compiled=cuda_rules.gpu_path(t, self.cuda_rules_on))
 
     def allocate_cache(self, slots: int, max_len: int, tokens: Optional[int] = None,
-                       block_size: int = 16) -> "KVCache | PagedKVCache":
+                       block_size: int = KV_BLOCK_SIZE) -> "KVCache | PagedKVCache":
         """The slot cache (slots x max_len), or with `tokens` a paged one holding that many tokens in all."""
         device = next(self.model.parameters()).device
         if tokens is not None:

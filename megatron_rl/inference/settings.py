@@ -11,6 +11,11 @@ from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.settings import Section, ranged
 
 
+# Positions per block of a paged KV cache (`generator.kv_cache_tokens`): what the generator allocates and the
+# planner counts.
+KV_BLOCK_SIZE = 16
+
+
 @dataclass
 class GeneratorSettings(Section):
     """The `generator` section. `push_check_interval`: every N-th weight push is checked end to end

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from megatron_rl.config import JobConfig
+from megatron_rl.inference.settings import KV_BLOCK_SIZE
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.planning.calibration import Calibration
@@ -225,12 +226,13 @@ def _generator_memory(cfg: JobConfig, model: ModelConfig, layout: ParallelLayout
 
 def _kv_cache_bytes(cfg: JobConfig, mods: RankModules) -> int:
     """A generator rank's KV cache: its slot cache as built (`max_batch_size` x the longest sequence), or a paged
-    one of `generator.kv_cache_tokens` (in blocks of 16, and the scratch block: `kv_forward.PagedKVCache`)."""
+    one of `generator.kv_cache_tokens` (in blocks of KV_BLOCK_SIZE, and the scratch block:
+    `kv_forward.PagedKVCache`)."""
     tokens = cfg.generator.kv_cache_tokens
     if not tokens:
         return mods.kv_cache_bytes
     per_token = mods.kv_cache_bytes / (cfg.generator.max_batch_size * cfg.episode_length)
-    return int(per_token * 16 * (1 + -(-tokens // 16)))
+    return int(per_token * KV_BLOCK_SIZE * (1 + -(-tokens // KV_BLOCK_SIZE)))
 
 
 def _what_fits(cfg: JobConfig, model: ModelConfig, cal: Calibration, stages: list[RankModules],
@@ -262,8 +264,8 @@ def _what_fits(cfg: JobConfig, model: ModelConfig, cal: Calibration, stages: lis
     if not g.colocated and gen_peak > device_bytes and g.kv_cache_tokens:
         worst = max(gen_stages, key=lambda m: m.kv_cache_bytes or 0)
         per_token = (worst.kv_cache_bytes or 0) / (g.max_batch_size * cfg.episode_length)
-        room = (device_bytes - gen_peak + _kv_cache_bytes(cfg, worst)) // per_token - 16 if per_token else 0
-        tokens = int(room) // 16 * 16
+        room = (device_bytes - gen_peak + _kv_cache_bytes(cfg, worst)) // per_token - KV_BLOCK_SIZE if per_token else 0
+        tokens = int(room) // KV_BLOCK_SIZE * KV_BLOCK_SIZE
         notes.append(f"the generator fits with generator.kv_cache_tokens={tokens}" if tokens >= cfg.episode_length
                      else f"the generator does not fit one sequence of {cfg.episode_length} tokens: raise "
                           f"generator.tp or generator.pp, or quantize its weights (generator.quantization)")
