@@ -133,9 +133,15 @@ REFUSED = {
     "qwen3-layer-types": ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 1024,
                            "num_hidden_layers": 2, "layer_types": ["full_attention", "sliding_attention"]},
                           "sliding-window attention is not supported"),
-    "qwen2-moe": ({"model_type": "qwen2_moe"}, "architecture 'qwen2_moe' is not supported: mixture-of-experts"),
-    "mixtral": ({"model_type": "mixtral"}, "architecture 'mixtral' is not supported: mixture-of-experts"),
-    "experts-key": ({"model_type": "qwen3", "num_experts": 8}, "mixture-of-experts layers are not supported"),
+    "qwen2-moe": ({"model_type": "qwen2_moe"},
+                  "architecture 'qwen2_moe' is not supported: mixture-of-experts with shared experts"),
+    "deepseek-v3": ({"model_type": "deepseek_v3"}, "is not supported: mixture-of-experts with multi-head latent"),
+    "experts-key": ({"model_type": "qwen3", "num_experts": 8},
+                    "mixture-of-experts layers are not supported in the dense family 'qwen3'"),
+    "qwen3-moe-dense-layers": ({"model_type": "qwen3_moe", "mlp_only_layers": [0]},
+                               "dense layers between expert layers are not supported"),
+    "mixtral-jitter": ({"model_type": "mixtral", "router_jitter_noise": 0.1},
+                       "router_jitter_noise=0.1 is not supported"),
     "qwen3-bias": ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true is not supported"),
     "gelu": ({"model_type": "qwen2", "hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
 }
@@ -195,8 +201,16 @@ def test_the_model_section_takes_a_family_and_a_head_size_and_names_a_wrong_one(
     validate(cfg)  # 4 heads of 32 over a hidden size of 70: only a given head size allows it
     model = cfg.model.resolve()
     assert (model.kv_channels, model.qk_layernorm, model.add_qkv_bias) == (32, True, False)
-    with pytest.raises(ConfigError, match=r"model.family='gpt2' is not one of llama, qwen2, qwen3, mistral"):
+    families = "llama, qwen2, qwen3, mistral, qwen3_moe, mixtral"
+    with pytest.raises(ConfigError, match=rf"model.family='gpt2' is not one of {families}"):
         validate(load_config(None, ["model.family=gpt2"]))
+    for overrides, message in [
+            (["model.num_moe_experts=4"], "model.num_moe_experts=4 needs a mixture-of-experts family"),
+            (["model.family=mixtral"], "model.family='mixtral' needs model.num_moe_experts >= 1, got None"),
+            (["model.family=mixtral", "model.num_moe_experts=4", "model.moe_router_topk=5"],
+             r"model.moe_router_topk=5 must be within 1..model.num_moe_experts=4")]:
+        with pytest.raises(ConfigError, match=message):
+            validate(load_config(None, overrides))
     with pytest.raises(ConfigError, match=r"model.num_attention_heads=4 does not divide model.hidden_size=70"):
         validate(load_config(None, ["model.hidden_size=70"]))
 

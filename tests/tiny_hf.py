@@ -38,10 +38,35 @@ FAMILY_CONFIGS = {
 }
 
 
+# The mixture-of-experts families: 4 experts, 2 per token. Qwen3-MoE with experts narrower than its (unused) dense
+# width and its probabilities renormalized over the chosen experts; Mixtral's experts as wide as its dense MLP.
+MOE_CONFIGS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(tie_word_embeddings=False, rope_theta=1e6, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=48, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(tie_word_embeddings=False, sliding_window=None, num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def file_state_dict(model):
+    """A transformers model's tensors under the names its safetensors files hold (transformers 5 fuses a
+    mixture-of-experts layer's experts in memory and splits them again when it saves)."""
+    import os
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d, safe_serialization=True)
+        return {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
+                for k, v in load_file(os.path.join(d, f)).items()}
+
+
 def tiny_family_model(family, *, vocab_size=300, num_layers=2, seed=0, scale=1.0, max_positions=512, **overrides):
     """A random transformers model of `family` (hidden 64, 4 heads / 2 KV heads, ffn 176) whose norms, biases and
     q/k norms are perturbed away from their initial values (so each one matters), 2-D weights times `scale`."""
-    config_cls, model_cls, extra = FAMILY_CONFIGS[family]
+    config_cls, model_cls, extra = {**FAMILY_CONFIGS, **MOE_CONFIGS}[family]
     cfg = getattr(transformers, config_cls)(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, rms_norm_eps=1e-5,

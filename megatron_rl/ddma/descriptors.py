@@ -50,6 +50,9 @@ class ModelShape:
     kv_channels: int
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    family: str = "llama"
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
 
     @classmethod
     def of(cls, cfg: "ModelConfig | ModelShape") -> "ModelShape":
@@ -57,7 +60,8 @@ class ModelShape:
             return cfg
         return cls(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads,
                    cfg.num_query_groups, cfg.vocab_size, cfg.tie_word_embeddings, cfg.make_vocab_size_divisible_by,
-                   cfg.kv_channels, cfg.add_qkv_bias, cfg.qk_layernorm)
+                   cfg.kv_channels, cfg.add_qkv_bias, cfg.qk_layernorm, cfg.family, cfg.num_moe_experts,
+                   cfg.moe_ffn_hidden_size)
 
     def padded_vocab_size(self, tp: int) -> int:
         return pad_vocab(self.vocab_size, self.make_vocab_size_divisible_by, tp)
@@ -129,7 +133,9 @@ class LocalParam:
 
 # How `check_layout` words each model dimension of `parallel.layout.SPLIT_DIMS` (filled with its value).
 _DIM_WORDS = {"num_attention_heads": "the attention heads ({})", "num_query_groups": "the query groups ({})",
-              "ffn_hidden_size": "the FFN hidden size ({})", "num_layers": "the {} layers"}
+              "ffn_hidden_size": "the FFN hidden size ({})", "num_layers": "the {} layers",
+              "moe_ffn_hidden_size": "the experts' FFN hidden size ({})", "num_moe_experts": "the {} experts",
+              "dp": "dp={}"}
 
 
 def check_layout(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, role: str = "executor") -> None:
@@ -140,7 +146,7 @@ def check_layout(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, role: 
     if m.num_attention_heads % m.num_query_groups:
         problems.append(f"{m.num_attention_heads} heads are not divisible by {m.num_query_groups} query groups")
     for p in layout_problems(m, layout):
-        problems.append(str(p) if p.field is None
+        problems.append(str(p) if p.field in (None, "dense")
                         else f"{p.dim}={p.size} does not divide {_DIM_WORDS[p.field].format(p.count)}")
     if problems:
         raise ValueError(f"{role} layout {layout} cannot hold the model: " + "; ".join(problems))

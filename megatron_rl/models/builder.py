@@ -3,7 +3,9 @@ and a process-group collection."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 from typing import Literal, Optional
 
 import torch
@@ -21,6 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_rl.compat import cuda_rules
 from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.fused import FusedRMSNorm, FusionSpec, register_rope_fusion, resolve_fusions
+from megatron_rl.models.moe import TokenSplitMoELayer
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.layout import ParallelLayout
 
@@ -43,9 +46,11 @@ def resolve_attention_backend(backend: AttentionBackend) -> str:
 
 
 def layer_spec(backend: AttentionBackend = "auto", fusions: FusionSpec = "none",
-               qk_layernorm: bool = False) -> ModuleSpec:
+               qk_layernorm: bool = False, num_experts: Optional[int] = None) -> ModuleSpec:
     """Transformer-layer spec: Megatron-Core's local modules with the chosen core attention, or TE's spec;
-    `qk_layernorm` adds Megatron-Core's per-head RMSNorm of queries and keys (Qwen3).
+    `qk_layernorm` adds Megatron-Core's per-head RMSNorm of queries and keys (Qwen3); `num_experts` makes the MLP
+    Megatron-Core's MoE layer (the local spec's `SequentialMLP`: one MLP per local expert, the parameter names
+    `models.param_spec` writes down; TE's spec has its grouped GEMM).
 
     With the "rmsnorm" fusion the local spec's norms (torch.nn.RMSNorm) become `FusedRMSNorm` (TE's spec has its
     own fused norms)."""
@@ -53,14 +58,68 @@ def layer_spec(backend: AttentionBackend = "auto", fusions: FusionSpec = "none",
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, normalization="RMSNorm",
+                                                          qk_layernorm=qk_layernorm)
+    else:
+        if num_experts is not None:
+            moe_without_transformer_engine()
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                        qk_layernorm=qk_layernorm)
+    if num_experts is not None:  # whole activations between layers: the layer splits its tokens over TP itself
+        spec.submodules.mlp.module = TokenSplitMoELayer
+    if backend == "te":
+        return spec
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if "rmsnorm" in resolve_fusions(fusions):
         spec.submodules.input_layernorm = FusedRMSNorm
         spec.submodules.pre_mlp_layernorm = FusedRMSNorm
     return spec
+
+
+@contextlib.contextmanager
+def _unknown_mlp_quiet():
+    """Drop TransformerLayer's "Unknown MLP type" warning while a model is built: our MoE layer
+    (`TokenSplitMoELayer`) gets its process groups from its spec's params, which is what the warning's default
+    kwargs then are."""
+    logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+    drop = _DropUnknownMlp()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+class _DropUnknownMlp(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Unknown MLP type")
+
+
+def moe_without_transformer_engine() -> None:
+    """Megatron-Core 0.16's router calls `te_general_gemm` when it is not None, but without transformer-engine
+    never defines it (a NameError at the first forward); define it as None, which takes its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def moe_config(model: ModelConfig, layout: ParallelLayout) -> dict:
+    """Megatron-Core's MoE options for a mixture-of-experts model (empty for a dense one).
+
+    The token dispatcher is Megatron-Core's all-gather one: every rank of the TP x EP group gathers the group's
+    tokens and keeps those routed to its experts. Its alternative, all-to-all, needs `all_to_all_single`, which
+    gloo (the CPU backend) does not have. The router computes its logits and probabilities in fp32 (as
+    transformers does its softmax); the load-balancing loss is the switch-transformer auxiliary loss, whose
+    coefficient the trainer sets (`moe_aux_loss_coeff`, 0 here)."""
+    if model.num_moe_experts is None:
+        return {}
+    return dict(num_moe_experts=model.num_moe_experts, moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+                moe_router_topk=model.moe_router_topk, moe_router_pre_softmax=model.moe_router_pre_softmax,
+                moe_router_score_function="softmax", moe_router_dtype="fp32", moe_token_dispatcher_type="allgather",
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp)
 
 
 def transformer_config(
@@ -109,6 +168,7 @@ def transformer_config(
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
         cuda_graph_scope=[],  # the whole layer, in the current spelling (the default "full" warns as deprecated)
+        **moe_config(model, layout),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -133,6 +193,22 @@ def _no_init_overrides() -> dict:
     SmolLM2-135M on the 2-core test machine, and grows with the model."""
     init_methods = ("init_method", "output_layer_init_method", "embedding_init_method")
     return dict({k: _leave_as_is for k in init_methods}, use_cpu_initialization=False)
+
+
+def _stage_spec(model: ModelConfig, config: TransformerConfig, backend: str, fused: set, pgs):
+    """The layer spec of one pipeline stage (`layer_spec`), with the MoE layer's process groups and, with the
+    "rmsnorm" fusion, the block's final norm."""
+    spec = layer_spec(backend, fused, qk_layernorm=model.qk_layernorm, num_experts=model.num_moe_experts)
+    if model.is_moe:  # TransformerLayer passes the groups to Megatron-Core's own MoE classes only
+        spec.submodules.mlp.params = {"pg_collection": pgs}
+    if "rmsnorm" in fused:
+        # The block's final norm comes from Megatron-Core's default (WrappedTorchNorm without apex): pass the
+        # block's submodules explicitly, as `_get_block_submodules` builds them, with our norm.
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=None, pp_rank=pgs.pp.rank()),
+            layer_norm=FusedRMSNorm,
+        )
+    return spec
 
 
 def build_gpt_model(
@@ -179,33 +255,27 @@ def build_gpt_model(
     config = transformer_config(model, layout, params_dtype=params_dtype, **overrides)
     if not config.apply_rope_fusion:
         fused -= {"rope"}
-    spec = layer_spec(backend, fused, qk_layernorm=model.qk_layernorm)
-    if "rmsnorm" in fused:
-        # The block's final norm comes from Megatron-Core's default (WrappedTorchNorm without apex): pass the
-        # block's submodules explicitly, as `_get_block_submodules` builds them, with our norm.
-        spec = TransformerBlockSubmodules(
-            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=None, pp_rank=pp_rank),
-            layer_norm=FusedRMSNorm,
-        )
+    spec = _stage_spec(model, config, backend, fused, pgs)
     # The local spec's DotProductAttention takes scratch space from Megatron-Core's global memory buffer.
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
     torch.manual_seed(seed)
     seed_rng_tracker(seed, tp_rank=pgs.tp.rank())
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=model.padded_vocab_size(layout.tp),
-        max_sequence_length=model.max_position_embeddings,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == layout.pp - 1,
-        share_embeddings_and_output_weights=model.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(model.rotary_base),
-        rope_scaling=model.rope_scaling,
-        rope_scaling_factor=model.rope_scaling_factor,
-        pg_collection=pgs,
-    )
+    with _unknown_mlp_quiet():
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=model.padded_vocab_size(layout.tp),
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=pp_rank == 0,
+            post_process=pp_rank == layout.pp - 1,
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(model.rotary_base),
+            rope_scaling=model.rope_scaling,
+            rope_scaling_factor=model.rope_scaling_factor,
+            pg_collection=pgs,
+        )
     gpt.megatron_rl_fusions = frozenset(fused)
     zero_vocab_padding(gpt, model.vocab_size, pgs.tp.rank())
     if torch.cuda.is_available() or cuda_rules.enabled():  # (a no-op on the CPU, but for CUDA's refusals)

@@ -1,5 +1,5 @@
-"""Hugging Face Llama / Qwen2 / Qwen3 / Mistral <-> Megatron-Core GPTModel: configs and logical (TP=1, PP=1)
-state dicts.
+"""Hugging Face Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral <-> Megatron-Core GPTModel: configs and
+logical (TP=1, PP=1) state dicts (HF's names as its files hold them: one tensor per expert).
 
 Which HF tensors each Megatron tensor is made of, and how their rows are stacked, is `param_spec`'s table:
 `linear_qkv` interleaves per KV group [q (heads/groups x d), k (d), v (d)], and its bias (Qwen2's q/k/v biases) the
@@ -19,7 +19,7 @@ from megatron_rl.models.presets import ModelConfig
 
 
 def model_config_from_hf(hf: Any, name: str = "hf") -> ModelConfig:
-    """ModelConfig from a transformers Llama/Qwen2/Qwen3/MistralConfig (or any object with its attributes)."""
+    """ModelConfig from a transformers config of one of `families.FAMILIES` (or any object with its attributes)."""
     fam = family(getattr(hf, "model_type", "llama"))
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -48,7 +48,18 @@ def model_config_from_hf(hf: Any, name: str = "hf") -> ModelConfig:
         norm_epsilon=hf.rms_norm_eps,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         init_method_std=getattr(hf, "initializer_range", 0.02),
+        **_experts_from_hf(hf, fam),
     )
+
+
+def _experts_from_hf(hf: Any, fam) -> dict:
+    """ModelConfig's mixture-of-experts fields from a Qwen3-MoE or Mixtral config (none for a dense family)."""
+    if fam.experts is None:
+        return {}
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts")
+    width = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+    return dict(num_moe_experts=experts, moe_ffn_hidden_size=width, moe_router_topk=hf.num_experts_per_tok,
+                moe_router_pre_softmax=not getattr(hf, "norm_topk_prob", True))
 
 
 def _from_hf(p: ParamSpec, tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -19,6 +19,19 @@ One transformer layer (`layer_params`), in the order Megatron-Core's local layer
 | `mlp.linear_fc1.weight`                 | `mlp.{gate,up}_proj.weight`           | [2f, h]    | rows, stride 2     |
 | `mlp.linear_fc2.weight`                 | `mlp.down_proj.weight`                | [h, f]     | columns            |
 
+A mixture-of-experts layer (`num_moe_experts` E, expert width F = `moe_ffn_hidden_size`) has, in place of the two
+MLP rows, Megatron-Core's router and one SwiGLU MLP per expert (its `SequentialMLP`; HF names per family,
+`families.ExpertNames`, here Qwen3-MoE's):
+
+| Megatron (`decoder.layers.{i}.`)                  | HF (`model.layers.{i}.`)                | shape   | TP split       |
+| ------------------------------------------------- | --------------------------------------- | ------- | -------------- |
+| `mlp.router.weight`                               | `mlp.gate.weight`                       | [E, h]  | replicated     |
+| `mlp.experts.local_experts.{j}.linear_fc1.weight` | `mlp.experts.{j}.{gate,up}_proj.weight` | [2F, h] | rows, stride 2 |
+| `mlp.experts.local_experts.{j}.linear_fc2.weight` | `mlp.experts.{j}.down_proj.weight`      | [h, F]  | columns        |
+
+Expert parallelism (EP) gives each rank E / EP whole experts, `local_experts.{j - rank x E/EP}` on its rank
+(`ParamSpec.expert` is j); the logical names are EP=1's. Within an expert, TP splits as for a dense MLP.
+
 A parameter made of several HF tensors stacks their rows in a fixed pattern (`ParamSpec.groups`, `pieces`): QKV is
 [the group's q heads (q/g rows), k (d), v (d)] for each KV group, so a contiguous TP split hands each rank whole
 groups (TP must divide g); `linear_fc1` is one [gate (f); up (f)], which TP splits with stride 2 (each rank holds
@@ -36,7 +49,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Optional, Protocol
+
+from megatron_rl.models.families import family
 
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -57,6 +73,9 @@ class DecoderShape(Protocol):
     tie_word_embeddings: bool
     add_qkv_bias: bool
     qk_layernorm: bool
+    family: str
+    num_moe_experts: Optional[int]
+    moe_ffn_hidden_size: Optional[int]
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,8 @@ class ParamSpec:
     groups, pieces: the rows are `groups` repetitions of [pieces[0] rows of hf[0]; pieces[1] rows of hf[1]; ...]
         (one HF tensor: one piece of all its rows).
     is_vocab: the rows are tokens (padded in the model, with a padding that depends on TP).
+    expert: the global index of the expert this parameter belongs to (None: not an expert's); expert parallelism
+        places it.
     """
 
     name: str
@@ -81,6 +102,7 @@ class ParamSpec:
     groups: int = 1
     pieces: tuple[int, ...] = ()
     is_vocab: bool = False
+    expert: Optional[int] = None
 
     @property
     def numel(self) -> int:
@@ -119,9 +141,32 @@ def _qkv(suffix: str, m: DecoderShape) -> ParamSpec:
                      partition_dim=0, groups=g, pieces=(m.num_attention_heads // g * d, d, d))
 
 
+def _swiglu(prefix: str, hf_names: tuple[str, str, str], h: int, f: int,
+            expert: Optional[int] = None) -> tuple[ParamSpec, ParamSpec]:
+    """A SwiGLU MLP's `linear_fc1` ([gate; up]) and `linear_fc2` (down) from HF's gate, up and down tensors."""
+    gate, up, down = hf_names
+    return (ParamSpec(f"{prefix}linear_fc1.weight", (gate, up), (2 * f, h), partition_dim=0, partition_stride=2,
+                      pieces=(f, f), expert=expert),
+            replace(_one(f"{prefix}linear_fc2.weight", down, (h, f), partition_dim=1), expert=expert))
+
+
+def _mlp(m: DecoderShape) -> tuple[ParamSpec, ...]:
+    """The layer's MLP: dense, or a router and its experts (the module docstring's tables)."""
+    h = m.hidden_size
+    if m.num_moe_experts is None:
+        return _swiglu("mlp.", ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"),
+                       h, m.ffn_hidden_size)
+    names = family(m.family).experts
+    experts = (p for j in range(m.num_moe_experts) for p in _swiglu(
+        f"mlp.experts.local_experts.{j}.", tuple(f"{names.prefix}.experts.{j}.{x}.weight"
+                                                 for x in (names.gate, names.up, names.down)),
+        h, m.moe_ffn_hidden_size, expert=j))
+    return (_one("mlp.router.weight", f"{names.prefix}.gate.weight", (m.num_moe_experts, h)), *experts)
+
+
 def layer_params(m: DecoderShape) -> tuple[ParamSpec, ...]:
     """One transformer layer's parameters, in Megatron-Core's registration order (the module docstring's table)."""
-    h, f, d = m.hidden_size, m.ffn_hidden_size, m.kv_channels
+    h, d = m.hidden_size, m.kv_channels
     attention = [_one("self_attention.linear_proj.weight", "self_attn.o_proj.weight",
                       (h, m.num_attention_heads * d), partition_dim=1),
                  _qkv("weight", m)]
@@ -133,9 +178,7 @@ def layer_params(m: DecoderShape) -> tuple[ParamSpec, ...]:
         _one("input_layernorm.weight", "input_layernorm.weight", (h,)),
         *attention,
         _one("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", (h,)),
-        ParamSpec("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), (2 * f, h),
-                  partition_dim=0, partition_stride=2, pieces=(f, f)),
-        _one("mlp.linear_fc2.weight", "mlp.down_proj.weight", (h, f), partition_dim=1),
+        *_mlp(m),
     )
 
 
@@ -158,12 +201,41 @@ def model_params(m: DecoderShape, output_layer: Optional[bool] = None) -> list[P
     return out
 
 
+_SHAPE_FIELDS = tuple(DecoderShape.__annotations__)
+
+
+@lru_cache(maxsize=16)
+def _layer_table(shape: tuple) -> dict[str, ParamSpec]:
+    """`layer_params` by name, for a shape given as the values of `_SHAPE_FIELDS` (a layer of 128 experts has 259
+    parameters, and a conversion looks each of them up)."""
+    m = _Shape(*shape)
+    return {p.name: p for p in layer_params(m)}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    family: str
+    num_moe_experts: Optional[int]
+    moe_ffn_hidden_size: Optional[int]
+
+
 def find_param(name: str, m: DecoderShape) -> ParamSpec:
     """The parameter of a logical Megatron name (global layer index; the output layer even when tied); KeyError
     (one line) for a name this model does not have."""
     match = _LAYER.match(name)
     if match and int(match.group(1)) < m.num_layers:
-        found = [p.in_layer(int(match.group(1))) for p in layer_params(m) if p.name == match.group(2)]
+        p = _layer_table(tuple(getattr(m, f) for f in _SHAPE_FIELDS)).get(match.group(2))
+        found = [p.in_layer(int(match.group(1)))] if p is not None else []
     else:
         found = [p for p in global_params(m) if p.name == name]
     if not found:

@@ -1,4 +1,4 @@
-"""Model presets (Llama, Qwen2.5, Qwen3, Mistral) with their published shapes."""
+"""Model presets (Llama, Qwen2.5, Qwen3, Mistral, Qwen3-MoE, Mixtral) with their published shapes."""
 
 from __future__ import annotations
 
@@ -42,11 +42,26 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     # The size of one attention head when it is not hidden_size / num_attention_heads (Qwen3).
     head_dim: Optional[int] = None
+    # Mixture of experts (the families `qwen3_moe` and `mixtral`): every layer's MLP is `num_moe_experts` SwiGLU
+    # experts of width `moe_ffn_hidden_size`, of which a router picks `moe_router_topk` per token, weighted by a
+    # softmax over the chosen ones' logits, or (`moe_router_pre_softmax`) by the top-k of the softmax over all
+    # experts, unnormalized. None: a dense model (`ffn_hidden_size` is then its MLP's width).
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False
 
     def __post_init__(self):
         # One spelling per shape: a head size equal to hidden_size / num_attention_heads is the default's.
         if self.head_dim is not None and self.head_dim * self.num_attention_heads == self.hidden_size:
             self.head_dim = None
+        # Experts as wide as the dense MLP unless given (Mixtral's); `section.model_problems` holds the rules.
+        if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
 
     @property
     def kv_channels(self) -> int:
@@ -67,6 +82,11 @@ class ModelConfig:
         """Parameters of the unsharded model (`param_spec.model_params`), vocabulary padded at the given TP."""
         pad = (self.padded_vocab_size(tp) - self.vocab_size) * self.hidden_size
         return sum(p.numel + pad * p.is_vocab for p in model_params(self))
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token runs through (vocabulary unpadded): all of a dense model's; of a mixture of
+        experts, `moe_router_topk` of each layer's experts (the FLOPs per token follow these)."""
+        return sum(p.numel for p in model_params(self) if p.expert is None or p.expert < self.moe_router_topk)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -143,6 +163,23 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b-v0.1": ModelConfig(
         name="mistral-7b-v0.1", family="mistral", num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
         num_attention_heads=32, num_query_groups=8, vocab_size=32000, max_position_embeddings=4096,
+    ),
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B: 128 experts, 8 per token, probabilities renormalized over them.
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", family="qwen3_moe", num_layers=48, hidden_size=2048, ffn_hidden_size=6144,
+        num_attention_heads=32, num_query_groups=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rotary_base=1000000.0, norm_epsilon=1e-6, num_moe_experts=128, moe_ffn_hidden_size=768, moe_router_topk=8,
+    ),
+    "qwen3-235b-a22b": ModelConfig(
+        name="qwen3-235b-a22b", family="qwen3_moe", num_layers=94, hidden_size=4096, ffn_hidden_size=12288,
+        num_attention_heads=64, num_query_groups=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rotary_base=1000000.0, norm_epsilon=1e-6, num_moe_experts=128, moe_ffn_hidden_size=1536, moe_router_topk=8,
+    ),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts, 2 per token.
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", family="mixtral", num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+        num_attention_heads=32, num_query_groups=8, vocab_size=32000, max_position_embeddings=32768,
+        rotary_base=1000000.0, num_moe_experts=8, moe_ffn_hidden_size=14336, moe_router_topk=2,
     ),
 }
 

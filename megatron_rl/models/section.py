@@ -69,6 +69,23 @@ def divides(a_name: str, a: int, b_name: str, b: int) -> list[str]:
     return [f"{a_name}={a} does not divide {b_name}={b}"] if b % a else []
 
 
+def _expert_problems(model: ModelConfig) -> list[str]:
+    """A mixture-of-experts family has experts (at least one, each of width >= 1, a top-k within their number); a
+    dense family has none."""
+    if FAMILIES[model.family].experts is None:
+        return ([] if model.num_moe_experts is None else
+                [f"model.num_moe_experts={model.num_moe_experts} needs a mixture-of-experts family (qwen3_moe, "
+                 f"mixtral); model.family={model.family!r} is dense"])
+    if model.num_moe_experts is None or model.num_moe_experts < 1:
+        return [f"model.family={model.family!r} needs model.num_moe_experts >= 1, got {model.num_moe_experts}"]
+    out = [] if model.moe_ffn_hidden_size >= 1 else [f"model.moe_ffn_hidden_size={model.moe_ffn_hidden_size} "
+                                                     f"must be >= 1"]
+    if not 1 <= model.moe_router_topk <= model.num_moe_experts:
+        out.append(f"model.moe_router_topk={model.moe_router_topk} must be within 1..model.num_moe_experts="
+                   f"{model.num_moe_experts}")
+    return out
+
+
 def model_problems(model: ModelConfig) -> list[str]:
     """The model's shape: a known family, positive sizes, heads that divide the hidden size (unless the head size
     is given), finite positive constants."""
@@ -81,6 +98,8 @@ def model_problems(model: ModelConfig) -> list[str]:
             if not (math.isfinite(getattr(model, f)) and getattr(model, f) > 0)]
     if model.head_dim is not None and model.head_dim < 1:
         out.append(f"model.head_dim={model.head_dim} must be >= 1 (or null: hidden_size / num_attention_heads)")
+    if not out:
+        out += _expert_problems(model)
     if out:
         return out
     heads = [] if model.head_dim else divides("model.num_attention_heads", model.num_attention_heads,

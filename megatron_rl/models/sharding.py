@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_rl.models.presets import ModelConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -88,17 +89,24 @@ def _unstrided_cat(shards: list[torch.Tensor], dim: int, stride: int) -> torch.T
 
 def describe_params(model: torch.nn.Module, cfg: ModelConfig, tp_rank: int, tp_size: int) -> list[ParamShard]:
     """Descriptors of every parameter of one model chunk (a GPTModel stage)."""
-    layer_numbers = {}
+    layer_numbers, first_expert = {}, {}
     decoder = getattr(model, "decoder", None)
     if decoder is not None:
         for i, layer in enumerate(decoder.layers):
             layer_numbers[i] = layer.layer_number - 1
+            # A mixture of experts under expert parallelism: local expert j is global expert offset + j.
+            first_expert[i] = getattr(layer.mlp, "local_expert_indices", [0])[0]
     out = []
     for name, p in model.named_parameters():
         global_name = name
         m = _LAYER.match(name)
         if m:
-            global_name = f"decoder.layers.{layer_numbers[int(m.group(1))]}." + name[m.end():]
+            rest = name[m.end():]
+            e = _LOCAL_EXPERT.match(rest)
+            if e:
+                j = first_expert[int(m.group(1))] + int(e.group(1))
+                rest = f"mlp.experts.local_experts.{j}." + rest[e.end():]
+            global_name = f"decoder.layers.{layer_numbers[int(m.group(1))]}." + rest
         is_vocab = name in VOCAB_PARAMS
         tied_copy = name == "output_layer.weight" and cfg.tie_word_embeddings
         if tied_copy:
@@ -149,12 +157,14 @@ def gather_full_state_dict(model: torch.nn.Module, cfg: ModelConfig, pgs) -> dic
         if d.is_vocab:
             p = p[: cfg.vocab_size]
         mine[d.global_name] = p.clone()
-    # Stages hold different layers: exchange over the pipeline group.
-    stages: list = [None] * pgs.pp.size()
-    dist.all_gather_object(stages, mine, group=pgs.pp)
+    # Stages hold different layers, expert-parallel ranks different experts: exchange over both.
     full: dict[str, torch.Tensor] = {}
-    for s in stages:
-        full.update(s)
+    for group in (pgs.ep, pgs.pp):
+        if group.size() > 1:
+            parts: list = [None] * group.size()
+            dist.all_gather_object(parts, mine, group=group)
+            mine = {k: v for part in parts for k, v in part.items()}
+    full.update(mine)
     return full
 
 

@@ -11,11 +11,17 @@ from typing import Optional, Protocol
 @dataclass(frozen=True)
 class ParallelLayout:
     """TP x PP x DP over `size` ranks. Rank order inside an executor is Megatron-Core's default "tp-cp-ep-dp-pp":
-    TP fastest, then DP, then PP (local rank = tp_rank + tp * (dp_rank + dp * pp_rank))."""
+    TP fastest, then DP, then PP (local rank = tp_rank + tp * (dp_rank + dp * pp_rank)).
+
+    `ep` (expert parallelism, mixture-of-experts models only) splits each layer's experts over `ep` ranks of the
+    data-parallel group, as Megatron-Core does: DP rank r holds the experts of EP rank r % ep, and the ranks with
+    the same r % ep (`dp / ep` of them, the expert-data-parallel group) hold the same experts. Expert weights are
+    split over TP within each expert, as dense MLPs are. It adds no ranks."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1
 
     @property
     def size(self) -> int:
@@ -33,18 +39,22 @@ class ParallelLayout:
     def local_rank(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
 
+    def ep_rank(self, dp_rank: int) -> int:
+        """The expert-parallel rank of a data-parallel rank (which share of the experts it holds)."""
+        return dp_rank % self.ep
+
     def __str__(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
+        return f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",ep={self.ep}" if self.ep != 1 else "")
 
     @classmethod
     def parse(cls, text: str) -> "ParallelLayout":
-        """Parse "tp=2,pp=2,dp=1" (missing keys default to 1)."""
-        values = {"tp": 1, "pp": 1, "dp": 1}
+        """Parse "tp=2,pp=2,dp=1" or "tp=2,dp=2,ep=2" (missing keys default to 1)."""
+        values = {"tp": 1, "pp": 1, "dp": 1, "ep": 1}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key = key.strip()
             if not sep or key not in values:
-                raise ValueError(f"bad layout {text!r}: expected comma-separated tp=N,pp=N,dp=N")
+                raise ValueError(f"bad layout {text!r}: expected comma-separated tp=N,pp=N,dp=N[,ep=N]")
             try:
                 values[key] = int(value)
             except ValueError:
@@ -61,18 +71,22 @@ class ModelDims(Protocol):
     num_query_groups: int
     ffn_hidden_size: int
     num_layers: int
+    num_moe_experts: Optional[int]
+    moe_ffn_hidden_size: Optional[int]
 
 
 # The model dimensions each parallel size must divide: Megatron-Core gives every TP rank the same number of
-# attention heads, query groups and MLP channels, and every pipeline stage the same number of layers.
-SPLIT_DIMS = {"tp": ("num_attention_heads", "num_query_groups", "ffn_hidden_size"), "pp": ("num_layers",)}
+# attention heads, query groups and MLP (or expert) channels, every pipeline stage the same number of layers, and
+# every expert-parallel rank the same number of experts (a dense model's None dimensions are not split).
+SPLIT_DIMS = {"tp": ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "moe_ffn_hidden_size"),
+              "pp": ("num_layers",), "ep": ("num_moe_experts",)}
 
 
 @dataclass(frozen=True)
 class LayoutProblem:
-    """One reason a layout cannot hold a model: `dim` ("tp", "pp" or "dp") is `size`, which is below 1
-    (`field` None) or does not divide the model's `field` (`count`). `str()` is a plain wording; each caller may
-    word it for its own users from the fields."""
+    """One reason a layout cannot hold a model: `dim` ("tp", "pp", "dp" or "ep") is `size`, which is below 1
+    (`field` None) or does not divide the model's `field` (`count`; "dp" for EP's own rule: it must divide DP).
+    `str()` is a plain wording; each caller may word it for its own users from the fields."""
 
     dim: str
     size: int
@@ -82,6 +96,8 @@ class LayoutProblem:
     def __str__(self) -> str:
         if self.field is None:
             return f"{self.dim}={self.size} must be >= 1"
+        if self.field == "dense":
+            return f"{self.dim}={self.size} needs a mixture-of-experts model (this one is dense)"
         return f"{self.dim}={self.size} does not divide {self.field}={self.count}"
 
 
@@ -89,8 +105,14 @@ def layout_problems(model: ModelDims, layout: ParallelLayout) -> list[LayoutProb
     """Why `layout` cannot hold `model` (empty when it can): every size below 1, else every model dimension of
     `SPLIT_DIMS` that TP or PP does not divide, in that order. Pure; the model's own shape (heads per query group,
     positive sizes) is the model's rule, not checked here."""
-    low = [LayoutProblem(dim, getattr(layout, dim)) for dim in ("tp", "pp", "dp") if getattr(layout, dim) < 1]
+    low = [LayoutProblem(dim, getattr(layout, dim)) for dim in ("tp", "pp", "dp", "ep") if getattr(layout, dim) < 1]
     if low:
         return low
-    return [LayoutProblem(dim, getattr(layout, dim), name, getattr(model, name))
-            for dim, names in SPLIT_DIMS.items() for name in names if getattr(model, name) % getattr(layout, dim)]
+    if layout.ep > 1 and getattr(model, "num_moe_experts", None) is None:
+        return [LayoutProblem("ep", layout.ep, "dense")]
+    out = [LayoutProblem(dim, getattr(layout, dim), name, getattr(model, name))
+           for dim, names in SPLIT_DIMS.items() for name in names
+           if getattr(model, name, None) is not None and getattr(model, name) % getattr(layout, dim)]
+    if layout.dp % layout.ep:
+        out.append(LayoutProblem("ep", layout.ep, "dp", layout.dp))
+    return out
