@@ -135,7 +135,7 @@ class LocalParam:
 _DIM_WORDS = {"num_attention_heads": "the attention heads ({})", "num_query_groups": "the query groups ({})",
               "ffn_hidden_size": "the FFN hidden size ({})", "num_layers": "the {} layers",
               "moe_ffn_hidden_size": "the experts' FFN hidden size ({})", "num_moe_experts": "the {} experts",
-              "dp": "dp={}"}
+              "tp x dp": "the {} ranks of a stage"}
 
 
 def check_layout(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, role: str = "executor") -> None:

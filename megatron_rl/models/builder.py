@@ -119,7 +119,7 @@ def moe_config(model: ModelConfig, layout: ParallelLayout) -> dict:
                 moe_router_topk=model.moe_router_topk, moe_router_pre_softmax=model.moe_router_pre_softmax,
                 moe_router_score_function="softmax", moe_router_dtype="fp32", moe_token_dispatcher_type="allgather",
                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
-                expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp)
+                expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
 
 
 def transformer_config(

@@ -38,6 +38,7 @@ class ParamShard:
     tp_size: int
     is_vocab: bool
     tied_copy: bool  # the last stage's copy of tied embeddings (same logical tensor as the embedding)
+    is_expert: bool = False  # an expert's weight: `tp_rank`, `tp_size` are the expert-TP group's
 
     def slice_of(self, full: torch.Tensor, padded_rows: Optional[int] = None) -> torch.Tensor:
         """This rank's shard of `full` (the logical tensor), padded with zero rows for the vocabulary."""
@@ -89,23 +90,29 @@ def _unstrided_cat(shards: list[torch.Tensor], dim: int, stride: int) -> torch.T
 
 def describe_params(model: torch.nn.Module, cfg: ModelConfig, tp_rank: int, tp_size: int) -> list[ParamShard]:
     """Descriptors of every parameter of one model chunk (a GPTModel stage)."""
-    layer_numbers, first_expert = {}, {}
+    layer_numbers, first_expert, expert_tp = {}, {}, (tp_rank, tp_size)
     decoder = getattr(model, "decoder", None)
     if decoder is not None:
         for i, layer in enumerate(decoder.layers):
             layer_numbers[i] = layer.layer_number - 1
-            # A mixture of experts under expert parallelism: local expert j is global expert offset + j.
+            # A mixture of experts: local expert j is global expert offset + j (expert parallelism), and its
+            # weights are split over the expert-TP group (`ParallelLayout.etp`), not necessarily TP.
             first_expert[i] = getattr(layer.mlp, "local_expert_indices", [0])[0]
+            if hasattr(layer.mlp, "experts"):
+                expert_tp = (layer.mlp.experts.tp_group.rank(), layer.mlp.experts.tp_group.size())
     out = []
     for name, p in model.named_parameters():
         global_name = name
         m = _LAYER.match(name)
+        rank, size, expert = tp_rank, tp_size, False
         if m:
             rest = name[m.end():]
             e = _LOCAL_EXPERT.match(rest)
             if e:
+                expert = True
                 j = first_expert[int(m.group(1))] + int(e.group(1))
                 rest = f"mlp.experts.local_experts.{j}." + rest[e.end():]
+                rank, size = expert_tp
             global_name = f"decoder.layers.{layer_numbers[int(m.group(1))]}." + rest
         is_vocab = name in VOCAB_PARAMS
         tied_copy = name == "output_layer.weight" and cfg.tie_word_embeddings
@@ -116,10 +123,11 @@ def describe_params(model: torch.nn.Module, cfg: ModelConfig, tp_rank: int, tp_s
         stride = getattr(p, "partition_stride", 1) if sharded else 1
         shape = list(p.shape)
         if dim is not None:
-            shape[dim] *= tp_size
+            shape[dim] *= size
         if is_vocab:
             shape[0] = cfg.vocab_size
-        out.append(ParamShard(name, global_name, tuple(shape), dim, stride, tp_rank, tp_size, is_vocab, tied_copy))
+        out.append(ParamShard(name, global_name, tuple(shape), dim, stride, rank, size, is_vocab, tied_copy,
+                              is_expert=expert))
     return out
 
 
@@ -149,9 +157,9 @@ def gather_full_state_dict(model: torch.nn.Module, cfg: ModelConfig, pgs) -> dic
         if d.tied_copy:
             continue
         p = params[d.local_name].detach().contiguous()
-        if d.partition_dim is not None and tp_size > 1:
-            shards = [torch.empty_like(p) for _ in range(tp_size)]
-            dist.all_gather(shards, p, group=pgs.tp)
+        if d.partition_dim is not None and d.tp_size > 1:
+            shards = [torch.empty_like(p) for _ in range(d.tp_size)]
+            dist.all_gather(shards, p, group=pgs.expt_tp if d.is_expert else pgs.tp)
             p = _unstrided_cat(shards, d.partition_dim, d.partition_stride)
         p = p.cpu()
         if d.is_vocab:

@@ -13,15 +13,27 @@ class ParallelLayout:
     """TP x PP x DP over `size` ranks. Rank order inside an executor is Megatron-Core's default "tp-cp-ep-dp-pp":
     TP fastest, then DP, then PP (local rank = tp_rank + tp * (dp_rank + dp * pp_rank)).
 
-    `ep` (expert parallelism, mixture-of-experts models only) splits each layer's experts over `ep` ranks of the
-    data-parallel group, as Megatron-Core does: DP rank r holds the experts of EP rank r % ep, and the ranks with
-    the same r % ep (`dp / ep` of them, the expert-data-parallel group) hold the same experts. Expert weights are
-    split over TP within each expert, as dense MLPs are. It adds no ranks."""
+    Mixture-of-experts models lay their experts out on the same ranks by Megatron-Core's expert grid
+    "tp-ep-dp-pp": the tp x dp ranks of a stage are `etp` (expert tensor parallelism, default `tp`: each expert's
+    weights split as a dense MLP's) x `ep` (expert parallelism: each layer's experts split in `ep` shares) x the
+    expert-data-parallel rest, which hold the same experts. With the default `etp` EP runs over DP ranks, as a
+    trainer does (DP rank r holds EP share r % ep); `etp=1, ep=tp` keeps the experts within a TP group (each TP
+    rank holds whole experts), so DP replicas stay independent, as a generator's must. They add no ranks."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    etp: Optional[int] = None
+
+    def __post_init__(self):
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+
+    def expert_coords(self, tp_rank: int, dp_rank: int) -> tuple[int, int]:
+        """(expert TP rank, EP rank) of a rank: which slice of which share of the experts it holds."""
+        r = tp_rank + self.tp * dp_rank
+        return r % self.etp, (r // self.etp) % self.ep
 
     @property
     def size(self) -> int:
@@ -39,22 +51,19 @@ class ParallelLayout:
     def local_rank(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
 
-    def ep_rank(self, dp_rank: int) -> int:
-        """The expert-parallel rank of a data-parallel rank (which share of the experts it holds)."""
-        return dp_rank % self.ep
-
     def __str__(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",ep={self.ep}" if self.ep != 1 else "")
+        return (f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",ep={self.ep}" if self.ep != 1 else "")
+                + (f",etp={self.etp}" if self.etp != self.tp else ""))
 
     @classmethod
     def parse(cls, text: str) -> "ParallelLayout":
-        """Parse "tp=2,pp=2,dp=1" or "tp=2,dp=2,ep=2" (missing keys default to 1)."""
-        values = {"tp": 1, "pp": 1, "dp": 1, "ep": 1}
+        """Parse "tp=2,pp=2,dp=1" or "tp=2,dp=2,ep=2" (missing keys default to 1, etp to tp)."""
+        values = {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "etp": None}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key = key.strip()
             if not sep or key not in values:
-                raise ValueError(f"bad layout {text!r}: expected comma-separated tp=N,pp=N,dp=N[,ep=N]")
+                raise ValueError(f"bad layout {text!r}: expected comma-separated tp=N,pp=N,dp=N[,ep=N,etp=N]")
             try:
                 values[key] = int(value)
             except ValueError:
@@ -76,10 +85,11 @@ class ModelDims(Protocol):
 
 
 # The model dimensions each parallel size must divide: Megatron-Core gives every TP rank the same number of
-# attention heads, query groups and MLP (or expert) channels, every pipeline stage the same number of layers, and
-# every expert-parallel rank the same number of experts (a dense model's None dimensions are not split).
-SPLIT_DIMS = {"tp": ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "moe_ffn_hidden_size"),
-              "pp": ("num_layers",), "ep": ("num_moe_experts",)}
+# attention heads, query groups and MLP channels, every pipeline stage the same number of layers, every EP rank the
+# same number of experts and every expert-TP rank the same share of an expert (a dense model's None dimensions are
+# not split).
+SPLIT_DIMS = {"tp": ("num_attention_heads", "num_query_groups", "ffn_hidden_size"), "pp": ("num_layers",),
+              "ep": ("num_moe_experts",), "etp": ("moe_ffn_hidden_size",)}
 
 
 @dataclass(frozen=True)
@@ -105,14 +115,16 @@ def layout_problems(model: ModelDims, layout: ParallelLayout) -> list[LayoutProb
     """Why `layout` cannot hold `model` (empty when it can): every size below 1, else every model dimension of
     `SPLIT_DIMS` that TP or PP does not divide, in that order. Pure; the model's own shape (heads per query group,
     positive sizes) is the model's rule, not checked here."""
-    low = [LayoutProblem(dim, getattr(layout, dim)) for dim in ("tp", "pp", "dp", "ep") if getattr(layout, dim) < 1]
+    dims = ("tp", "pp", "dp", "ep") + (("etp",) if layout.etp != layout.tp else ())  # etp defaults to tp
+    low = [LayoutProblem(dim, getattr(layout, dim)) for dim in dims if getattr(layout, dim) < 1]
     if low:
         return low
-    if layout.ep > 1 and getattr(model, "num_moe_experts", None) is None:
-        return [LayoutProblem("ep", layout.ep, "dense")]
+    if (layout.ep, layout.etp) != (1, layout.tp) and getattr(model, "num_moe_experts", None) is None:
+        return [LayoutProblem("ep" if layout.ep > 1 else "etp", getattr(layout, "ep" if layout.ep > 1 else "etp"),
+                              "dense")]
     out = [LayoutProblem(dim, getattr(layout, dim), name, getattr(model, name))
            for dim, names in SPLIT_DIMS.items() for name in names
            if getattr(model, name, None) is not None and getattr(model, name) % getattr(layout, dim)]
-    if layout.dp % layout.ep:
-        out.append(LayoutProblem("ep", layout.ep, "dp", layout.dp))
+    if (layout.tp * layout.dp) % (layout.ep * layout.etp):
+        out.append(LayoutProblem("etp x ep", layout.ep * layout.etp, "tp x dp", layout.tp * layout.dp))
     return out

@@ -80,9 +80,9 @@ class ExecutorGroups:
         return self.coords[2]
 
     @property
-    def ep_rank(self) -> int:
-        """Which share of the experts this rank holds (`ParallelLayout.ep_rank`)."""
-        return self.layout.ep_rank(self.dp_rank)
+    def expert_coords(self) -> tuple[int, int]:
+        """(expert TP rank, EP rank): which slice of which share of the experts this rank holds."""
+        return self.layout.expert_coords(self.tp_rank, self.dp_rank)
 
     @property
     def is_first_stage(self) -> bool:
@@ -141,16 +141,19 @@ def _new_subgroups(rank_lists: list[list[int]], backend: Optional[str]):
 
 
 def _expert_groups(placement: ExecutorPlacement, backend: Optional[str]) -> tuple:
-    """The expert-parallel groups of an executor with `ep` > 1 (collective over the world): EP, TP x EP,
-    TP x EP x PP and expert-data-parallel, from Megatron-Core's expert grid "tp-ep-dp-pp", whose DP is the dense
-    DP over `ep` (a DP rank r is EP rank r % ep and expert-DP rank r // ep, `ParallelLayout`'s rule)."""
+    """The expert groups of an executor whose experts are not laid out as its dense weights (collective over the
+    world): expert TP, EP, expert TP x EP, that x PP, and expert-data-parallel, from Megatron-Core's expert grid
+    "tp-ep-dp-pp" over each stage's tp x dp ranks (`ParallelLayout.expert_coords`'s rule)."""
     layout = placement.layout
-    if layout.dp % layout.ep:
-        raise ValueError(f"{placement.name}: ep={layout.ep} does not divide dp={layout.dp}")
-    grid = HyperCommGrid([layout.tp, layout.ep, layout.dp // layout.ep, layout.pp], ["tp", "ep", "dp", "pp"],
-                         rank_offset=placement.first_rank, backend=backend)
+    per_stage = layout.tp * layout.dp
+    if per_stage % (layout.etp * layout.ep):
+        raise ValueError(f"{placement.name}: etp x ep = {layout.etp} x {layout.ep} does not divide the {per_stage} "
+                         f"ranks of a stage")
+    grid = HyperCommGrid([layout.etp, layout.ep, per_stage // (layout.etp * layout.ep), layout.pp],
+                         ["tp", "ep", "dp", "pp"], rank_offset=placement.first_rank, backend=backend)
     timeout = world_timeout()
-    return tuple(grid.create_pg(dims, timeout=timeout) for dims in (["ep"], ["tp", "ep"], ["tp", "ep", "pp"], ["dp"]))
+    return tuple(grid.create_pg(dims, timeout=timeout)
+                 for dims in (["tp"], ["ep"], ["tp", "ep"], ["tp", "ep", "pp"], ["dp"]))
 
 
 def _executor_groups(placement: ExecutorPlacement, backend: Optional[str]) -> ExecutorGroups:
@@ -171,7 +174,7 @@ def _executor_groups(placement: ExecutorPlacement, backend: Optional[str]) -> Ex
     pp_lists = grid.get_rank_enum(["pp"])
     embd = _new_subgroups([sorted({r[0], r[-1]}) for r in pp_lists], backend)
     pos_embd = _new_subgroups([[r[0]] for r in pp_lists], backend)
-    expert = _expert_groups(placement, backend) if layout.ep > 1 else None
+    expert = _expert_groups(placement, backend) if (layout.ep, layout.etp) != (1, layout.tp) else None
     groups = ExecutorGroups(placement=placement, rank=rank, grid=grid)
     if not member:
         return groups
@@ -187,14 +190,14 @@ def _executor_groups(placement: ExecutorPlacement, backend: Optional[str]) -> Ex
     pgs.tp_dp_cp = made["tp-cp-dp"]
     pgs.embd = embd
     pgs.pos_embd = pos_embd
-    pgs.expt_tp = made["tp"]  # expert weights are split over the same TP ranks as the dense ones
-    if layout.ep == 1:  # every rank holds every expert: the expert groups are the dense ones
+    if expert is None:  # experts split as the dense MLP (or no experts): the expert groups are the dense ones
+        pgs.expt_tp = made["tp"]
         pgs.ep = made["cp"]
         pgs.tp_ep = made["tp"]
         pgs.tp_ep_pp = made["tp-pp"]
         pgs.expt_dp = made["cp-dp"]
     else:
-        pgs.ep, pgs.tp_ep, pgs.tp_ep_pp, pgs.expt_dp = expert
+        pgs.expt_tp, pgs.ep, pgs.tp_ep, pgs.tp_ep_pp, pgs.expt_dp = expert
     pgs.intra_expt_dp = pgs.expt_dp
     # One distributed-optimizer instance spanning the executor: grad statistics reduce over all its ranks.
     pgs.intra_dist_opt = made["tp-cp-dp-pp"]
