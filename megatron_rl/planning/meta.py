@@ -56,17 +56,25 @@ class StandInGroup:
 
 def stand_in_groups(layout: ParallelLayout, tp_rank: int, pp_rank: int, dp_rank: int = 0):
     """A `ProcessGroupCollection` of stand-in groups for one rank of `layout`, with the same members as
-    `megatron_rl.parallel.topology` builds (no context or expert parallelism: those groups have size 1)."""
+    `megatron_rl.parallel.topology` builds (no context parallelism: that group has size 1; the expert groups from
+    the layout's expert grid, `ParallelLayout.expert_coords`)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     tp, pp, dp = layout.tp, layout.pp, layout.dp
+    etp, ep = layout.etp, layout.ep
+    etp_rank, ep_rank = layout.expert_coords(tp_rank, dp_rank)
     g = StandInGroup
     pgs = ProcessGroupCollection()
-    pgs.tp = pgs.expt_tp = pgs.tp_ep = pgs.tp_cp = g(tp, tp_rank)
+    pgs.tp = pgs.tp_cp = g(tp, tp_rank)
+    pgs.expt_tp, pgs.ep = g(etp, etp_rank), g(ep, ep_rank)
+    pgs.tp_ep = g(etp * ep, etp_rank + etp * ep_rank)
+    pgs.tp_ep_pp = g(etp * ep * pp, etp_rank + etp * ep_rank + etp * ep * pp_rank)
     pgs.pp = g(pp, pp_rank)
-    pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = pgs.expt_dp = pgs.intra_expt_dp = g(dp, dp_rank)
-    pgs.cp = pgs.ep = g(1, 0)
-    pgs.mp = pgs.tp_ep_pp = g(tp * pp, tp_rank + tp * pp_rank)
+    pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = g(dp, dp_rank)
+    expert_dp = tp * dp // (etp * ep)
+    pgs.expt_dp = pgs.intra_expt_dp = g(expert_dp, (tp_rank + tp * dp_rank) // (etp * ep) % expert_dp)
+    pgs.cp = g(1, 0)
+    pgs.mp = g(tp * pp, tp_rank + tp * pp_rank)
     pgs.tp_dp_cp = g(tp * dp, tp_rank + tp * dp_rank)
     pgs.intra_dist_opt = g(layout.size, layout.local_rank(tp_rank, pp_rank, dp_rank))
     pgs.inter_dist_opt = None
@@ -200,9 +208,15 @@ def _param_infos(model: torch.nn.Module) -> tuple[ParamInfo, ...]:
     return tuple(out)
 
 
-def _ddp_buffers(model: torch.nn.Module, dp_group: StandInGroup, distributed: bool) -> list:
-    """Megatron-Core DDP's buffers over `model`'s parameters, grouped as its DDP groups them (the trainer's
-    settings: fp32 gradient reduction, no overlap, hence one bucket per buffer), over the DP group `dp_group`."""
+def _is_expert(p: torch.nn.Parameter) -> bool:
+    """Megatron-Core's mark of an expert's weight: its DDP reduces it over the expert-data-parallel group."""
+    return not getattr(p, "allreduce", True)
+
+
+def _ddp_buffers(model: torch.nn.Module, dp_group: StandInGroup, distributed: bool, experts: bool = False) -> list:
+    """Megatron-Core DDP's buffers over `model`'s dense parameters (`experts`: its experts' instead), grouped as
+    its DDP groups them (the trainer's settings: fp32 gradient reduction, no overlap, hence one bucket per
+    buffer), over the DP group `dp_group` (for experts: the expert-data-parallel group)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -212,7 +226,7 @@ def _ddp_buffers(model: torch.nn.Module, dp_group: StandInGroup, distributed: bo
     groups: dict[tuple, list] = {}
     names = {}
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and _is_expert(p) == experts:
             groups.setdefault((p.dtype, torch.float32), []).append(p)
             names[p] = name
     pgs = ProcessGroupCollection()
@@ -233,13 +247,19 @@ def _owned(buf, distributed: bool) -> list[tuple[torch.nn.Parameter, int, int]]:
     return [(p, m["param"].start, m["param"].end) for bucket in ranges for p, m in bucket["param_map"].items()]
 
 
-def _optimizer_shards(model: torch.nn.Module, dp: int, distributed: bool) -> tuple[OptimizerShard, ...]:
-    """Megatron-Core DDP's buffers over `model`'s parameters and what each DP rank's optimizer holds."""
-    dp_group = StandInGroup(dp, 0)
-    buffers = _ddp_buffers(model, dp_group, distributed)
+def _optimizer_shards(model: torch.nn.Module, layout: ParallelLayout,
+                      distributed: bool) -> tuple[OptimizerShard, ...]:
+    """Megatron-Core DDP's buffers over `model`'s parameters and what each DP rank's optimizer holds: dense
+    parameters over the DP group, a mixture of experts' over the expert-data-parallel group (the DP rank's place in
+    it from the layout's expert grid, for TP rank 0)."""
+    dp = layout.dp
+    dp_group, expert_group = StandInGroup(dp, 0), StandInGroup(dp * layout.tp // (layout.etp * layout.ep), 0)
+    buffers = (_ddp_buffers(model, dp_group, distributed)
+               + _ddp_buffers(model, expert_group, distributed, experts=True))
     shards = []
     for r in range(dp if distributed else 1):
         dp_group._rank = r
+        expert_group._rank = layout.tp * r // (layout.etp * layout.ep) % expert_group.size()
         param_bytes = grad_bytes = main = state = steps = 0
         for buf in buffers:
             grad_bytes += buf.numel * buf.grad_dtype.itemsize
@@ -308,25 +328,26 @@ def stage_model(model_cfg: ModelConfig, layout: ParallelLayout, *, tp_rank: int 
                 params_dtype: torch.dtype = torch.float32, attention: str = "auto") -> torch.nn.Module:
     """The meta-device GPTModel stage at (tp_rank, pp_rank) of `layout` that `build_rank_modules` measures (the
     same cached object: read it, and hand it to `owned_ranges`, which only re-points its parameters)."""
-    return _stage_cached(dataclasses.astuple(model_cfg), layout.tp, layout.pp, tp_rank, pp_rank, params_dtype,
-                         attention, "none", None)[0]
+    return _stage_cached(dataclasses.astuple(model_cfg), layout.tp, layout.pp, layout.ep, layout.etp, tp_rank,
+                         pp_rank, params_dtype, attention, "none", None)[0]
 
 
 @functools.lru_cache(maxsize=64)
 def _build_cached(model_fields: tuple, layout: ParallelLayout, tp_rank: int, pp_rank: int,
                   params_dtype: torch.dtype, attention: str, quantization: str, optimizer: Optional[bool],
                   kv_cache: Optional[tuple[int, int]]) -> RankModules:
-    model, quantized_bytes, kv_bytes, params, keys = _stage_cached(model_fields, layout.tp, layout.pp, tp_rank,
-                                                                   pp_rank, params_dtype, attention, quantization,
-                                                                   kv_cache)
+    model, quantized_bytes, kv_bytes, params, keys = _stage_cached(
+        model_fields, layout.tp, layout.pp, layout.ep, layout.etp, tp_rank, pp_rank, params_dtype, attention,
+        quantization, kv_cache)
     with meta_building():  # DDP's buffers over the stage's parameters, on the meta device (each DP its own)
-        shards = () if optimizer is None else _optimizer_shards(model, layout.dp, optimizer)
+        shards = () if optimizer is None else _optimizer_shards(model, layout, optimizer)
     return RankModules(params, quantized_bytes, kv_bytes, shards, keys)
 
 
 @functools.lru_cache(maxsize=16)
-def _stage_cached(model_fields: tuple, tp: int, pp: int, tp_rank: int, pp_rank: int, params_dtype: torch.dtype,
-                  attention: str, quantization: str, kv_cache: Optional[tuple[int, int]]) -> tuple:
+def _stage_cached(model_fields: tuple, tp: int, pp: int, ep: int, etp: int, tp_rank: int, pp_rank: int,
+                  params_dtype: torch.dtype, attention: str, quantization: str,
+                  kv_cache: Optional[tuple[int, int]]) -> tuple:
     """One pipeline stage's meta modules, which do not depend on the data-parallel degree: built once for every DP
     that `_build_cached` asks of it (the plan's synchronous baseline takes the trainer's TP x PP at another DP,
     and rebuilt every stage: 2.7 of the 20 s that the four recipes' plans took on the 2-core test machine).
@@ -338,7 +359,8 @@ def _stage_cached(model_fields: tuple, tp: int, pp: int, tp_rank: int, pp_rank: 
     from megatron_rl.models.builder import build_gpt_model
 
     model_cfg = ModelConfig(*model_fields)
-    layout = ParallelLayout(tp, pp, 1)
+    # The least DP that holds the expert grid (the stage is the same at every DP; EP rank 0's experts).
+    layout = ParallelLayout(tp, pp, math.lcm(tp, etp * ep) // tp, ep=ep, etp=etp)
     build = dict(attention=attention, params_dtype=params_dtype, fusions="none", initialize=False)
     pgs = stand_in_groups(layout, tp_rank, pp_rank)
     with meta_building():

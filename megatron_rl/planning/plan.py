@@ -153,10 +153,12 @@ def executor_dtype(name: str, cal: Calibration) -> torch.dtype:
 
 def model_cost(model: ModelConfig) -> ModelCost:
     """Matmul weights per token from the logical parameters (every 2-D weight; the embedding counts once more as the
-    output layer when tied, since the logits multiply it)."""
-    from megatron_rl.ddma.descriptors import EMBEDDING, logical_params
+    output layer when tied, since the logits multiply it). A mixture of experts runs `moe_router_topk` experts
+    per token: the FLOPs follow its active weights (as many as its first top-k experts have), not all of them."""
+    from megatron_rl.models.param_spec import EMBEDDING, model_params
 
-    n = sum(p.numel for p in logical_params(model) if len(p.shape) == 2 and p.name != EMBEDDING)
+    n = sum(p.numel for p in model_params(model) if len(p.shape) == 2 and p.name != EMBEDDING
+            and (p.expert is None or p.expert < model.moe_router_topk))
     if model.tie_word_embeddings:
         n += model.vocab_size * model.hidden_size
     return ModelCost(n, model.num_layers, model.hidden_size, model.num_attention_heads * model.kv_channels)
