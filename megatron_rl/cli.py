@@ -258,7 +258,8 @@ def cmd_convert(args) -> int:
     from megatron_rl.checkpointing.layout import ConversionError
 
     return _json_or_one_line_error("convert", ConversionError, lambda: convert(
-        Path(args.src), Path(args.dst), args.to, dtype=args.dtype, overwrite=args.overwrite, tp=args.tp, pp=args.pp))
+        Path(args.src), Path(args.dst), args.to, dtype=args.dtype, overwrite=args.overwrite, tp=args.tp, pp=args.pp,
+        ep=args.ep))
 
 
 def cmd_eval(args) -> int:
@@ -374,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved, validated configuration as YAML")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
-    p = sub.add_parser("convert", help="convert HF Llama (directory or GGUF) <-> Megatron distributed checkpoint")
+    p = sub.add_parser("convert", help="convert a HF model (a directory of a family in README's Models; Llama also "
+                                       "GGUF) <-> Megatron distributed checkpoint")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=["megatron", "hf"])
@@ -384,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory (anything else is refused)")
     p.add_argument("--tp", type=int, default=1, help="write with N tensor-parallel processes (--to megatron)")
     p.add_argument("--pp", type=int, default=1, help="write with N pipeline stages (--to megatron)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="write a mixture-of-experts model with N times the processes, each holding 1/N of the "
+                        "experts (--to megatron; the checkpoint loads at any EP)")
     p.set_defaults(func=cmd_convert)
     p = sub.add_parser("inspect", help="what a checkpoint (or a run's checkpoint root) holds, without loading it")
     p.add_argument("path", help="a checkpoint directory or a run's checkpoint root")

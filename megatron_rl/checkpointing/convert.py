@@ -1,24 +1,35 @@
-"""Checkpoint conversion: Hugging Face Llama, Qwen2/2.5, Qwen3 or Mistral (a directory; Llama also GGUF) <->
-Megatron-Core distributed checkpoint (the families and what is refused: `megatron_rl.models.families`).
+"""Checkpoint conversion: Hugging Face Llama, Qwen2/2.5, Qwen3, Mistral, Qwen3-MoE or Mixtral (a directory; Llama
+also GGUF) <-> Megatron-Core distributed checkpoint (the families and what is refused: `megatron_rl.models.families`).
 
 The Megatron side is a standard `dist_checkpointing` (torch_dist) checkpoint of a local-spec GPTModel in `DST/model/`,
-so it loads at any TP/PP/DP (`dist_checkpointing.load(model.sharded_state_dict(), DST/model)`); `DST/megatron_rl.json`
-records the model shape, the layout it was written with and the tokenizer, whose files go to `DST/tokenizer/`.
-The HF side is `config.json` plus safetensors shards with an index (and the tokenizer files, when the checkpoint
-has them). Tensors are renamed and re-laid out exactly (QKV and its bias interleaved per KV group, fc1 = [gate; up]), so
-HF -> Megatron -> HF reproduces every tensor bit for bit.
+so it loads at any TP/PP/DP (and EP) (`dist_checkpointing.load(model.sharded_state_dict(), DST/model)`);
+`DST/megatron_rl.json` records the model shape, the layout it was written with and the tokenizer, whose files go to
+`DST/tokenizer/`. The HF side is `config.json` plus safetensors shards with an index (and the tokenizer files, when
+the checkpoint has them). Tensors are renamed and re-laid out exactly (QKV and its bias interleaved per KV group,
+fc1 = [gate; up]), so HF -> Megatron -> HF reproduces every tensor bit for bit.
+
+Mixture-of-experts layers (Qwen3-MoE, Mixtral): the router is `decoder.layers.mlp.router.weight` [layers, experts,
+hidden], stacked over layers like every layer tensor; the experts are stored as Megatron-Core's SequentialMLP
+writes them, under `decoder.layers.mlp.experts.experts.linear_fc1.weight` [layers, experts, 2 x moe_ffn, hidden]
+(each expert's [gate; up], HF's gate_proj / up_proj or w1 / w3) and `...linear_fc2.weight` [layers, experts,
+hidden, moe_ffn] (down_proj or w2), along a global expert axis: EP rank r writes its experts at their global
+indices, so a checkpoint written at any EP (and expert-TP) loads at any other. `--ep N` writes with N times the
+processes, each holding 1/N of the experts (EP over N DP ranks, as a trainer lays them out); the non-expert weights
+those extra ranks replicate are filled and written by DP rank 0 only. In the HF files each expert is its own tensor
+(`param_spec`'s names: `model.layers.{i}.mlp.experts.{j}.gate_proj.weight`, `...block_sparse_moe.experts.{j}.w1...`).
 
 Both directions stream; neither holds two copies of the model (measured in docs/benchmarks.md):
-- HF -> Megatron: `tp * pp` local processes each build only their shard of the GPTModel (initializers skipped)
-  and fill every parameter straight from the rows and columns of the safetensors tensors it is made of, read
-  lazily (`safetensors.safe_open(...).get_slice`) in pieces of at most READ_BYTES; then torch_dist files written by
-  threads of each rank (`background.write_now`).
+- HF -> Megatron: `tp * pp * ep` local processes each build only their shard of the GPTModel (initializers
+  skipped) and fill every parameter straight from the rows and columns of the safetensors tensors it is made of
+  (an expert's: only this rank's experts), read lazily (`safetensors.safe_open(...).get_slice`) in pieces of at
+  most READ_BYTES; then torch_dist files written by threads of each rank (`background.write_now`).
   The HF state dict is never built. A GGUF file is first dequantized tensor by tensor into a temporary
   safetensors file in Hugging Face names (`hf_sources.gguf_to_safetensors`, without transformers), read the same way.
 - Megatron -> HF: no model is built. Each layer's tensors are read from the torch_dist files as slices of the
-  stacked `decoder.layers.*` tensors (torch.distributed.checkpoint with a slice planner, no process group),
-  converted, and appended to safetensors shards whose headers were written up front (every name, dtype and shape
-  follows from the model shape). One layer is in memory at a time.
+  stacked `decoder.layers.*` tensors (torch.distributed.checkpoint with a slice planner, no process group; a
+  layer's experts in one box of the expert-stacked tensors), converted, and appended to safetensors shards whose
+  headers were written up front (every name, dtype and shape follows from the model shape). One layer is in
+  memory at a time.
 A training checkpoint (format "megatron-rl/train", or a run root: its `latest`) converts to HF the same way, since
 its `model/` is the same kind of directory.
 
@@ -151,21 +162,28 @@ def _copy_views_releasing_params(sharded: dict, model: torch.nn.Module) -> None:
             params[ptr].data = torch.empty(0, dtype=params[ptr].dtype)
 
 
-def _save_megatron_worker(rank, world_size, cfg: ModelConfig, tp: int, pp: int, files: dict, out: str, dtype: str):
-    """One rank: build this rank's shard of the model, fill it from the safetensors files, save it."""
+def _save_megatron_worker(rank, world_size, cfg: ModelConfig, layout: ParallelLayout, files: dict, out: str,
+                          dtype: str):
+    """One rank: build this rank's shard of the model, fill it from the safetensors files, save it. With EP > 1
+    (EP over DP ranks) only DP rank 0 fills the weights other than experts: the others hold replicas of them, which
+    Megatron-Core's save leaves to DP rank 0 (replica id), so they are never written."""
     meter = MemoryMeter()
     from megatron_rl.checkpointing.background import write_now
     from megatron_rl.models import build_gpt_model
     from megatron_rl.models.sharding import describe_params, model_sharded_state_dict
-    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+    from megatron_rl.parallel import ExecutorPlacement, build_topology
 
-    g = build_topology([ExecutorPlacement("convert", ParallelLayout(tp=tp, pp=pp))])["convert"]
+    g = build_topology([ExecutorPlacement("convert", layout)])["convert"]
     # Every parameter is filled from the files next: no initialization, no full-size master weight.
     model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=getattr(torch, dtype),
                             initialize=False)
     params = dict(model.named_parameters())
+    replica = g.pgs.dp_cp.rank() > 0
     with torch.no_grad():
         for d in describe_params(model, cfg, g.pgs.tp.rank(), g.pgs.tp.size()):
+            if replica and not d.is_expert:
+                params[d.local_name].zero_()  # not written (see above); zeros, not whatever memory held
+                continue
             fill_param(params[d.local_name], d, cfg, files)
     local_bytes = sum(p.numel() * p.element_size() for p in params.values())
     sharded = model_sharded_state_dict(model, g.pgs.dp_cp)
@@ -174,14 +192,22 @@ def _save_megatron_worker(rank, world_size, cfg: ModelConfig, tp: int, pp: int, 
     return dict(meter.report(), rank=rank, local_bytes=local_bytes)
 
 
-def _check_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
-    """The first reason --tp / --pp cannot hold the model (`parallel.layout.layout_problems`), as a ConversionError."""
-    problems = layout_problems(cfg, ParallelLayout(tp, pp))
+def _check_layout(cfg: ModelConfig, layout: ParallelLayout) -> None:
+    """The first reason --tp / --pp / --ep cannot hold the model (`parallel.layout.layout_problems`), as a
+    ConversionError."""
+    problems = layout_problems(cfg, layout)
     if any(p.field is None for p in problems):
-        raise ConversionError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
+        raise ConversionError(f"--tp, --pp and --ep must be >= 1, got tp={layout.tp} pp={layout.pp} ep={layout.ep}")
     if problems:
         p = problems[0]
+        if p.field == "dense":
+            raise ConversionError(f"--ep {p.size} needs a mixture-of-experts model ({cfg.family} is dense)")
         raise ConversionError(f"--{p.dim} {p.size} does not divide {p.field}={p.count}")
+
+
+def _layout_entry(layout: ParallelLayout) -> dict:
+    """The writing layout as `megatron_rl.json` and the summary record it ("ep" only when experts were split)."""
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, **({"ep": layout.ep} if layout.ep > 1 else {})}
 
 
 def _overwrite_problem(dst: Path) -> Optional[str]:
@@ -239,7 +265,9 @@ def _mb(n: Optional[int]) -> Optional[float]:
 
 
 def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False,
-                              tp: int = 1, pp: int = 1) -> dict:
+                              tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+    """Convert a HF directory or GGUF file `src` into a Megatron checkpoint `dst`, written by `tp * pp * ep` local
+    processes (EP over `ep` DP ranks); returns the summary (`convert`'s)."""
     from megatron_rl.launch.spawn import run_local
 
     start = time.perf_counter()
@@ -248,7 +276,8 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
         raise ConversionError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     gguf = read_gguf(src) if detect_format(src) == "gguf" else None  # its header, read once
     cfg = gguf_model_config(src, gguf) if gguf else hf_model_config(src)
-    _check_layout(cfg, tp, pp)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=ep, ep=ep)
+    _check_layout(cfg, layout)
     if not gguf:
         files = hf_tensor_files(src, cfg)
     tmp = _prepare_dst(dst, overwrite)
@@ -258,11 +287,11 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
             files = hf_tensor_files(tmp / "dequantized", cfg)
         source_bytes = sum(os.path.getsize(f) for f in set(files.values()))
         (tmp / MODEL_DIR).mkdir()
-        ranks = run_local(_save_megatron_worker, tp * pp, cfg, tp, pp, files, str(tmp / MODEL_DIR), dtype)
+        ranks = run_local(_save_megatron_worker, layout.size, cfg, layout, files, str(tmp / MODEL_DIR), dtype)
         if gguf:
             shutil.rmtree(tmp / "dequantized")
         tokenizer = save_tokenizer(src, tmp / TOKENIZER_DIR)
-        meta = {"format": CONVERT_FORMAT, "dtype": dtype, "source": str(src), "layout": {"tp": tp, "pp": pp, "dp": 1},
+        meta = {"format": CONVERT_FORMAT, "dtype": dtype, "source": str(src), "layout": _layout_entry(layout),
                 "model": dataclasses.asdict(cfg), "tokenizer": tokenizer,
                 "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         write_meta(tmp, record_files(tmp, meta))  # each file's CRC-32, checked by `inspect` and by every reader
@@ -274,8 +303,8 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
     seconds = time.perf_counter() - start
     parent = meter.report()
     return {"to": "megatron", "dst": str(dst), "parameters": cfg.num_parameters(tp),
-            "layout": {"tp": tp, "pp": pp, "dp": 1}, "tokenizer": tokenizer is not None, "seconds": round(seconds, 2), "source_bytes": source_bytes,
-            "model_bytes": model_bytes,
+            "layout": _layout_entry(layout), "tokenizer": tokenizer is not None, "seconds": round(seconds, 2),
+            "source_bytes": source_bytes, "model_bytes": model_bytes,
             "memory": {"rank_peak_rss_mb": [_mb(r["peak_rss_bytes"]) for r in ranks],
                        "rank_base_rss_mb": [_mb(r["base_rss_bytes"]) for r in ranks],
                        "rank_shard_mb": [_mb(r["local_bytes"]) for r in ranks],
@@ -330,20 +359,37 @@ class DistSliceReader:
         return out
 
 
+# Megatron-Core's SequentialMLP stores expert j of layer i at [i, j] of these stacked tensors (its global index).
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_EXPERTS_KEY = "decoder.layers.mlp.experts.experts."
+
+
+def _stored_layer_box(reader: DistSliceReader, layer: int, suffix: str, cfg: ModelConfig):
+    """`_stored_box` of a layer tensor: one layer of a `decoder.layers.*` tensor; an expert's, all of the layer's
+    experts (one box per key and layer, so that a layer's experts are read at once), and which to take."""
+    e = _EXPERT.match(suffix)
+    keys = [_EXPERTS_KEY + e.group(2)] if e else ["decoder.layers." + c for c in _STORED_ALIASES.get(suffix, (suffix,))]
+    key = next((k for k in keys if k in reader.tensors), None)
+    if key is None:
+        raise ConversionError(f"{reader.path}: no tensor for decoder.layers.{layer}.{suffix} (looked for {keys[0]})")
+    size = tuple(reader.tensors[key].size)
+    if size[0] != cfg.num_layers:
+        raise ConversionError(f"{reader.path}: {key} stacks {size[0]} layers, the config has {cfg.num_layers}")
+    if not e:
+        return key, (layer,) + (0,) * (len(size) - 1), (1,) + size[1:], size[1:], None
+    if len(size) < 2 or size[1] != cfg.num_moe_experts:
+        raise ConversionError(f"{reader.path}: {key} stacks {size[1] if len(size) > 1 else 0} experts, the config "
+                              f"has {cfg.num_moe_experts}")
+    return key, (layer,) + (0,) * (len(size) - 1), (1,) + size[1:], size[2:], int(e.group(1))
+
+
 def _stored_box(reader: DistSliceReader, name: str, cfg: ModelConfig):
-    """Where logical tensor `name` lives in a dist checkpoint: (key, offsets, sizes, shape)."""
+    """Where logical tensor `name` lives in a dist checkpoint: (key, offsets, sizes, shape, expert) where
+    (offsets, sizes) is the box read and, for an expert's tensor (`expert` not None), the box holds the layer's
+    experts and the tensor is `box[0, expert]`; otherwise the box itself, reshaped to `shape`."""
     m = _LAYER.match(name)
     if m:
-        layer, suffix = int(m.group(1)), m.group(2)
-        for cand in _STORED_ALIASES.get(suffix, (suffix,)):
-            key = "decoder.layers." + cand
-            if key in reader.tensors:
-                size = tuple(reader.tensors[key].size)
-                if size[0] != cfg.num_layers:
-                    raise ConversionError(f"{reader.path}: {key} stacks {size[0]} layers, the config has "
-                                          f"{cfg.num_layers}")
-                return key, (layer,) + (0,) * (len(size) - 1), (1,) + size[1:], size[1:]
-        raise ConversionError(f"{reader.path}: no tensor for {name} (looked for decoder.layers.{suffix})")
+        return _stored_layer_box(reader, int(m.group(1)), m.group(2), cfg)
     if name not in reader.tensors:
         raise ConversionError(f"{reader.path}: tensor {name} missing")
     size = tuple(reader.tensors[name].size)
@@ -351,7 +397,7 @@ def _stored_box(reader: DistSliceReader, name: str, cfg: ModelConfig):
         if size[0] < cfg.vocab_size:
             raise ConversionError(f"{reader.path}: {name} has {size[0]} rows, fewer than vocab_size={cfg.vocab_size}")
         size = (cfg.vocab_size,) + size[1:]  # drop the vocabulary padding of the layout it was written with
-    return name, (0,) * len(size), size, size
+    return name, (0,) * len(size), size, size, None
 
 
 def megatron_to_hf_checkpoint(src: Path, dst: Path, overwrite: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
@@ -389,7 +435,7 @@ def _to_hf(ckpt: Path, dst: Path, overwrite: bool, shard_bytes: int) -> dict:
     boxes = {n: _stored_box(reader, n, cfg) for n in names}
     entries = []
     for n in names:
-        key, _, _, shape = boxes[n]
+        key, _, _, shape, _ = boxes[n]
         for hf_name, t in to_hf_tensors(n, torch.empty(shape, device="meta"), cfg):
             entries.append((hf_name, reader.tensors[key].properties.dtype, tuple(t.shape)))
     # Read in groups: the embedding, each layer, the final norm, the output layer.
@@ -403,11 +449,13 @@ def _to_hf(ckpt: Path, dst: Path, overwrite: bool, shard_bytes: int) -> dict:
 
     def produce():
         for group in groups:
-            got = reader.read({boxes[n][0]: boxes[n][1:3] for n in group})
+            got = reader.read({boxes[n][0]: boxes[n][1:3] for n in group})  # a layer's experts: one box per key
             for n in group:
-                t = got.pop(boxes[n][0]).reshape(boxes[n][3])
+                key, _, _, shape, expert = boxes[n]
+                t = got[key].reshape(shape) if expert is None else got[key][0, expert]
                 yield from to_hf_tensors(n, t, cfg)
                 del t
+            del got
 
     tmp = _prepare_dst(dst, overwrite)
     try:
@@ -436,7 +484,9 @@ def _to_hf(ckpt: Path, dst: Path, overwrite: bool, shard_bytes: int) -> dict:
 
 
 def convert(src: Path, dst: Path, to: str, dtype: str = "float32", overwrite: bool = False, tp: int = 1,
-            pp: int = 1, shard_bytes: int = SHARD_BYTES) -> dict:
+            pp: int = 1, shard_bytes: int = SHARD_BYTES, ep: int = 1) -> dict:
+    """`megatron-rl convert`: `src` (HF directory, GGUF file, or megatron-rl checkpoint) into `dst` in the format
+    `to` ("megatron" or "hf"); tp / pp / ep: the layout that writes a Megatron checkpoint (any loads it)."""
     src, dst = Path(src), Path(dst)
     if to not in ("megatron", "hf"):
         raise ConversionError(f"--to must be megatron or hf, got {to!r}")
@@ -449,11 +499,11 @@ def convert(src: Path, dst: Path, to: str, dtype: str = "float32", overwrite: bo
     if to == "megatron":
         if fmt == "megatron":
             raise ConversionError(f"{src} is already a megatron-rl checkpoint")
-        return hf_to_megatron_checkpoint(src, dst, dtype=dtype, overwrite=overwrite, tp=tp, pp=pp)
+        return hf_to_megatron_checkpoint(src, dst, dtype=dtype, overwrite=overwrite, tp=tp, pp=pp, ep=ep)
     if fmt != "megatron":
         raise ConversionError(f"{src} is a {fmt} source; --to hf converts megatron-rl checkpoints "
                               f"({CONVERT_FORMAT} or {TRAIN_FORMAT})")
-    if (tp, pp) != (1, 1):
-        raise ConversionError("--tp/--pp apply to --to megatron (reading a Megatron checkpoint needs no layout)")
+    if (tp, pp, ep) != (1, 1, 1):
+        raise ConversionError("--tp/--pp/--ep apply to --to megatron (reading a Megatron checkpoint needs no layout)")
     return megatron_to_hf_checkpoint(src, dst, overwrite=overwrite, shard_bytes=shard_bytes)
 

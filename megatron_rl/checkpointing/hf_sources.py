@@ -47,8 +47,9 @@ def read_gguf(path: Path):
 
 
 def hf_model_config(src: Path) -> ModelConfig:
-    """ModelConfig of a HF Llama / Qwen2 / Qwen3 / Mistral directory (its config.json, read without importing
-    transformers), refusing other architectures and unsupported features in one line that names them."""
+    """ModelConfig of a HF Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral directory (its config.json, read
+    without importing transformers), refusing other architectures and unsupported features (experts in a dense
+    family, other mixture-of-experts designs) in one line that names them."""
     from types import SimpleNamespace
 
     try:
@@ -70,8 +71,9 @@ def hf_model_config(src: Path) -> ModelConfig:
 def hf_tensor_files(src: Path, cfg: ModelConfig, extra: Optional[dict[str, tuple[int, ...]]] = None,
                     lm_head: Optional[bool] = None) -> dict[str, str]:
     """HF tensor name -> safetensors file, after checking every tensor this model needs is there with the right
-    shape (from the file headers only). `extra`: more tensors the checkpoint holds (name -> shape), e.g. a sequence
-    classifier's `score.weight`; `lm_head=False`: a model without the LM head (default: untied models have one)."""
+    shape (from the file headers only; a mixture of experts: each expert's own tensors, as transformers saves
+    them). `extra`: more tensors the checkpoint holds (name -> shape), e.g. a sequence classifier's
+    `score.weight`; `lm_head=False`: a model without the LM head (default: untied models have one)."""
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise ConversionError(f"{src}: no *.safetensors shards")

@@ -267,7 +267,9 @@ def _checkpoint_text(info: dict) -> list[str]:
                      f"ffn {m.get('ffn_hidden_size')}, heads {m.get('num_attention_heads')} "
                      f"(kv {m.get('num_query_groups')}), vocab {m.get('vocab_size')}"
                      + (f" (stored padded to {pad})" if pad and pad != m.get("vocab_size") else "")
-                     + (", tied embeddings" if m.get("tie_word_embeddings") else ""))
+                     + (", tied embeddings" if m.get("tie_word_embeddings") else "")
+                     + (f", {m['num_moe_experts']} experts (top {m.get('moe_router_topk')}, ffn "
+                        f"{m.get('moe_ffn_hidden_size')})" if m.get("num_moe_experts") else ""))
     lines.append(f"parameters   {info['parameters']:,} in {len(info['tensors'])} tensors")
     tok = info.get("tokenizer")
     if "tokenizer" in info:
