@@ -280,7 +280,7 @@ def given_keys(path: Optional[Union[str, Path]] = None, overrides: Optional[list
 
 
 LAYOUT_KEYS = ("trainer.tp", "trainer.pp", "trainer.dp", "generator.tp", "generator.pp", "generator.dp",
-               "generator.colocated")
+               "generator.ep", "generator.colocated")
 
 
 def _plural(n: int, what: str) -> str:
@@ -323,6 +323,8 @@ def _layout_problems(cfg: JobConfig, model: ModelConfig) -> list[str]:
         for p in layout_problems(model, sec.layout):
             if p.field is None:
                 out.append(f"{name}.{p.dim}={p.size} must be >= 1")
+            elif p.field == "dense":
+                out.append(f"{name}.{p}")
             elif shape_ok:
                 out.append(f"{name}.{p.dim}={p.size} does not divide model.{p.field}={p.count}")
     return out
@@ -435,7 +437,7 @@ def problems(cfg: JobConfig, world_size: Optional[int] = None,
         errors.append(str(e))
         model = None
     if model is not None:
-        errors += model_problems(model) + _layout_problems(cfg, model)
+        errors += model_problems(model) + _layout_problems(cfg, model) + cfg.generator.model_rules("generator", model)
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if isinstance(section, Section):

@@ -193,6 +193,17 @@ def suspended():
         yield
 
 
+@contextlib.contextmanager
+def redirected():
+    """The device redirect again inside `suspended()`, for Megatron-Core code the hot loop calls (an MoE layer's
+    router moves its weight to `torch.cuda.current_device()` at every call while it sits on a CPU)."""
+    if not _state["active"]:
+        yield
+        return
+    with torch._C._EnableTorchFunction():
+        yield
+
+
 def is_active() -> bool:
     """True when the CPU redirections are installed in this process."""
     return _state["active"]

@@ -232,7 +232,9 @@ class Generator:
 
     With a `pp_group` of more than one stage, `model` is this rank's stage and decoding is pipelined
     (`megatron_rl.inference.pipeline`); every rank returns the outputs. The CUDA-rules test mode
-    (`compat/cuda_rules.py`) is read once, here, and kept as `cuda_rules_on`."""
+    (`compat/cuda_rules.py`) is read once, here, and kept as `cuda_rules_on`. A mixture-of-experts model never
+    captures its decode step in a CUDA graph (`cuda_graphs` is off, and True refused): its expert dispatch has
+    data-dependent shapes and host syncs (`kv_forward.py`); lookahead still launches a step before the last is read."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, tp_group, max_batch_size: int = 64,
                  max_len: Optional[int] = None, tokenizer=None, cuda_graphs: Optional[bool] = None,
@@ -258,7 +260,11 @@ class Generator:
         if kv_cache_tokens is not None and self.pipeline is not None:
             raise ValueError("a paged KV cache needs a generator of one pipeline stage (its lanes split a slot cache)")
         gpu = torch.cuda.is_available() or self.cuda_rules_on
-        self.cuda_graphs = gpu if cuda_graphs is None else cuda_graphs
+        # A mixture-of-experts model decodes eagerly: its expert dispatch has data-dependent shapes and host syncs.
+        if cuda_graphs and self.forward.moe:
+            raise ValueError("cuda_graphs=True: a mixture-of-experts model's decode step cannot be captured in a CUDA "
+                             "graph (its expert dispatch selects each expert's tokens: data-dependent shapes)")
+        self.cuda_graphs = (gpu and not self.forward.moe) if cuda_graphs is None else cuda_graphs
         # Launch step t + 1 before reading step t's tokens (on by default with CUDA, where it hides the host's
         # bookkeeping behind the GPU's work; on a CPU there is nothing to overlap). A sequence that ends at step t
         # then costs its slot one more (discarded) step, and its successor is admitted one step later; every

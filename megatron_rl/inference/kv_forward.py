@@ -9,6 +9,13 @@ replaces the attention bookkeeping: each cache slot holds one sequence with its 
 own position, and attention masks each slot to its own prefix. The arithmetic is the training forward's (tested
 against it and against transformers).
 
+A mixture-of-experts layer (Qwen3-MoE, Mixtral) runs as the model's own MoE module (`models/moe.py:
+TokenSplitMoELayer` over Megatron-Core's router, all-gather dispatcher and experts): the trainer's routing math on
+the same [s, b, h] activations, whether a prefill chunk or a decode step (s = 1). No expert capacity is set, so no
+token is dropped and a token's output does not depend on the others in the batch (padding and free slots included).
+Its dispatch selects each expert's tokens (`masked_select`: a data-dependent shape) and splits them by counts read
+on the host, so the generator never captures an MoE model's decode step in a CUDA graph (`generator.py`).
+
 With the model's GPU fusions (`build_gpt_model(fusions=...)`, kept as `model.megatron_rl_fusions`) the norms are
 the model's `FusedRMSNorm`s and RoPE is the compiled `megatron_rl.models.fused.apply_rope`. (Attention stays
 SDPA with GQA and a mask: inside the decode graph on an H100 it beat both folding each group's query heads into
@@ -26,8 +33,10 @@ import torch.nn.functional as F
 import megatron_rl.compat.megatron_core  # noqa: F401 - first: Megatron-Core without wandb and Inductor
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
 from megatron_rl.compat import cuda_rules
+from megatron_rl.compat.cpu import redirected
 from megatron_rl.inference.settings import KV_BLOCK_SIZE
 from megatron_rl.models.fused import apply_rope
 from megatron_rl.models.precision import native_bf16
@@ -191,10 +200,12 @@ class IncrementalForward:
         self._rope = None
         # The lean path needs Megatron-Core's own linears (the 8-bit generator's subclasses only change where the
         # weight comes from); transformer-engine's fold the norms into them.
+        # (A mixture-of-experts layer's MLP is the model's own MoE module, whatever the path: `_mlp`.)
         local = (ColumnParallelLinear, RowParallelLinear)
+        self.moe = any(isinstance(m.mlp, BaseMoELayer) for m in self.layers)
         self._lean = all(isinstance(lin, local) for m in self.layers
-                         for lin in (m.self_attention.linear_qkv, m.self_attention.linear_proj, m.mlp.linear_fc1,
-                                     m.mlp.linear_fc2))
+                         for lin in (m.self_attention.linear_qkv, m.self_attention.linear_proj)
+                         + (() if isinstance(m.mlp, BaseMoELayer) else (m.mlp.linear_fc1, m.mlp.linear_fc2)))
         fusions = getattr(model, "megatron_rl_fusions", frozenset())
         self._rotate = self._fused_rope if "rope" in fusions else _apply_rotary_pos_emb_bshd
         self._qk_norm = bool(cfg.qk_layernorm)
@@ -251,7 +262,11 @@ class IncrementalForward:
         return out.transpose(0, 1).contiguous()  # embedding dropout: none in inference
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU MLP: through `_linear` on CPUs (Megatron-Core's gated MLP: silu(first half) * second half)."""
+        """SwiGLU MLP: through `_linear` on CPUs (Megatron-Core's gated MLP: silu(first half) * second half). A
+        mixture-of-experts layer is called as it is (x [s, b, h] -> its output [s, b, h]; the module docstring)."""
+        if isinstance(mlp, BaseMoELayer):  # its router needs the CPU layer's device redirect, which the loop suspends
+            with redirected():
+                return mlp(x)[0]
         if not self._lean or cuda_rules.gpu_path(x, self.cuda_rules_on) or not mlp.config.gated_linear_unit:
             return mlp(x)[0]
         gate, up = torch.chunk(self._linear(mlp.linear_fc1, x), 2, dim=-1)

@@ -26,6 +26,8 @@ class GeneratorSettings(Section):
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    # Expert parallelism of a mixture-of-experts model, within each TP group (`layout`).
+    ep: int = ranged(1, ">= 1", "(each layer's experts split over ep of a replica's TP ranks)")
     colocated: bool = False
     quantization: Literal["none", "int8", "fp8"] = "none"
     push_check_interval: Union[int, Literal["auto"]] = ranged("auto", ">= 0", "(0 never checks a weight push)")
@@ -38,6 +40,12 @@ class GeneratorSettings(Section):
 
     @property
     def layout(self) -> ParallelLayout:
+        """TP x PP x DP, with a mixture-of-experts model's experts split over `ep` ranks of each TP group and each
+        expert over the tp / ep others (`ParallelLayout.etp`): every replica holds all the experts, so DP replicas
+        decode different requests independently (no expert all-to-all between them). An `ep` that does not divide
+        `tp` (which `rules` refuses) gives no expert parallelism here."""
+        if self.ep > 1 and self.tp % self.ep == 0:
+            return ParallelLayout(self.tp, self.pp, self.dp, ep=self.ep, etp=self.tp // self.ep)
         return ParallelLayout(self.tp, self.pp, self.dp)
 
     @property
@@ -54,10 +62,21 @@ class GeneratorSettings(Section):
         if self.quantization != "none" and self.attention == "te":
             out.append(f"{path}.quantization={self.quantization!r} needs Megatron-Core's own linear layers: set "
                        f"{path}.attention to 'sdpa' or 'local' (not 'te')")
+        if self.ep > 1 and self.tp % self.ep:
+            out.append(f"{path}.ep={self.ep} must divide {path}.tp={self.tp} (a generator keeps each layer's experts "
+                       f"within its TP group, so its DP replicas decode independently)")
         if self.kv_cache_tokens and self.pp > 1:
             out.append(f"{path}.kv_cache_tokens={self.kv_cache_tokens}: a paged KV cache needs {path}.pp=1 (the "
                        f"pipeline's lanes split a slot cache)")
         return out
+
+    def model_rules(self, path: str, model) -> list[str]:
+        """The rules between this section and the model (`models.presets.ModelConfig`) beyond the layout's
+        (`parallel.layout.layout_problems`: ep > 1 needs a mixture-of-experts model, ep must divide its experts)."""
+        if model.num_moe_experts is not None and self.quantization != "none":
+            return [f"{path}.quantization={self.quantization!r}: a mixture-of-experts model's generator has no 8-bit "
+                    f"experts yet; set {path}.quantization='none'"]
+        return []
 
 
 @dataclass

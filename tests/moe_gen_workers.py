@@ -1,0 +1,99 @@
+"""Worker functions for the mixture-of-experts generator's tests (tests/test_moe_generator.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+from megatron_rl.models import build_gpt_model
+from megatron_rl.models.sharding import load_full_state_dict
+from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+from megatron_rl.training.engine import model_forward
+from megatron_rl.training.logprobs import target_logprobs
+
+PROMPTS = [[5, 17, 42, 99], [7], [250, 3, 3, 3, 8, 61, 12, 4, 90], [1, 2]]
+TEMPERATURE = 0.8
+
+
+def requests() -> list[GenerationRequest]:
+    """Each prompt greedy, then sampled (two samples each, seeded) at TEMPERATURE."""
+    greedy = [GenerationRequest(p, SamplingParams(temperature=0, max_new_tokens=10)) for p in PROMPTS]
+    return greedy + [GenerationRequest(p, SamplingParams(temperature=TEMPERATURE, max_new_tokens=10, seed=i, n=2))
+                     for i, p in enumerate(PROMPTS)]
+
+
+def _model(cfg, full, layout):
+    g = build_topology([ExecutorPlacement("generator", layout)])["generator"]
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa")
+    load_full_state_dict(model, full, cfg, g.pgs)
+    return g, model
+
+
+def _lp_gap(model, g, cfg, outputs) -> float:
+    """The largest gap between the log-probs the generator recorded and the trainer's teacher-forced forward of the
+    same sequences (at each output's temperature: 1 for greedy)."""
+    gap = 0.0
+    for o, r in zip(outputs, [r for r in requests() for _ in range(max(r.params.n, 1))]):
+        seq = torch.tensor([o.prompt_ids + o.token_ids])
+        with torch.no_grad():
+            lp = target_logprobs(model_forward(model, seq, False), seq, g.pgs.tp, cfg.vocab_size,
+                                 r.params.temperature or 1.0)
+        gap = max(gap, (lp[0, len(o.prompt_ids):] - torch.tensor(o.logprobs)).abs().max().item())
+    return gap
+
+
+def generate_worker(rank, world_size, cases, layout_kw, runs):
+    """For each (cfg, full weights) at `layout_kw`: per run (max_batch, kv_cache_tokens or None) the outputs of
+    `requests()` (tokens, log-probs) and their largest log-prob gap against the teacher-forced forward."""
+    out = []
+    for cfg, full in cases:
+        g, model = _model(cfg, full, ParallelLayout(**layout_kw))
+        per_run = []
+        for max_batch, kv_tokens in runs:
+            gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=max_batch, max_len=64,
+                            kv_cache_tokens=kv_tokens)
+            outputs = gen.generate(requests())
+            per_run.append(([(o.token_ids, o.logprobs) for o in outputs], _lp_gap(model, g, cfg, outputs)))
+        out.append(per_run)
+    return out
+
+
+def pipeline_worker(rank, world_size, cfg, full, pp):
+    """The greedy and sampled outputs of one replica of `pp` stages (tokens, log-probs)."""
+    g, model = _model(cfg, full, ParallelLayout(pp=pp))
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=3, max_len=64, pp_group=g.pgs.pp)
+    return [(o.token_ids, o.logprobs) for o in gen.generate(requests())]
+
+
+def cuda_rules_worker(rank, world_size, cfg, full, layout_kw):
+    """With the CUDA-rules mode on, then off: the outputs (tokens, log-probs), whether the generator captured its
+    decode step, its lookahead, and whether `cuda_graphs=True` was refused; with it on, also what the capture check
+    says of one MoE layer's forward (the reason there is no graph)."""
+    from megatron_rl.compat import cuda_rules
+
+    os.environ[cuda_rules.ENV] = "1"
+    cuda_rules.install_nccl_rules()
+    out = {}
+    for mode in ("1", "0"):
+        os.environ[cuda_rules.ENV] = mode
+        g, model = _model(cfg, full, ParallelLayout(**layout_kw))
+        gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=3, max_len=64)
+        outputs = gen.generate(requests())
+        try:
+            Generator(model, cfg.vocab_size, g.pgs.tp, cuda_graphs=True)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        out[mode] = {"outputs": [(o.token_ids, o.logprobs) for o in outputs], "graph": gen.stats["cuda_graph"],
+                     "lookahead": gen.lookahead, "refused": refused}
+        if mode == "1":
+            try:
+                with torch.no_grad(), cuda_rules.CaptureChecker("an MoE layer"):
+                    model.decoder.layers[0].mlp(torch.randn(1, 3, cfg.hidden_size))
+                out["capture"] = None
+            except cuda_rules.CaptureError as e:
+                out["capture"] = str(e)
+    os.environ[cuda_rules.ENV] = "1"
+    return out
