@@ -202,10 +202,12 @@ def cmd_presets(args) -> int:
     from megatron_rl.models.presets import PRESETS
 
     for name, m in PRESETS.items():
+        experts = ({"experts": m.num_moe_experts, "experts_per_token": m.moe_router_topk,
+                    "active_parameters": m.num_active_parameters()} if m.is_moe else {})
         print(json.dumps({"preset": name, "family": m.family, "parameters": m.num_parameters(),
                           "layers": m.num_layers, "hidden": m.hidden_size, "heads": m.num_attention_heads,
                           "kv_heads": m.num_query_groups, "head_dim": m.kv_channels, "vocab": m.vocab_size,
-                          "tied": m.tie_word_embeddings}))
+                          "tied": m.tie_word_embeddings, **experts}))
     return 0
 
 

@@ -134,3 +134,18 @@ def test_llama3_shapes():
     assert get_preset("smollm2-135m").tie_word_embeddings
     with pytest.raises(ValueError, match="did you mean 'llama3-70b'"):
         get_preset("llama3-70")
+
+
+def test_presets_command_lists_each_preset_with_its_experts(capsys):
+    """`megatron-rl presets`: one JSON line per preset; a mixture of experts also gives its experts, how many a
+    token uses and its active parameters."""
+    import json
+
+    from megatron_rl.cli import main
+
+    assert main(["presets"]) == 0
+    lines = {d["preset"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert list(lines) == list(PRESETS)
+    assert lines["mixtral-8x7b"]["experts"] == 8 and lines["mixtral-8x7b"]["experts_per_token"] == 2
+    assert lines["qwen3-30b-a3b"]["active_parameters"] == PRESETS["qwen3-30b-a3b"].num_active_parameters()
+    assert "experts" not in lines["llama3-8b"]
