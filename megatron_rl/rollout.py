@@ -18,7 +18,9 @@ class RolloutBatch:
     the trainer step whose weights generated each sequence. `policy_mask` [n, s], for episodes (multi-turn): True
     at the tokens the generator sampled, False at the environments' observations inside the response, which carry
     no loss, importance weight, KL or entropy term (`response_mask` leaves them out); None when every response
-    token was sampled.
+    token was sampled. `routes` [n, s, layers, k] (a mixture-of-experts model's generator with routing replay,
+    `inference/generator.py`): the experts each MoE layer chose for each token, which the trainer replays (padding
+    and the last token hold placeholders); None otherwise.
     """
 
     tokens: torch.Tensor
@@ -30,6 +32,7 @@ class RolloutBatch:
     weight_versions: torch.Tensor
     advantages: Optional[torch.Tensor] = None
     policy_mask: Optional[torch.Tensor] = None
+    routes: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         n, s = self.tokens.shape
@@ -38,6 +41,8 @@ class RolloutBatch:
             if v is None:
                 continue
             expected = (n, s) if f.name in ("tokens", "behaviour_logprobs", "policy_mask") else (n,)
+            if f.name == "routes" and v.dim() == 4:
+                expected = (n, s) + tuple(v.shape[2:])
             if tuple(v.shape) != expected:
                 raise ValueError(f"RolloutBatch.{f.name} has shape {tuple(v.shape)}, expected {expected}")
         if torch.any(self.prompt_lengths < 1) or torch.any(self.prompt_lengths + self.response_lengths > s):

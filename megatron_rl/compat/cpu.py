@@ -69,9 +69,27 @@ class _CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _CUDA_METHODS:
             return _cuda_method(func, args, kwargs or {})
+        if func is torch.autograd.backward:
+            return _backward_redirected(*args, **(kwargs or {}))
         if not kwargs:
             return func(*args)
         return func(*args, **_cpu_kwargs(kwargs))
+
+
+def _backward_redirected(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    """`torch.autograd.backward` with the redirection on inside it. A mode is off while its own handler runs, and
+    the backward pass runs inside this call, so autograd functions whose backward allocates on "the current CUDA
+    device" (Megatron-Core's sequence-parallel gathers and reduce-scatters: the MoE layer's token split and its
+    all-gather dispatcher) would otherwise fail. The engine is called as `torch.autograd.backward` calls it, under a
+    fresh mode (calling `backward` itself would dispatch to that mode again)."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False)
+    with _CudaToCpu():
+        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                             tuple(inputs) if inputs is not None else (), allow_unreachable=True, accumulate_grad=True)
 
 
 def _cpu_kwargs(kwargs: dict) -> dict:

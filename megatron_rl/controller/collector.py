@@ -45,7 +45,23 @@ def pack(rollouts: list[ScoredRollouts], pad_id: int) -> RolloutBatch:
         policy = torch.tensor([[False] * len(p) + list(m) + [False] * (s - len(p) - len(m))
                                for p, m in zip(prompts, masks)], dtype=torch.bool)
     return RolloutBatch(toks, torch.tensor([len(p) for p in prompts]), torch.tensor([len(t) for t in tokens]),
-                        logp, rewards, groups, versions, policy_mask=policy)
+                        logp, rewards, groups, versions, policy_mask=policy, routes=pack_routes(rollouts, s))
+
+
+def pack_routes(rollouts: list[ScoredRollouts], s: int) -> Optional[torch.Tensor]:
+    """Every sample's recorded routes right-padded to [n, s, layers, k] (padding, and a sample without routes, hold
+    placeholders: experts 0..k-1), or None when no replica recorded any (routing replay off, or a dense model)."""
+    if all(r.routes is None for r in rollouts):
+        return None
+    if any(r.routes is None for r in rollouts):
+        raise ValueError("some generator replicas recorded routes and others did not")
+    have = [x for r in rollouts for x in r.routes if x is not None]
+    _, layers, k = have[0].shape
+    out = torch.arange(k, dtype=have[0].dtype).expand(sum(len(r.routes) for r in rollouts), s, layers, k).clone()
+    for i, x in enumerate(x for r in rollouts for x in r.routes):
+        if x is not None:
+            out[i, : x.shape[0]] = x
+    return out
 
 
 def batch_with_advantages(parts: list[ScoredRollouts], pad_id: int, advantage: str) -> RolloutBatch:

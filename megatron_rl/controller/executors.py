@@ -172,7 +172,8 @@ class GeneratorExecutor:
                                    max_batch_size=cfg.generator.max_batch_size,
                                    max_len=cfg.episode_length,
                                    tokenizer=tokenizer, pp_group=groups.pgs.pp,
-                                   kv_cache_tokens=cfg.generator.kv_cache_tokens or None)
+                                   kv_cache_tokens=cfg.generator.kv_cache_tokens or None,
+                                   record_routes=model_cfg.is_moe and cfg.trainer.routing_replay)
         self.episodes = None  # with env.cls: the replica's environments (`environments/play.py`)
         if cfg.env.cls is not None:
             from megatron_rl.environments.play import Episodes

@@ -79,6 +79,10 @@ class ScoredRollouts:
     # episode statistics (`collector.episode_metrics`); None for single responses.
     policy_masks: Optional[list[list[bool]]] = None
     episodes: Optional[dict] = None
+    # Routing replay (a mixture-of-experts generator that records): each sample's routes, a uint8/int16 tensor
+    # [prompt + response tokens, layers, k] (`inference.SampledResponse.routes`; None for a refused request); None
+    # when not recorded. Kept in checkpoints with the pending batches: the trainer replays them.
+    routes: Optional[list] = None
 
 
 @dataclass
@@ -121,7 +125,13 @@ def score(task: Task, gen: UnscoredRollouts, evaluated: Optional[Evaluated], *, 
                           [o.token_ids for o in gen.outputs], [o.logprobs for o in gen.outputs], rewards, gen.groups,
                           gen.texts[:4], gen.gen_s, reward_s, wait_s, eval_reward, reward_failures=failures,
                           policy_masks=[o.policy_mask for o in gen.outputs] if episodes else None,
-                          episodes=gen.episodes)
+                          episodes=gen.episodes, routes=_routes(gen.outputs))
+
+
+def _routes(outputs: list) -> Optional[list]:
+    """The samples' recorded routes (`ScoredRollouts.routes`), or None when none was recorded."""
+    routes = [getattr(o, "routes", None) for o in outputs]
+    return routes if any(r is not None for r in routes) else None
 
 
 def score_request(task: Task, replica: int, gen: UnscoredRollouts, evaluated: Optional[Evaluated]) -> ScoreRequest:

@@ -20,6 +20,14 @@ its cache while its environment answers and the other sequences decode; the obse
 sequence's sampling stream continuing where the last turn left it. A pipelined generator plays episodes the same
 way, a lane's round standing for a decode iteration (`inference/pipeline.py`), with this module's bookkeeping
 (`_append`, `_observe`) and prefill rule (`Prefill`): its episodes are the one-stage generator's.
+
+With `record_routes` (a mixture-of-experts model; routing replay, `models/moe.py`), every forward records the experts
+each MoE layer chose for each token it fed (`_Routes`): a prefill its chunk's tokens, a decode step each sequence's
+input token; a sequence prefilled again (preempted from a paged cache, or resuming an episode) records again from
+where its cache starts. Each output then carries `routes` [prompt + response tokens, layers, k] (uint8 up to 256
+experts): the trainer replays them, so it routes every token as the generator did. The last token is never fed (it
+was sampled last), so its routes are k placeholder experts; its hidden state only makes the logits after the
+sequence, which no loss reads. A pipelined generator (pp > 1) does not record (refused).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from megatron_rl.inference.kv_forward import IncrementalForward, PagedKVCache
 from megatron_rl.inference.paging import BlockPool
 from megatron_rl.inference.pipeline import PipelinedDecode, Prefill
 from megatron_rl.inference.sampling import SamplingParams, sample, stream_seed
+from megatron_rl.models.moe import record_routes, recorded_routes, route_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +70,9 @@ class SampledResponse:
     error: Optional[str] = None
     policy_mask: Optional[list[bool]] = None  # an episode's: True at sampled tokens, False at observations
     turns: int = 1  # an episode's model turns
+    # With `Generator(record_routes=True)`: each token's experts [len(prompt_ids + token_ids), layers, k] (module
+    # docstring); None otherwise.
+    routes: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -85,6 +97,7 @@ class _Seq:
     cached: int = 0
     budget: Optional[int] = None  # an episode's most tokens after its prompt (`Turns.max_tokens`)
     admitted_at: int = 0  # when it last got a slot (a paged cache preempts the latest first)
+    routes: list = field(default_factory=list)  # recorded routes: chunks [n, layers, k] of positions 0, 1, ...
 
     @property
     def history(self) -> list[int]:
@@ -110,6 +123,55 @@ def _to_device(t: torch.Tensor, device: torch.device, cuda_rules_on: bool) -> to
     if device.type != "cuda" and not cuda_rules_on:
         return t.to(device)
     return cuda_rules.pin_memory(t.contiguous()).to(device, non_blocking=True)
+
+
+class _Routes:
+    """The routes a generator records (module docstring): taken from the model after each forward, kept per
+    sequence on the host, in the compact dtype."""
+
+    def __init__(self, model: torch.nn.Module, on: bool):
+        self.model, self.on = model, on
+        self.dtype = route_dtype(model.config.num_moe_experts) if on else None
+        self._host: list = [None, None]
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The last forward's routes [s, b, layers, k] on the device (None when not recording)."""
+        if not self.on:
+            return None
+        return recorded_routes(self.model).to(self.dtype)
+
+    @staticmethod
+    def keep(seq: "_Seq", n: int) -> None:
+        """Keep the routes of `seq`'s first n positions (those its cache still holds)."""
+        if sum(c.shape[0] for c in seq.routes) > n:
+            seq.routes = [torch.cat(seq.routes)[:n]]
+
+    def prefilled(self, admitted: list, routes: torch.Tensor) -> None:
+        """A prefill's routes [width, rows, layers, k] to the sequences it fed (`Prefill.of`'s rows)."""
+        rows = [q for q in admitted if len(q.prompt) + len(q.tokens) - 1 > q.cached]
+        host = routes.transpose(0, 1).cpu()
+        for j, q in enumerate(rows):
+            self.keep(q, q.cached)
+            q.routes.append(host[j, : len(q.prompt) + len(q.tokens) - 1 - q.cached])
+
+    def to_host(self, routes: Optional[torch.Tensor], parity: int, pin: bool) -> Optional[torch.Tensor]:
+        """A decode step's routes [slots, layers, k] copied (without waiting) into one of two host buffers."""
+        if routes is None:
+            return None
+        buf = self._host[parity]
+        if buf is None or buf.shape != routes.shape:
+            buf = self._host[parity] = torch.empty(routes.shape, dtype=routes.dtype, pin_memory=pin)
+        return buf.copy_(routes, non_blocking=True)
+
+    def output(self, seq: "_Seq") -> Optional[torch.Tensor]:
+        """[len(history), layers, k]: the recorded positions, then placeholders (experts 0..k-1) for the last."""
+        if not self.on:
+            return None
+        self.keep(seq, len(seq.prompt) + len(seq.tokens) - 1)
+        layers, k = self.model.config.num_layers, self.model.config.moe_router_topk
+        have = torch.cat(seq.routes) if seq.routes else torch.zeros(0, layers, k, dtype=self.dtype)
+        fill = torch.arange(k, dtype=self.dtype).expand(len(seq.prompt) + len(seq.tokens) - have.shape[0], layers, k)
+        return torch.cat([have, fill])
 
 
 class _DecodeStep:
@@ -151,23 +213,29 @@ class _DecodeStep:
         kv_len = self.cache.max_len if gpu else int(self.positions.max()) + 1
         logits = self.gen.forward(self.tokens[:, None], self.positions[:, None], self.slots, self.cache,
                                   kv_len=kv_len, all_slots=True)
+        routes = self.gen.routes.take()
         full = self.gen._full_logits(logits[:, 0])
         tokens, logprobs = sample(full, self.temperature, self.top_p, self.top_k, self.seeds, self.steps,
                                   self.filtering, self.noise)
         self.tokens.copy_(tokens)
         self.positions.add_(1).clamp_(max=self.cache.max_len - 1)
         self.steps.add_(1)
-        return tokens, logprobs
+        return tokens, logprobs, None if routes is None else routes[0]
 
     def _running(self, active: list[int]):
         """The eager step for the `active` slots only (a CPU without the CUDA-rules mode): free slots and episodes
         waiting for their environments cost nothing, and attention reads up to the furthest running position. The
         tokens and log-probs come back per slot, as `_body`'s do (the other slots' are unread; their inputs stay as
-        they were, and admitting a sequence there sets them)."""
+        they were, and admitting a sequence there sets them); so do the routes, when recorded."""
         idx = torch.tensor(active, device=self.tokens.device)
         positions = self.positions[idx]
         logits = self.gen.forward(self.tokens[idx][:, None], positions[:, None], idx, self.cache,
                                   kv_len=int(positions.max()) + 1)
+        routes = self.gen.routes.take()
+        if routes is not None:
+            out_r = routes.new_zeros((self.tokens.shape[0],) + tuple(routes.shape[2:]))
+            out_r[idx] = routes[0]
+            routes = out_r
         full = self.gen._full_logits(logits[:, 0])
         tokens, logprobs = sample(full, self.temperature[idx], self.top_p[idx], self.top_k[idx], self.seeds[idx],
                                   self.steps[idx], self.filtering, self.noise)
@@ -176,7 +244,7 @@ class _DecodeStep:
         self.steps[idx] += 1
         out_t, out_lp = torch.zeros_like(self.tokens), torch.zeros(self.tokens.shape, device=self.tokens.device)
         out_t[idx], out_lp[idx] = tokens, logprobs.float()
-        return out_t, out_lp
+        return out_t, out_lp, routes
 
     def admit(self, seqs: list) -> None:
         """Point the given slots at newly admitted sequences (their last token, its position, their parameters, and
@@ -238,7 +306,8 @@ class Generator:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, tp_group, max_batch_size: int = 64,
                  max_len: Optional[int] = None, tokenizer=None, cuda_graphs: Optional[bool] = None,
-                 lookahead: Optional[bool] = None, pp_group=None, kv_cache_tokens: Optional[int] = None):
+                 lookahead: Optional[bool] = None, pp_group=None, kv_cache_tokens: Optional[int] = None,
+                 record_routes: bool = False):
         if max_batch_size < 1:  # no cache slot: no sequence could ever start, and `generate` would spin
             raise ValueError(f"generator max_batch_size={max_batch_size} must be >= 1 (the number of sequences "
                              f"decoded at once)")
@@ -276,6 +345,16 @@ class Generator:
         self._cache = None
         self._steps: dict = {}
         self._paging_stats: dict = {}  # the last batch's decode batch size, and its paged cache's use
+        self.routes = _Routes(model, self._check_routes(record_routes))
+
+    def _check_routes(self, record: bool) -> bool:
+        """Whether to record routes (module docstring): only a one-stage generator of a mixture-of-experts model."""
+        if record and not self.forward.moe:
+            raise ValueError("record_routes=True needs a mixture-of-experts model (this one is dense)")
+        if record and self.pipeline is not None:
+            raise ValueError("routing replay needs a generator of one pipeline stage (generator.pp=1): a pipelined "
+                             "generator does not record its routes (set trainer.routing_replay=false)")
+        return record
 
     def _cache_for(self, slots: int, max_len: int):
         c = self._cache
@@ -347,13 +426,17 @@ class Generator:
             max_len = min(-(-longest // 128) * 128, self.max_len)
             cache = self._cache_for(min(self.max_batch_size, len(pending)), max_len)
             self.forward.prepare(cache.max_len)  # Megatron-Core's RoPE table names the CUDA device: build it here
-            with suspended():  # the decode loop allocates only on the model's device
-                self._run(pending, cache, device, turns)
+            record_routes(self.model, self.routes.on)
+            try:
+                with suspended():  # the decode loop allocates only on the model's device
+                    self._run(pending, cache, device, turns)
+            finally:
+                record_routes(self.model, False)
         for s in pending:
             text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
             outputs[s.req] = SampledResponse(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish,
                                               text=text, policy_mask=s.policy if turns is not None else None,
-                                              turns=max(s.turns, 1))
+                                              turns=max(s.turns, 1), routes=self.routes.output(s))
         n_tokens = sum(len(s.tokens) if turns is None else s.sampled for s in pending)
         elapsed = time.perf_counter() - t0
         self.stats = {"generated_tokens": n_tokens, "time_s": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9),
@@ -370,6 +453,9 @@ class Generator:
         # kv_len given: no device-to-host read, so a step launched ahead keeps running meanwhile.
         c = chunk.to(lambda t: _to_device(t, device, self.cuda_rules_on))
         self.forward(c.tokens, c.positions, c.slots, cache, kv_len=c.kv_len, logits=False)
+        routes = self.routes.take()
+        if routes is not None:
+            self.routes.prefilled(admitted, routes)
 
     def _run(self, pending: list[_Seq], cache, device, turns: Optional[Turns] = None) -> None:
         filtering = any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in pending)
@@ -391,7 +477,7 @@ class Generator:
         free = list(range(cache.slots))
         pool = BlockPool(cache) if isinstance(cache, PagedKVCache) else None
         preempted = batched = 0  # sequences preempted (paged cache); sequences over the decode steps
-        in_flight = None  # (tokens, logprobs, ready event or None, {slot: sequence} when launched)
+        in_flight = None  # (tokens, logprobs, ready event or None, {slot: sequence} when launched, routes or None)
         launched = 0
         # Episodes: turns handed to `turns.start` at the last iteration (their slots held), and the sequences whose
         # observation came at the last iteration, to resume in their own slots at this one.
@@ -419,8 +505,9 @@ class Generator:
             current = None
             if by_slot:
                 batched += len(by_slot)
-                tokens, logprobs = step(sorted(by_slot))
+                tokens, logprobs, routes = step(sorted(by_slot))
                 toks_h, lps_h = host[launched % 2]
+                routes_h = self.routes.to_host(routes, launched % 2, pin)
                 launched += 1
                 toks_h.copy_(tokens, non_blocking=True)
                 lps_h.copy_(logprobs, non_blocking=True)
@@ -428,7 +515,7 @@ class Generator:
                 if device.type == "cuda":
                     ready = torch.cuda.Event()
                     ready.record()
-                current = (toks_h, lps_h, ready, dict(by_slot))
+                current = (toks_h, lps_h, ready, dict(by_slot), routes_h)
             if self.lookahead:
                 done, in_flight = in_flight, current
             else:
@@ -472,7 +559,7 @@ class Generator:
               pool: Optional[BlockPool] = None) -> list[_Seq]:
         """Append a finished step's tokens to its sequences; a sequence that stops frees its slot (and its cache
         blocks), or, in an episode, holds it: those are returned (their turn has ended)."""
-        toks_h, lps_h, ready, slots = done
+        toks_h, lps_h, ready, slots, routes_h = done
         if ready is not None:
             ready.synchronize()
         tokens, logprobs = toks_h.tolist(), lps_h.tolist()
@@ -480,6 +567,8 @@ class Generator:
         for slot, s in slots.items():
             if s.finish is not None:  # ended at the previous step: this one ran ahead for nothing
                 continue
+            if routes_h is not None:  # the routes of the token this step fed (its last, at len(history) - 1)
+                s.routes.append(routes_h[slot].clone()[None])
             if self._append(s, tokens[slot], logprobs[slot]):
                 del by_slot[slot]
                 if turns is None:

@@ -8,15 +8,30 @@ generator's incremental forward and the pipeline stages all hand whole activatio
 takes its 1/TP of the layer's tokens (flattened over sequence and batch, padded with masked tokens to a multiple
 of TP), runs Megatron-Core's layer on them, and the outputs are all-gathered back. The backward of the split is
 the all-gather of the token gradients, that of the gather a split (the activations after the layer are the same
-on every TP rank, so are their gradients). The arithmetic per token is Megatron-Core's (a test checks it against
+on every TP rank, so are their gradients); the router's weight, whole on every TP rank, has its gradient summed
+over TP. The arithmetic per token is Megatron-Core's (a test checks it against
 transformers at TP2 x EP2); the duplicated work is gone.
+
+Routing replay (R3, "rollout routing replay"): the generator and the trainer can route a token to different experts
+(another batch, other kernels, another precision), and then their log-probs of the same token disagree far more than
+a dense model's do, which destabilizes RL (Megatron-LM #4168). Each layer can record the experts its router chose in
+a forward (`record`, then `take_recorded`: [s, b, k] in the layer's token order, gathered over TP, the padding
+dropped) and replay given ones in the next forward (`replay`: [s, b, k], each TP rank taking its chunk): the router
+then computes its probabilities at those experts (Megatron-Core's `RouterReplay` gathers the scores there, which is
+normal routing whenever the routes are the router's own). Each layer's router holds its own `LayerReplay`, never
+Megatron-Core's global registry (a process can hold a trainer's and a generator's model at once), and the targets
+are cleared after the forward that uses them, so nothing accumulates. `record_routes`, `recorded_routes` and
+`replaying` do the same for a whole model (one pipeline stage), the routes indexed by the model's layer number.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import functools
+from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import megatron_rl.compat.megatron_core  # noqa: F401 - first: Megatron-Core without wandb and Inductor
 from megatron.core.tensor_parallel.mappings import (
@@ -24,6 +39,31 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+
+class LayerReplay(RouterReplay):
+    """Megatron-Core's per-router replay state without its class-level registry (`RouterReplay.__init__` appends
+    every instance to a global list, which would keep every model ever built alive and mix the routers of models
+    that share a process). Its `get_replay_topk` is Megatron-Core's, which the router calls."""
+
+    def __init__(self):  # no super().__init__: that registers the instance globally
+        self.target_topk_idx: Optional[torch.Tensor] = None
+        self.recorded_topk_idx: Optional[torch.Tensor] = None
+        self.router_replay_action: Optional[RouterReplayAction] = None
+        self.replay_backward_list: list = []
+
+
+def _summed_over(grad: torch.Tensor, group) -> torch.Tensor:
+    """A gradient hook: the sum of `grad` over `group`'s ranks."""
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The compact dtype that holds expert ids below `num_experts` (routes cross processes and checkpoints)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
 
 
 class TokenSplitMoELayer(MoELayer):
@@ -36,12 +76,79 @@ class TokenSplitMoELayer(MoELayer):
         # this group's size; the tokens are split here, so it sees a group of one (CP, which this project keeps
         # at 1).
         self.attn_tp_group = pg_collection.cp
+        # The router's weight is whole on every TP rank but each rank routes only its share of the tokens, so its
+        # gradient is that share's: summed over TP in the backward (Megatron-Core's gradient finalization sums such
+        # weights only under sequence parallelism, which this model does not use).
+        if self.tp_group.size() > 1:
+            for p in self.router.parameters():
+                p.register_hook(functools.partial(_summed_over, group=self.tp_group))
+        self.router.router_replay = LayerReplay()
+        self._recording = False
+        self._recorded: Optional[torch.Tensor] = None
+        self._replay: Optional[torch.Tensor] = None
+
+    def record(self, on: bool = True) -> None:
+        """Record the routes of every forward from now on (`take_recorded` hands out the last one's), or stop."""
+        self._recording = on
+        self._recorded = None
+
+    def take_recorded(self) -> Optional[torch.Tensor]:
+        """The experts the last recorded forward chose, [s, b, k] int64 in its [s, b] token order, once."""
+        out, self._recorded = self._recorded, None
+        return out
+
+    def replay(self, routes: Optional[torch.Tensor]) -> None:
+        """Route the next forward's tokens to `routes` [s, b, k] (expert ids; the probabilities are the router's at
+        those experts) instead of the router's top-k; None cancels. Used by that forward only."""
+        self._replay = routes
+
+    def _set_action(self, n_tokens: int, lo: int, hi: int) -> None:
+        """Arm the router for this forward's tokens lo..hi of the n_tokens flattened (padding past n_tokens)."""
+        replay = self.router.router_replay
+        replay.clear_indices()
+        routes, self._replay = self._replay, None
+        if routes is not None:
+            k = routes.shape[-1]
+            flat = routes.reshape(-1, k).long()
+            if flat.shape[0] != n_tokens:
+                raise ValueError(f"replayed routes hold {flat.shape[0]} tokens, the layer's input {n_tokens}")
+            if hi > n_tokens:  # padding tokens (masked): any k distinct experts
+                filler = torch.arange(k, dtype=torch.long, device=flat.device).expand(hi - n_tokens, k)
+                flat = torch.cat([flat, filler])
+            replay.set_target_indices(flat[lo:hi].to(self.router.weight.device))
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        elif self._recording:
+            replay.set_router_replay_action(RouterReplayAction.RECORD)
+        else:
+            replay.clear_router_replay_action()
+
+    def _keep_recorded(self, s: int, b: int) -> None:
+        """After a forward: keep the routes it chose (gathered over TP, [s, b, k]) when recording; clear the
+        router's replay state either way."""
+        replay = self.router.router_replay
+        mine = replay.recorded_topk_idx if replay.router_replay_action == RouterReplayAction.RECORD else None
+        if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD and self._recording:
+            mine = replay.target_topk_idx  # replayed while recording: the routes it used
+        replay.clear_indices()
+        replay.clear_router_replay_action()
+        if mine is None or not self._recording:
+            return
+        tp = self.tp_group.size()
+        if tp > 1:
+            parts = [torch.empty_like(mine) for _ in range(tp)]
+            dist.all_gather(parts, mine.contiguous(), group=self.tp_group)
+            mine = torch.cat(parts)
+        self._recorded = mine[: s * b].reshape(s, b, -1)
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         tp = self.tp_group.size()
-        if tp == 1:
-            return super().forward(hidden_states, padding_mask=padding_mask)
         s, b, h = hidden_states.shape
+        if tp == 1:
+            self._set_action(s * b, 0, s * b)
+            try:
+                return super().forward(hidden_states, padding_mask=padding_mask)
+            finally:
+                self._keep_recorded(s, b)
         tokens = hidden_states.reshape(s * b, 1, h)
         # [b, s] with True for real tokens -> [1, s * b] in the flattened order (padding_mask is batch-first).
         valid = (torch.ones(s * b, dtype=torch.bool, device=tokens.device) if padding_mask is None
@@ -54,6 +161,45 @@ class TokenSplitMoELayer(MoELayer):
         chunk = mine.shape[0]
         rank = self.tp_group.rank()
         my_mask = valid[rank * chunk:(rank + 1) * chunk].reshape(1, chunk)
-        out, bias = super().forward(mine, padding_mask=None if padding_mask is None and not pad else my_mask)
+        self._set_action(s * b, rank * chunk, (rank + 1) * chunk)
+        try:
+            out, bias = super().forward(mine, padding_mask=None if padding_mask is None and not pad else my_mask)
+        finally:
+            self._keep_recorded(s, b)
         out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False, group=self.tp_group)
         return out[: s * b].reshape(s, b, h), bias
+
+
+def moe_layers(model: torch.nn.Module) -> list[tuple[int, TokenSplitMoELayer]]:
+    """This stage's MoE layers with their 0-based layer index in the whole model (wrappers looked through)."""
+    return [(m.layer_number - 1, m) for m in model.modules() if isinstance(m, TokenSplitMoELayer)]
+
+
+def record_routes(model: torch.nn.Module, on: bool = True) -> None:
+    """Every MoE layer of `model` records its routes (`TokenSplitMoELayer.record`), or stops."""
+    for _, layer in moe_layers(model):
+        layer.record(on)
+
+
+def recorded_routes(model: torch.nn.Module) -> Optional[torch.Tensor]:
+    """The routes of the last recorded forward, [s, b, layers, k] over this stage's MoE layers in layer order
+    (None when it has none or nothing was recorded)."""
+    taken = [layer.take_recorded() for _, layer in sorted(moe_layers(model), key=lambda x: x[0])]
+    if not taken or any(t is None for t in taken):
+        return None
+    return torch.stack(taken, dim=2)
+
+
+@contextlib.contextmanager
+def replaying(model: torch.nn.Module, routes: Optional[torch.Tensor]) -> Iterator[None]:
+    """Within the block, the next forward of `model` (one pipeline stage) routes its tokens to `routes`
+    [b, s, num_layers, k] (batch-first, as micro-batches are; indexed by the whole model's layer: each stage takes
+    its own layers'). None: the router's own routing. Whatever was not used is cleared on exit."""
+    layers = moe_layers(model) if routes is not None else []
+    for index, layer in layers:
+        layer.replay(routes[:, :, index].transpose(0, 1))
+    try:
+        yield
+    finally:
+        for _, layer in layers:
+            layer.replay(None)

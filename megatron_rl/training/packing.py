@@ -26,6 +26,12 @@ from megatron_rl.rollout import RolloutBatch
 from megatron_rl.training.logprobs import logit_positions
 
 
+def placeholder_routes(rows: int, t: int, routes: torch.Tensor) -> torch.Tensor:
+    """[rows, t, layers, k] routes of `routes`' dtype holding experts 0..k-1 (padding: any k distinct experts)."""
+    k = routes.shape[-1]
+    return torch.arange(k, dtype=routes.dtype).expand(rows, t, routes.shape[2], k).clone()
+
+
 def dp_shares(lengths: list[int], dp: int) -> list[list[int]]:
     """The sequences (indices into `lengths`) of each DP rank, balancing tokens: longest first, each to the rank
     holding the fewest tokens so far (the lowest rank on a tie); each share in batch order."""
@@ -95,7 +101,8 @@ def packed_micro_batches(batch: RolloutBatch, dp: int, dp_rank: int, budget: int
     never a sequence's first token, whose logits would be the previous sequence's), logit_positions, logp_mu, adv
     (each token its sequence's advantage), segments (each token's sequence in the row, -1 on padding); and
     cu_seqlens [k + 2] int32 (the sequences' boundaries, then the row's padding as one more segment), with
-    host_bounds (the same as a list) and max_seqlen."""
+    host_bounds (the same as a list) and max_seqlen; with `batch.routes`, routes [1, T, layers, k] (routing replay;
+    placeholder experts on padding)."""
     if batch.advantages is None:
         raise ValueError("the batch has no advantages; compute them before training")
     lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
@@ -118,6 +125,8 @@ def packed_micro_batches(batch: RolloutBatch, dp: int, dp_rank: int, budget: int
             mb["logp_mu"][0, a:a + n] = batch.behaviour_logprobs[i, :n]
             mb["adv"][0, a:a + n] = batch.advantages[i]
             mb["segments"][0, a:a + n] = k
+            if batch.routes is not None:
+                mb.setdefault("routes", placeholder_routes(1, t, batch.routes))[0, a:a + n] = batch.routes[i, :n]
             bounds.append(a + n)
         if bounds[-1] < t:
             bounds.append(t)

@@ -14,7 +14,7 @@ the output layer and a pass over the vocabulary for nothing.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 import torch
@@ -26,7 +26,7 @@ from megatron_rl.parallel.topology import ExecutorGroups
 from megatron_rl.rollout import RolloutBatch
 from megatron_rl.training.engine import TrainEngine, current_device, run_schedule
 from megatron_rl.training.logprobs import logit_positions, target_logprobs, target_logprobs_and_entropy
-from megatron_rl.training.packing import packed_micro_batches
+from megatron_rl.training.packing import packed_micro_batches, placeholder_routes
 from megatron_rl.training.reference import freeze
 from megatron_rl.training.settings import LRSchedule, TrainerSettings
 
@@ -176,13 +176,17 @@ def make_micro_batches(batch: RolloutBatch, micro_batch_size: int, seq_len: int,
     if batch.advantages is None:
         raise ValueError("the batch has no advantages; compute them before training")
     adv[:n] = batch.advantages
+    named = [("tokens", tokens), ("loss_mask", mask), ("logit_positions", positions), ("logp_mu", logp_mu),
+              ("adv", adv)]
+    if batch.routes is not None:  # routing replay: the generator's experts (placeholders on padding)
+        routes = placeholder_routes(rows, seq_len, batch.routes)
+        routes[:n, :s] = batch.routes
+        named.append(("routes", routes))
     device = current_device()
     out = []
     for i in range(0, rows, micro_batch_size):
         sl = slice(i, i + micro_batch_size)
-        out.append({k: v[sl].to(device) if device is not None else v[sl]
-                    for k, v in (("tokens", tokens), ("loss_mask", mask), ("logit_positions", positions),
-                                 ("logp_mu", logp_mu), ("adv", adv))})
+        out.append({k: v[sl].to(device) if device is not None else v[sl] for k, v in named})
     return out
 
 
@@ -251,6 +255,8 @@ class RLTrainer:
     def micro_batches(self, batch: RolloutBatch) -> list[dict]:
         """This rank's micro-batches of `batch`: packed (`trainer.packing`) or padded, as the module says."""
         t, layout = self.settings.trainer, self.groups.layout
+        if not t.routing_replay and batch.routes is not None:  # the trainer's own routing
+            batch = replace(batch, routes=None)
         seq_len = padded_seq_len(batch.tokens.shape[1])
         if t.packing:
             budget = t.max_tokens_per_micro_batch or t.micro_batch_size * seq_len

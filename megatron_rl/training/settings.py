@@ -40,6 +40,11 @@ class TrainerSettings(Section):
     # "auto": bf16 where the hardware multiplies bf16 natively, else fp32 (megatron_rl.models.precision).
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     max_nonfinite_steps: int = ranged(3, ">= 1")
+    # Routing replay (R3) for a mixture-of-experts model: the log-prob pass and the training forward/backward route
+    # every token to the experts the generator chose for it (recorded with the rollouts, `models/moe.py`), so the
+    # trainer's and the generator's log-probs differ by the arithmetic only, not by flipped routes. false: the
+    # trainer routes by itself (to compare). Ignored for a dense model (no routes).
+    routing_replay: bool = True
 
     @property
     def layout(self) -> ParallelLayout:
