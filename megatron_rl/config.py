@@ -279,8 +279,8 @@ def given_keys(path: Optional[Union[str, Path]] = None, overrides: Optional[list
     return {key for key, _, _ in _items(path, overrides, [])}
 
 
-LAYOUT_KEYS = ("trainer.tp", "trainer.pp", "trainer.dp", "generator.tp", "generator.pp", "generator.dp",
-               "generator.ep", "generator.colocated")
+LAYOUT_KEYS = ("trainer.tp", "trainer.pp", "trainer.dp", "trainer.ep", "generator.tp", "generator.pp",
+               "generator.dp", "generator.ep", "generator.colocated")
 
 
 def _plural(n: int, what: str) -> str:
@@ -303,7 +303,7 @@ def fit_to_devices(cfg: JobConfig, devices: int, given: Collection[str] = ()) ->
     if need <= devices:
         return cfg, f"the configured layout uses {need} of {_plural(devices, 'GPU')}"
     reward_ranks = need - cfg.reward_first_rank
-    single = {"tp": 1, "pp": 1, "dp": 1}
+    single = {"tp": 1, "pp": 1, "dp": 1, "ep": 1}
     for ranks, colocated, words in ((2, False, "trainer and generator at TP1, a GPU each"),
                                     (1, True, "trainer and generator colocated at TP1")):
         if ranks + reward_ranks <= devices:
@@ -322,9 +322,13 @@ def _layout_problems(cfg: JobConfig, model: ModelConfig) -> list[str]:
     for name, sec in (("trainer", cfg.trainer), ("generator", cfg.generator)):
         for p in layout_problems(model, sec.layout):
             if p.field is None:
-                out.append(f"{name}.{p.dim}={p.size} must be >= 1")
+                if p.dim != "ep":  # the section's own range says it
+                    out.append(f"{name}.{p.dim}={p.size} must be >= 1")
             elif p.field == "dense":
                 out.append(f"{name}.{p}")
+            elif p.field == "tp x dp":  # the expert grid: only a trainer's EP (over DP) can miss it
+                out.append(f"{name}.ep={sec.ep} does not divide {name}.dp={sec.dp} (expert parallelism splits the "
+                           f"experts over DP ranks)")
             elif shape_ok:
                 out.append(f"{name}.{p.dim}={p.size} does not divide model.{p.field}={p.count}")
     return out

@@ -25,6 +25,12 @@ CASES = [
     # Qwen2's QKV bias (split with the QKV rows), Qwen3's q/k norms (replicated) on heads wider than hidden/heads
     ({"family": "qwen2", "tie_word_embeddings": True}, dict(tp=2, pp=2)),
     ({"family": "qwen3", "head_dim": 32}, dict(tp=2, pp=2)),
+    # Mixtures of experts: EP over DP ranks with each expert split over TP (a trainer's), EP inside TP with whole
+    # experts (a generator's), EP with pipeline stages.
+    ({"family": "mixtral", "num_moe_experts": 4, "moe_ffn_hidden_size": 48}, dict(tp=2, dp=2, ep=2)),
+    ({"family": "qwen3_moe", "head_dim": 32, "num_moe_experts": 4, "moe_ffn_hidden_size": 48},
+     dict(tp=2, dp=2, ep=2, etp=1)),
+    ({"family": "mixtral", "num_moe_experts": 4, "moe_ffn_hidden_size": 48}, dict(pp=2, dp=2, ep=2)),
 ]
 
 
@@ -40,8 +46,8 @@ def test_descriptors_match_real_models(described, i):
     layout = ParallelLayout(**layout_kw)
     for per_rank in described:
         real = per_rank[i]
-        tp_rank, pp_rank, _ = real["coords"]
-        mine = stage_params(cfg, layout, pp_rank, tp_rank)
+        tp_rank, pp_rank, dp_rank = real["coords"]
+        mine = stage_params(cfg, layout, pp_rank, tp_rank, dp_rank)
         assert [lp.local_name for lp in mine] == list(real["shapes"])  # same names, same order
         by_name = {d.local_name: d for d in real["shards"]}
         for lp in mine:

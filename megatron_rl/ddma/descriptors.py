@@ -182,11 +182,14 @@ def _logical_params(m: ModelShape) -> tuple[LogicalParam, ...]:
 
 
 @lru_cache(maxsize=256)
-def _stage_params(m: ModelShape, layout: ParallelLayout, pp_rank: int, tp_rank: int) -> tuple[LocalParam, ...]:
+def _stage_params(m: ModelShape, layout: ParallelLayout, pp_rank: int, tp_rank: int,
+                  expert_coords: tuple[int, int] = (0, 0)) -> tuple[LocalParam, ...]:
     check_layout(m, layout)
     by_name = {p.name: p for p in logical_params(m)}
     padded = m.padded_vocab_size(layout.tp)
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    etp_rank, ep_rank = expert_coords
+    per_rank = (m.num_moe_experts or 0) // layout.ep  # experts an EP rank holds: [ep_rank * per_rank, ...)
 
     def local(local_name: str, global_name: str, tied_copy: bool = False) -> LocalParam:
         p = by_name[global_name]
@@ -197,7 +200,12 @@ def _stage_params(m: ModelShape, layout: ParallelLayout, pp_rank: int, tp_rank: 
         out.append(local(EMBEDDING, EMBEDDING))
     for j, i in enumerate(layer_range(m, layout.pp, pp_rank)):
         for p in layer_params(m):
-            out.append(local(f"decoder.layers.{j}.{p.name}", f"decoder.layers.{i}.{p.name}"))
+            if p.expert is None:
+                out.append(local(f"decoder.layers.{j}.{p.name}", f"decoder.layers.{i}.{p.name}"))
+            elif p.expert // per_rank == ep_rank:  # this rank's share of the experts, split over expert TP
+                name = p.name.replace(f"local_experts.{p.expert}.", f"local_experts.{p.expert - ep_rank * per_rank}.")
+                out.append(LocalParam(f"decoder.layers.{j}.{name}", by_name[f"decoder.layers.{i}.{p.name}"],
+                                      etp_rank, layout.etp, None))
     if last:
         out.append(local(FINAL_NORM, FINAL_NORM))
         if not m.tie_word_embeddings:
@@ -208,14 +216,19 @@ def _stage_params(m: ModelShape, layout: ParallelLayout, pp_rank: int, tp_rank: 
 
 
 def stage_params(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, pp_rank: int,
-                 tp_rank: int) -> tuple[LocalParam, ...]:
-    """The parameters of the GPTModel stage at (pp_rank, tp_rank) of `layout`, in registration order."""
-    if not (0 <= pp_rank < layout.pp and 0 <= tp_rank < layout.tp):
-        raise ValueError(f"(pp_rank={pp_rank}, tp_rank={tp_rank}) is outside layout {layout}")
-    return _stage_params(ModelShape.of(cfg), layout, pp_rank, tp_rank)
+                 tp_rank: int, dp_rank: int = 0) -> tuple[LocalParam, ...]:
+    """The parameters of the GPTModel stage at (pp_rank, tp_rank) of `layout`, in registration order; a mixture of
+    experts holds the experts of its place in the expert grid, which depends on `dp_rank` too
+    (`ParallelLayout.expert_coords`: EP rank e holds experts [e E/ep, (e+1) E/ep) as `local_experts.0..`, each
+    split over the expert-TP group)."""
+    if not (0 <= pp_rank < layout.pp and 0 <= tp_rank < layout.tp and 0 <= dp_rank < layout.dp):
+        raise ValueError(f"(pp_rank={pp_rank}, tp_rank={tp_rank}, dp_rank={dp_rank}) is outside layout {layout}")
+    m = ModelShape.of(cfg)
+    coords = layout.expert_coords(tp_rank, dp_rank) if m.num_moe_experts else (0, 0)
+    return _stage_params(m, layout, pp_rank, tp_rank, coords)
 
 
 def rank_params(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, local_rank: int) -> tuple[LocalParam, ...]:
-    """The parameters held by one rank of an executor (DP replicas hold the same ones)."""
-    tp_rank, pp_rank, _ = layout.coords(local_rank)
-    return stage_params(cfg, layout, pp_rank, tp_rank)
+    """The parameters held by one rank of an executor (DP replicas hold the same ones, but for their experts)."""
+    tp_rank, pp_rank, dp_rank = layout.coords(local_rank)
+    return stage_params(cfg, layout, pp_rank, tp_rank, dp_rank)

@@ -86,8 +86,8 @@ class Endpoint:
         """Parameters held by global `rank` (empty when the rank is not in this executor)."""
         if rank not in self.ranks:
             return ()
-        tp_rank, pp_rank, _ = self.coords(rank)
-        return stage_params(self.model, self.layout, pp_rank, tp_rank)
+        tp_rank, pp_rank, dp_rank = self.coords(rank)
+        return stage_params(self.model, self.layout, pp_rank, tp_rank, dp_rank)
 
 
 class Copy(NamedTuple):
@@ -233,31 +233,36 @@ def _with_dim(box: Box, dim: int, lo: int, hi: int) -> Box:
     return box[:dim] + ((lo, hi),) + box[dim + 1:]
 
 
-def _source_index(src: Endpoint) -> dict[str, tuple[int, list[LocalParam]]]:
-    """For each logical parameter: the source stage holding its canonical copy, and that copy on each TP rank."""
-    index: dict[str, tuple[int, list[LocalParam]]] = {}
-    for pp_rank in range(src.layout.pp):
-        for t in range(src.layout.tp):
-            for lp in stage_params(src.model, src.layout, pp_rank, t):
-                if not lp.tied_copy:
-                    index.setdefault(lp.global_name, (pp_rank, []))[1].append(lp)
-    return index
+def _source_index(src: Endpoint) -> dict[str, tuple[int, list[tuple[LocalParam, tuple[int, ...]]]]]:
+    """For each logical parameter: the source stage holding its canonical copy, and each distinct shard of it there
+    with the ranks that hold that shard (a dense weight's TP shard: its DP replicas; an expert's expert-TP shard:
+    the ranks of the expert grid place that owns the expert), in TP-rank order."""
+    held: dict[str, tuple[int, dict[LocalParam, list[int]]]] = {}
+    lay = src.layout
+    for pp_rank in range(lay.pp):
+        for t in range(lay.tp):
+            for d in range(lay.dp):
+                rank = src.rank_of(t, pp_rank, d)
+                for lp in stage_params(src.model, lay, pp_rank, t, d):
+                    if not lp.tied_copy:
+                        held.setdefault(lp.global_name, (pp_rank, {}))[1].setdefault(lp, []).append(rank)
+    return {name: (stage, [(lp, tuple(ranks)) for lp, ranks in shards.items()])
+            for name, (stage, shards) in held.items()}
 
 
-def _templates(lp: LocalParam, src: Endpoint, stage: int, by_tp: list[LocalParam]) -> tuple[list, list]:
+def _templates(lp: LocalParam, stage: int, shards: list[tuple[LocalParam, tuple[int, ...]]]) -> tuple[list, list]:
     """What destination parameter `lp` needs, independent of which DP replica holds it:
     ([(dst_box, src_box, candidates, src_param)], [zero-filled dst_box])."""
     p = lp.param
-    lay = src.layout
     dst_full = _full_box(lp.local_shape)
     if p.partition_dim is None:
-        everyone = tuple(src.rank_of(t, stage, d) for t in range(lay.tp) for d in range(lay.dp))
-        return [(dst_full, _full_box(p.shape), everyone, by_tp[0].local_name)], []
+        everyone = tuple(r for _, ranks in shards for r in ranks)
+        return [(dst_full, _full_box(p.shape), everyone, shards[0][0].local_name)], []
     pieces, zeros = [], []
     dim = p.partition_dim
     real = p.shape[dim]  # logical extent: padding rows lie beyond it
-    replicas = [tuple(src.rank_of(t, stage, d) for d in range(lay.dp)) for t in range(lay.tp)]
-    src_blocks = [(sp.local_name, _full_box(sp.local_shape), sp.blocks()) for sp in by_tp]
+    replicas = [ranks for _, ranks in shards]
+    src_blocks = [(sp.local_name, _full_box(sp.local_shape), sp.blocks()) for sp, _ in shards]
     for g0, g1, l0 in lp.blocks():
         if g1 > real:
             zeros.append(_with_dim(dst_full, dim, l0 + max(g0, real) - g0, l0 + g1 - g0))
@@ -383,8 +388,8 @@ def _make_plan(src: Endpoint, dst: Endpoint, split_min_elements: int) -> Reshard
     templates: dict[LocalParam, tuple[list, list]] = {}  # DP replicas of the destination need the same slices
     for _, r, lp in wanted:
         if lp not in templates:
-            stage, by_tp = index[lp.global_name]
-            templates[lp] = _templates(lp, src, stage, by_tp)
+            stage, shards = index[lp.global_name]
+            templates[lp] = _templates(lp, stage, shards)
         needed, padding = templates[lp]
         for dst_box, src_box, candidates, src_param in needed:
             pieces.append(_Piece(lp.global_name, r, lp.local_name, dst_box, src_box, candidates, src_param,

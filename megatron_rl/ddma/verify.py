@@ -87,7 +87,8 @@ def count_mismatches(actual: torch.Tensor, expected: torch.Tensor) -> int:
 
 
 def _local_params(model_cfg: ModelConfig, groups) -> dict[str, LocalParam]:
-    return {lp.local_name: lp for lp in stage_params(model_cfg, groups.layout, groups.pp_rank, groups.tp_rank)}
+    return {lp.local_name: lp for lp in stage_params(model_cfg, groups.layout, groups.pp_rank, groups.tp_rank,
+                                                     groups.dp_rank)}
 
 
 def reshard_check_worker(rank: int, world_size: int, cfg_kw: dict, src: str, dst: str, colocated: bool,

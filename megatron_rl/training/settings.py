@@ -19,6 +19,10 @@ class TrainerSettings(Section):
     tp: int = 2
     pp: int = 1
     dp: int = 1
+    # Expert parallelism (mixture-of-experts models): each layer's experts split over `ep` of the DP ranks, as
+    # Megatron-Core does (`ParallelLayout.ep`; each expert's weights over TP, as a dense MLP's); `ep` must divide
+    # `dp` and the number of experts. It adds no ranks.
+    ep: int = ranged(1, ">= 1", "(each layer's experts split over ep of the DP ranks)")
     micro_batch_size: int = ranged(64, ">= 1")
     # Packed micro-batches (`training.packing`): whole sequences concatenated up to max_tokens_per_micro_batch
     # tokens (0: micro_batch_size x the step's longest sequence, the tokens of a padded micro-batch), so a step pays
@@ -48,7 +52,7 @@ class TrainerSettings(Section):
 
     @property
     def layout(self) -> ParallelLayout:
-        return ParallelLayout(self.tp, self.pp, self.dp)
+        return ParallelLayout(self.tp, self.pp, self.dp, ep=self.ep)
 
     def rules(self, path: str) -> list[str]:
         out = []
