@@ -19,8 +19,8 @@ from rl_workers import make_rollouts
 def _trainer(layout_kw, state_path, seed=0):
     layout_kw = dict(layout_kw)
     distributed = layout_kw.pop("distributed_optimizer", True)  # False: Megatron-Core's DP-replicated optimizer
+    cfg = get_preset("tiny", **layout_kw.pop("model", {}))  # "model": preset overrides (a mixture of experts)
     layout = ParallelLayout(**layout_kw)
-    cfg = get_preset("tiny")
     g = build_topology([ExecutorPlacement("trainer", layout)])["trainer"]
     model = build_gpt_model(cfg, layout, g.pgs, attention="sdpa", seed=seed)
     if state_path is not None:

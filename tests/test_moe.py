@@ -91,3 +91,30 @@ def test_reshard_check_moves_every_expert_between_expert_layouts(capsys):
     held = [lp.global_name for r in range(2) for lp in rank_params(cfg, ParallelLayout(tp=2, ep=2, etp=1), r)]
     assert set(held) == set(names) and sum(".local_experts." in n for n in held) == 2 * 4 * 2  # each expert once
     assert summary["ok"] and summary["mismatches"] == 0 and summary["params_checked"] == len(held)
+
+
+MOE_TINY = {"family": "mixtral", "num_moe_experts": 4}
+
+
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_at_tp2_exactly(tmp_path):
+    """A mixture-of-experts trainer saved at DP2 x EP2 (experts and their optimizer state split over the DP
+    ranks) resumes at DP2 x EP1 and at TP2 x DP2 x EP2 and takes the same next step as the uninterrupted run:
+    loss and every weight. Expert weights are expert-parallel at every EP (`build_gpt_model`), so the optimizer
+    is the same two-part chain whatever the EP."""
+    from ckpt_workers import load_and_continue, train_save_continue
+    from megatron_rl.launch.spawn import run_local
+    from megatron_rl.models import get_preset
+    from megatron_rl.models.hf_mapping import hf_to_megatron
+    from tiny_hf import tiny_family_model
+
+    cfg = get_preset("tiny", **MOE_TINY)
+    hf = tiny_family_model("mixtral", num_layers=cfg.num_layers)  # the tiny preset's shape, 4 experts of 176
+    state = tmp_path / "full.pt"
+    torch.save(hf_to_megatron(file_state_dict(hf), cfg), state)
+    ref = run_local(train_save_continue, 2, dict(dp=2, ep=2, model=MOE_TINY), str(state), str(tmp_path / "c"), 2)[0]
+    for layout in (dict(dp=2, model=MOE_TINY), dict(tp=2, dp=2, ep=2, model=MOE_TINY)):
+        for r in run_local(load_and_continue, layout.get("tp", 1) * 2, layout, ref["path"], 2):
+            assert r["steps_done"] == 3
+            assert r["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], rel=1e-5, abs=1e-7)
+            for k, v in ref["params"].items():
+                torch.testing.assert_close(r["params"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")

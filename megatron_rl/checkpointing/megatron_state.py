@@ -44,27 +44,30 @@ def sharded_model(engine) -> dict:
     return model_sharded_state_dict(engine.model.module, engine.pgs.dp_cp)
 
 
-def spread_replicas(sharded_state_dict: dict, group) -> None:
+def spread_replicas(sharded_state_dict: dict, group, expert_group=None) -> None:
     """Decide which DP rank writes each model tensor, so that the weights' writes (and their host copies) are spread
     over the DP group instead of all falling on DP rank 0, the main replica Megatron-Core picks.
 
     Every DP rank of a model-parallel shard holds the same tensors, so each computes the same assignment alone, with
     no communication: `reads.read_owners`, the rule by which a resume picks the rank that reads each. The owner
     becomes the main replica (DP coordinate 0 of the replica id), the others not (1). Factories are applied first
-    (SwiGLU's two halves are spread separately)."""
+    (SwiGLU's two halves are spread separately). A mixture of experts' expert weights (keys under `.experts.`) are
+    held alike only by their expert-data-parallel group (`expert_group`; other DP ranks hold other experts): they
+    are spread over that group, and left as Megatron-Core marks them without one."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    size, rank = group.size(), group.rank()
     apply_factories(sharded_state_dict)
-    if size == 1:
-        return
     shards = [sh for sh in nested_values(sharded_state_dict)
               if isinstance(sh, ShardedTensor) and isinstance(sh.replica_id, tuple) and len(sh.replica_id) == 3]
-    owners = read_owners([(sh.key, sh.global_offset, sh.data.numel() * sh.data.element_size()) for sh in shards],
-                         size)
-    for sh, owner in zip(shards, owners):
-        sh.replica_id = (*sh.replica_id[:2], 0 if owner == rank else 1)
+    experts = [sh for sh in shards if ".experts." in sh.key]
+    for grp, part in ((group, [sh for sh in shards if ".experts." not in sh.key]), (expert_group, experts)):
+        if grp is None or grp.size() == 1 or not part:
+            continue
+        owners = read_owners([(sh.key, sh.global_offset, sh.data.numel() * sh.data.element_size()) for sh in part],
+                             grp.size())
+        for sh, owner in zip(part, owners):
+            sh.replica_id = (*sh.replica_id[:2], 0 if owner == grp.rank() else 1)
 
 
 _REFERENCE_PREFIX = "reference."

@@ -214,7 +214,7 @@ class TrainCheckpointer:
         writes = {}
         model_sd = megatron_state.sharded_model(engine) if engine is not None else {}
         if engine is not None:
-            megatron_state.spread_replicas(model_sd, engine.pgs.dp_cp)
+            megatron_state.spread_replicas(model_sd, engine.pgs.dp_cp, engine.pgs.expt_dp)
         staged = self._staging.stage(model_sd)
         writes[MODEL_DIR] = plan(model_sd, tmp / MODEL_DIR)
         failpoint("checkpoint_between_model_and_optimizer", name)
@@ -225,7 +225,7 @@ class TrainCheckpointer:
                 with_state=megatron_state.has_optimizer_state(engine.optimizer))
             if reference is not None:
                 optim_sd["reference"] = megatron_state.sharded_reference(reference, engine)
-                megatron_state.spread_replicas(optim_sd["reference"], engine.pgs.dp_cp)
+                megatron_state.spread_replicas(optim_sd["reference"], engine.pgs.dp_cp, engine.pgs.expt_dp)
             torch.save(rng.rng_state(), rng_file(tmp, rank))
         staged += self._staging.stage(optim_sd)
         self.last_staged_bytes = staged

@@ -32,7 +32,7 @@ from megatron_rl.models.presets import PRESETS
 
 # Fields a resume may change: a name, or a section prefix ending in ".".
 RESUMABLE = ("run.name", "run.steps", "run.eval_interval", "run.world_size", "run.backend", "run.wandb.",
-             "run.stop_grace_s", "checkpoint.", "trainer.lr", "trainer.tp", "trainer.pp", "trainer.dp",
+             "run.stop_grace_s", "checkpoint.", "trainer.lr", "trainer.tp", "trainer.pp", "trainer.dp", "trainer.ep",
              "trainer.micro_batch_size", "trainer.packing", "trainer.max_tokens_per_micro_batch", "trainer.attention",
              "trainer.max_nonfinite_steps", "generator.",
              "reward.timeout_s", "reward.num_workers")

@@ -277,6 +277,14 @@ def build_gpt_model(
             pg_collection=pgs,
         )
     gpt.megatron_rl_fusions = frozenset(fused)
+    if model.is_moe:
+        # Megatron-Core marks expert weights as expert-parallel (their own DDP buffers and optimizer, over the
+        # expert-data-parallel group) only when EP > 1; marked at every EP, the optimizer is the same two-part chain
+        # whatever the EP, so a checkpoint resumes at another EP, EP 1 included (at EP 1 the expert-DP group is the
+        # DP group: the same reduction).
+        for name, p in gpt.named_parameters():
+            if ".local_experts." in name:
+                p.allreduce = False
     zero_vocab_padding(gpt, model.vocab_size, pgs.tp.rank())
     if torch.cuda.is_available() or cuda_rules.enabled():  # (a no-op on the CPU, but for CUDA's refusals)
         # Weights left on the meta device (an 8-bit generator's, built without them) have nothing to copy: they
