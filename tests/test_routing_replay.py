@@ -110,11 +110,13 @@ def test_trainer_routes_as_the_generator_did(replay_batch, packed):
     (dict(dp=2, ep=2), False),
     (dict(pp=2, dp=2, ep=2), True),
     (dict(tp=2, ep=2, etp=1), True),
-], ids=["dp2-ep2-padded", "pp2-dp2-ep2-packed", "tp2-ep2-packed"])
+    (dict(tp=2, dp=2, ep=2), True),
+], ids=["dp2-ep2-padded", "pp2-dp2-ep2-packed", "tp2-ep2-packed", "tp2-dp2-ep2-packed"])
 def test_replayed_rl_step_is_the_single_process_one(replay_batch, layout, packed):
     """An AIPO step with routing replay under EP2 (with DP2, padded micro-batches; with PP2 x DP2, each stage
     replaying its own layer's routes, packed ones; within TP2, each TP rank routing half the tokens, so the
-    router's gradient is summed over TP) equals the one-process step with replay: metrics and weights."""
+    router's gradient is summed over TP; over TP2 x DP2, each expert split over TP as a trainer's are) equals the
+    one-process step with replay: metrics and weights."""
     cfg, full, batch = replay_batch
     ref = run_local(rl_step_worker, 1, cfg, full, batch, dict(), packed, 16)[0]
     world = layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
