@@ -118,3 +118,62 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_at_tp2_exactly(tmp_path):
             assert r["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], rel=1e-5, abs=1e-7)
             for k, v in ref["params"].items():
                 torch.testing.assert_close(r["params"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")
+
+
+def test_eval_greedy_at_tp2_ep2_from_an_ep2_conversion_writes_what_transformers_generate_writes(shared_data,
+                                                                                                  tmp_path, capsys):
+    """Each MoE family converted at TP2 x EP2 with its chat tokenizer; `megatron-rl eval` (greedy, fp32) at TP2
+    writes transformers' greedy `generate` text for the GSM8K prompts."""
+    import json
+
+    import transformers
+
+    from megatron_rl.checkpointing.convert import convert
+    from megatron_rl.cli import main
+    from test_families import LIMIT, NEW, _reference
+    from tiny_hf import save_chat_word_tokenizer
+
+    rows = [json.loads(line) for line in (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()[:LIMIT]]
+    for family in MOE_CONFIGS:
+        src = tmp_path / f"{family}-hf"
+        tok = save_chat_word_tokenizer(src)
+        model = tiny_family_model(family, vocab_size=len(tok), scale=4.0, seed=1)
+        model.save_pretrained(src, safe_serialization=True)
+        assert convert(src, tmp_path / family, "megatron", tp=2, ep=2)["layout"]["ep"] == 2
+        samples = tmp_path / f"{family}.jsonl"
+        rc = main(["eval", str(tmp_path / family), "--limit", str(LIMIT), "--max-new-tokens", str(NEW), "--tp", "2",
+                   "--samples-out", str(samples)])
+        out = capsys.readouterr()
+        assert rc == 0, out.err[-3000:]
+        got = [json.loads(line) for line in samples.read_text().splitlines()]
+        want = _reference(model, transformers.AutoTokenizer.from_pretrained(src), rows)
+        assert [(g["prompt"], g["output"], g["new_tokens"]) for g in got] == \
+            [(w["prompt"], w["output"], w["new_tokens"]) for w in want], family
+        assert any(w["output"] for w in want)
+
+
+def test_train_from_a_converted_qwen3_moe_at_ep2_checks_every_push_and_resumes_at_ep1(tmp_path):
+    """`megatron-rl train model.checkpoint=<a converted tiny Qwen3-MoE> trainer.ep=2`: a DP2 x EP2 trainer and a
+    TP1 generator, every weight push checked, routing replay on; then the same run resumed at trainer.ep=1 (the
+    checkpoint's experts read back over other ranks) to one more step."""
+    import json
+
+    import warm_cli
+    from megatron_rl.checkpointing.convert import convert
+
+    hf = tiny_family_model("qwen3_moe")
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    convert(tmp_path / "hf", tmp_path / "meg", "megatron", ep=2)
+    args = ["train", f"model.checkpoint={tmp_path / 'meg'}", "model.tokenizer=byte", "trainer.tp=1", "trainer.dp=2",
+            "generator.tp=1", "trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "generator.push_check_interval=1",
+            "checkpoint.save_interval=1", f"checkpoint.dir={tmp_path}", "run.name=moe"]
+    for ep, steps in ((2, 2), (1, 3)):
+        job = warm_cli.run([*args, f"trainer.ep={ep}", f"run.steps={steps}"])
+        assert job.returncode == 0, job.stderr[-3000:]
+        banner = f"active: 2 of 4 experts), trainer tp=1 pp=1 dp=2{' ep=2' if ep == 2 else ''}, "
+        assert banner in job.stdout + job.stderr
+        summary = json.loads(job.stdout.strip().splitlines()[-1])
+        assert (summary["steps"], summary["resumed_from_step"]) == (steps, 0 if ep == 2 else 2)
+    rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows if "step" in r}) == [0, 1, 2]  # three steps, the third after the resume

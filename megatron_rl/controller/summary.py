@@ -18,8 +18,9 @@ from megatron_rl.launch import signals
 
 
 def _layout_text(section) -> str:
-    """tp=2 pp=1 dp=1 (pp and dp only where they are not 1)."""
-    return " ".join(f"{d}={getattr(section, d)}" for d in ("tp", "pp", "dp") if d == "tp" or getattr(section, d) != 1)
+    """tp=2 pp=1 dp=1 (pp, dp and ep only where they are not 1)."""
+    return " ".join(f"{d}={getattr(section, d)}" for d in ("tp", "pp", "dp", "ep")
+                    if d == "tp" or getattr(section, d) != 1)
 
 
 def write_summary(cfg: JobConfig, result: dict, run_dir: Path, wall: float, extra: Optional[dict] = None,

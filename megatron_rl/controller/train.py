@@ -153,8 +153,11 @@ def banner(cfg: JobConfig, model: ModelConfig, world: World, fit: str = "") -> s
 
     t, g = cfg.trainer, cfg.generator
     kernels = quiet.kernels_text() if quiet.cuda_devices_present() else ""
-    return (f"megatron-rl train: model {cfg.model.name} ({model.num_parameters() / 1e6:.1f}M parameters), trainer "
-            f"tp={t.tp} pp={t.pp} dp={t.dp}, generator tp={g.tp} pp={g.pp} dp={g.dp}"
+    experts = (f", {model.num_active_parameters() / 1e6:.1f}M active: {model.moe_router_topk} of "
+               f"{model.num_moe_experts} experts" if model.is_moe else "")
+    return (f"megatron-rl train: model {cfg.model.name} ({model.num_parameters() / 1e6:.1f}M parameters{experts}), "
+            f"trainer tp={t.tp} pp={t.pp} dp={t.dp}{f' ep={t.ep}' if t.ep != 1 else ''}, generator tp={g.tp} pp={g.pp} "
+            f"dp={g.dp}{f' ep={g.ep}' if g.ep != 1 else ''}"
             f"{' (colocated)' if g.colocated else ''}, {cfg.rollout.mode} rollouts "
             f"(staleness {cfg.rollout.effective_staleness}), "
             f"trainer {resolve_dtype_name(t.dtype)}, generator {resolve_dtype_name(g.dtype)}"
