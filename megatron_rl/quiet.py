@@ -8,6 +8,8 @@ Without these filters `megatron-rl train` shows them around its progress bar, se
   GPUs `build_gpt_model` replaces those norms with a fused one; on a CPU there is no faster path to take);
 - torch's deprecation of `all_gather_into_tensor` / `reduce_scatter_tensor`, `load_state_dict` and ShardedTensor,
   which Megatron-Core calls (nothing a user can change);
+- Megatron-Core asking for sequence parallelism with expert and tensor parallelism: our MoE layer splits its tokens
+  over TP itself (`models/moe.py`), which is all that warning is about;
 - torch's NCCL `barrier()` noting that it uses the device of the current context (each rank's own GPU, by design);
 - multiprocessing's resource tracker counting the semaphores of ranks that were killed (a stop past its grace
   time, a failed job), which it then removes itself (its message has a colon: the filter is its first word);
@@ -41,6 +43,10 @@ FILTERS = (
     ("Apex is not installed", UserWarning),
     ("Mismatch dtype between input and weight", UserWarning),
     ("When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+     UserWarning),
+    # A mixture of experts at TP > 1 without sequence parallelism: our MoE layer splits its tokens over TP itself
+    # (`models/moe.py`), which is what the warning asks sequence parallelism for.
+    ("When using expert parallelism and tensor parallelism for training, sequence parallelism must be used",
      UserWarning),
 )
 

@@ -2,6 +2,7 @@
 80 GiB, the paper's step-time table, the 405B plan's cost, and one-line errors for bad inputs."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -133,13 +134,13 @@ def plan_405b_cold(tmp_path_factory):
 def recipe_plans(shared_data, plan_405b_cold):  # the cold 405B plan runs beside these
     cal = load_calibration()
     plans = {}
-    for name in ("llama3-8b", "llama3-70b", "llama3-405b-bf16", "qwen2.5-7b"):
+    for name in ("llama3-8b", "llama3-70b", "llama3-405b-bf16", "qwen2.5-7b", "qwen3-30b-a3b"):
         cfg = load_config(CONFIGS / f"{name}.yaml")
         plans[name] = (cfg, make_plan(cfg, validate(cfg, cfg.run.world_size), cal))
     return plans
 
 
-def test_8b_70b_405b_bf16_and_qwen_recipes_fit_on_80_gib(recipe_plans):
+def test_8b_70b_405b_bf16_qwen_and_qwen3_moe_recipes_fit_on_80_gib(recipe_plans):
     for name, (cfg, plan) in recipe_plans.items():
         assert plan.trainer.device_bytes == 80 * GIB
         assert plan.trainer.fits and plan.generator.fits, (name, plan.trainer.worst, plan.generator.worst)
@@ -155,6 +156,18 @@ def test_8b_70b_405b_bf16_and_qwen_recipes_fit_on_80_gib(recipe_plans):
         norms = (2 * m.num_layers + 1) * m.hidden_size
         assert plan.generator.ranks[0].parts["weights"] == 2 * m.num_parameters(tp=1) + 2 * norms, name
         assert plan.sync.senders == cfg.trainer.tp * cfg.trainer.dp  # every trainer rank sends
+    # The mixture of experts: a generator rank holds its TP share of the dense weights and 64 whole experts of each
+    # layer (EP2 inside TP2), the descriptors' count of its parameters (DDMA's, not the meta model's), 2 bytes each
+    # but the norms' 4 (fp32 in Megatron-Core's local spec).
+    from megatron_rl.ddma.descriptors import rank_params
+
+    cfg, plan = recipe_plans["qwen3-30b-a3b"]
+    m = validate(cfg)
+    held = rank_params(m, cfg.generator.layout, 0)
+    norms = sum(lp.param.numel for lp in held if lp.param.name.endswith("norm.weight"))
+    assert sum(".local_experts." in lp.local_name for lp in held) == m.num_layers * 64 * 2
+    assert plan.generator.ranks[0].parts["weights"] == 2 * sum(math.prod(lp.local_shape) for lp in held) + 2 * norms
+    assert plan.sync.senders == cfg.trainer.tp * cfg.trainer.pp * cfg.trainer.dp
 
 
 def test_405b_plan_runs_in_a_minute_and_4_gib_and_fits(plan_405b_cold):

@@ -395,7 +395,7 @@ def _colocated_baseline(cfg: JobConfig, model: ModelConfig, trainer: ParallelLay
     dp = gpus // (trainer.tp * trainer.pp)
     if dp < 1:
         raise PlanError(f"the synchronous baseline needs at least trainer.tp*pp={trainer.tp * trainer.pp} GPUs")
-    layout = ParallelLayout(trainer.tp, trainer.pp, dp)
+    layout = ParallelLayout(trainer.tp, trainer.pp, dp, ep=trainer.ep if dp % trainer.ep == 0 else 1)
     stages = _build_trainer(cfg, model, layout, cal)
     resident = max(max(o.param_buffer_bytes + o.grad_buffer_bytes + o.main_bytes + o.optimizer_state_bytes
                        for o in s.optimizer) for s in stages)
