@@ -402,8 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_presets)
     p = sub.add_parser("reshard-check", help="run DDMA between two layouts on local processes and check every bit")
     p.add_argument("--model", default="tiny", help="model preset (default: tiny)")
-    p.add_argument("--src", required=True, help="trainer layout, e.g. tp=2,pp=2,dp=1")
-    p.add_argument("--dst", required=True, help="generator layout, e.g. tp=1,dp=2")
+    p.add_argument("--src", required=True,
+                   help="trainer layout, e.g. tp=2,pp=2,dp=1 (experts: also ep=N[,etp=N], e.g. tp=2,dp=2,ep=2)")
+    p.add_argument("--dst", required=True, help="generator layout, e.g. tp=1,dp=2 (or tp=2,ep=2,etp=1)")
     p.add_argument("--colocated", action="store_true", help="generator on the trainer's ranks (from rank 0)")
     p.add_argument("--set", action="append", type=_model_override, metavar="FIELD=VALUE",
                    help="override a model field, e.g. --set num_query_groups=4 (repeatable)")

@@ -31,6 +31,11 @@ CASES = [
     ({"family": "qwen3_moe", "head_dim": 32, "num_moe_experts": 4, "moe_ffn_hidden_size": 48},
      dict(tp=2, dp=2, ep=2, etp=1)),
     ({"family": "mixtral", "num_moe_experts": 4, "moe_ffn_hidden_size": 48}, dict(pp=2, dp=2, ep=2)),
+    # expert-data-parallel copies (DP4 x EP2: each expert on two ranks), a generator's EP inside TP with pipeline
+    # stages, and expert TP over DP ranks (etp=2 at tp=1)
+    ({"family": "qwen3_moe", "head_dim": 32, "num_moe_experts": 4, "moe_ffn_hidden_size": 48}, dict(dp=4, ep=2)),
+    ({"family": "mixtral", "num_moe_experts": 4, "moe_ffn_hidden_size": 48}, dict(tp=2, pp=2, ep=2, etp=1)),
+    ({"family": "mixtral", "num_moe_experts": 4, "moe_ffn_hidden_size": 48}, dict(dp=4, ep=2, etp=2)),
 ]
 
 
@@ -85,6 +90,27 @@ def test_layouts_that_cannot_hold_the_model_fail_in_one_line():
     # only the padding rule may differ
     check_same_architecture(cfg, get_preset("tiny", make_vocab_size_divisible_by=64))
     assert ModelShape.of(cfg) == ModelShape.of(ModelShape.of(cfg))
+
+
+def test_expert_layouts_that_cannot_hold_the_model_fail_in_one_line():
+    """EP / ETP on a dense model, an EP that does not divide the experts, an ETP that does not divide an expert's
+    width, an expert grid that does not tile a stage's ranks: one line each, naming the numbers."""
+    moe = get_preset("tiny", family="mixtral", num_moe_experts=4, moe_ffn_hidden_size=48)
+    for cfg, layout, message in [
+            (get_preset("tiny"), ParallelLayout(tp=2, dp=2, ep=2), "ep=2 needs a mixture-of-experts model"),
+            (get_preset("tiny"), ParallelLayout(tp=2, etp=1), "etp=1 needs a mixture-of-experts model"),
+            (moe, ParallelLayout(dp=3, ep=3), "ep=3 does not divide the 4 experts"),
+            (moe, ParallelLayout(tp=1, dp=5, etp=5), r"etp=5 does not divide the experts' FFN hidden size \(48\)"),
+            (moe, ParallelLayout(tp=2, ep=2),
+             r"etp x ep = 2 x 2 does not divide the 2 ranks of a stage \(tp x dp = 2 x 1\)"),
+            (moe, ParallelLayout(ep=0), "ep=0 must be >= 1")]:
+        with pytest.raises(ValueError, match=rf"^generator layout {layout} cannot hold the model: .*{message}"):
+            check_layout(cfg, layout, "generator")
+        with pytest.raises(ValueError) as e:
+            check_layout(cfg, layout, "generator")
+        assert "\n" not in str(e.value)
+    check_layout(moe, ParallelLayout(tp=2, dp=2, ep=2))  # a trainer's
+    check_layout(moe, ParallelLayout(tp=2, dp=2, ep=2, etp=1))  # a generator's
 
 
 def test_reference_shard_is_bit_stable_and_zero_on_padding():

@@ -40,8 +40,7 @@ def simulate(plan: ReshardPlan, src_cfg: ModelConfig, dst_cfg: ModelConfig) -> N
     src, dst = plan.src, plan.dst
     src_tensors: dict = {}
     for r in src.ranks:
-        tp_rank, pp_rank, _ = src.coords(r)
-        key = (tp_rank, pp_rank)  # DP replicas hold the same values
+        key = src.params(r)  # DP replicas hold the same values (but a mixture of experts' hold other experts)
         if key not in src_tensors:
             padded = src_cfg.padded_vocab_size(src.layout.tp)
             src_tensors[key] = {lp.local_name: (torch.full(lp.local_shape, POISON, dtype=torch.int64)
@@ -56,7 +55,7 @@ def simulate(plan: ReshardPlan, src_cfg: ModelConfig, dst_cfg: ModelConfig) -> N
             expected[r, lp.local_name] = _shard(lp, full[lp.global_name], dst_padded)
     for c in plan.copies:
         assert c.src_rank in src.ranks and c.dst_rank in dst.ranks
-        s = src_tensors[src.coords(c.src_rank)[:2]][c.src_param]
+        s = src_tensors[src.params(c.src_rank)][c.src_param]
         assert all(0 <= a < b <= n for (a, b), n in zip(c.src_box, s.shape)), c
         _view(dst_tensors[c.dst_rank, c.dst_param], c.dst_box).copy_(_view(s, c.src_box))
         _view(counts[c.dst_rank, c.dst_param], c.dst_box).add_(1)
@@ -69,8 +68,9 @@ def simulate(plan: ReshardPlan, src_cfg: ModelConfig, dst_cfg: ModelConfig) -> N
 
 
 def check_balance(plan: ReshardPlan) -> None:
-    """Within each set of DP replicas (same TP and PP coordinates), network loads differ by at most the largest
-    piece one of them sends (greedy least-loaded assignment guarantees that)."""
+    """Within each set of replicas (ranks holding the same shards: DP replicas, and with experts, expert-DP ones),
+    network loads differ by at most the largest piece one of them sends (greedy least-loaded assignment guarantees
+    that)."""
     loads = plan.sender_loads()
     biggest = defaultdict(int)
     for c in plan.copies:
@@ -78,7 +78,7 @@ def check_balance(plan: ReshardPlan) -> None:
             biggest[c.src_rank] = max(biggest[c.src_rank], c.numel)
     classes = defaultdict(list)
     for r in plan.src.ranks:
-        classes[plan.src.coords(r)[:2]].append(r)
+        classes[plan.src.params(r)].append(r)
     for ranks in classes.values():
         for a in ranks:
             for b in ranks:

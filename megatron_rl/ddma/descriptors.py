@@ -16,7 +16,13 @@ the Hugging Face conversion reads); from it and Megatron-Core's conventions for 
   real token and depends on TP, so the logical tensor keeps `vocab_size` rows;
 - pipeline stages take an even, contiguous share of the layers; the first stage holds the embedding, the last the
   final norm and the output layer. With tied embeddings and PP>1 the last stage holds its own copy of the embedding
-  (Megatron's `output_layer.weight`, kept equal by the embedding group), which a sync must fill too.
+  (Megatron's `output_layer.weight`, kept equal by the embedding group), which a sync must fill too;
+- a mixture of experts' router is replicated like a norm; its experts are laid out by Megatron-Core's expert grid
+  (`ParallelLayout.expert_coords`): the rank at EP rank e holds the global experts [e E/ep, (e+1) E/ep) as
+  `local_experts.0..` (so the same local name means a different expert on another EP rank), each expert's
+  `linear_fc1` / `linear_fc2` split over the expert-TP group (`etp` ranks) as the dense MLP's are over TP, and
+  the expert-data-parallel ranks (those with the same expert coordinates) hold copies. Which experts a rank holds
+  depends on its DP rank as well as its TP rank when EP runs over DP (a trainer's), so `stage_params` takes both.
 
 `tests/test_ddma_descriptors.py` checks all of this against `describe_params` on real models.
 """
@@ -134,20 +140,25 @@ class LocalParam:
 # How `check_layout` words each model dimension of `parallel.layout.SPLIT_DIMS` (filled with its value).
 _DIM_WORDS = {"num_attention_heads": "the attention heads ({})", "num_query_groups": "the query groups ({})",
               "ffn_hidden_size": "the FFN hidden size ({})", "num_layers": "the {} layers",
-              "moe_ffn_hidden_size": "the experts' FFN hidden size ({})", "num_moe_experts": "the {} experts",
-              "tp x dp": "the {} ranks of a stage"}
+              "moe_ffn_hidden_size": "the experts' FFN hidden size ({})", "num_moe_experts": "the {} experts"}
 
 
 def check_layout(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, role: str = "executor") -> None:
     """Raise ValueError (one line) if `layout` cannot hold this model (`parallel.layout.layout_problems`, and query
-    groups that do not divide the heads), before any process group or transfer."""
+    groups that do not divide the heads), before any process group or transfer: sizes below 1, a TP/PP/EP/ETP that
+    does not divide what it splits, EP or ETP on a dense model, an expert grid (etp x ep) that does not tile a
+    stage's tp x dp ranks."""
     m = ModelShape.of(cfg)
     problems = []
     if m.num_attention_heads % m.num_query_groups:
         problems.append(f"{m.num_attention_heads} heads are not divisible by {m.num_query_groups} query groups")
     for p in layout_problems(m, layout):
-        problems.append(str(p) if p.field in (None, "dense")
-                        else f"{p.dim}={p.size} does not divide {_DIM_WORDS[p.field].format(p.count)}")
+        if p.field == "tp x dp":  # the expert grid: etp x ep ranks must tile each stage's tp x dp ranks
+            problems.append(f"etp x ep = {layout.etp} x {layout.ep} does not divide the {p.count} ranks of a stage "
+                            f"(tp x dp = {layout.tp} x {layout.dp})")
+        else:
+            problems.append(str(p) if p.field in (None, "dense")
+                            else f"{p.dim}={p.size} does not divide {_DIM_WORDS[p.field].format(p.count)}")
     if problems:
         raise ValueError(f"{role} layout {layout} cannot hold the model: " + "; ".join(problems))
 

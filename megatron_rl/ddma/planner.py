@@ -11,12 +11,14 @@ destination rank holds:
 - destination vocabulary rows at or beyond `vocab_size` are padding: they are zero-filled locally, never sent, so
   executors whose padding differs (it grows with TP) still match;
 - each piece can come from any source rank holding it: the DP replicas of the owning stage (and, for parameters
-  replicated over TP, every TP rank of that stage). A destination rank that is itself a candidate (colocated
-  executors) copies locally. Otherwise pieces go to the least-loaded candidate, largest pieces first, and large
-  pieces are split over the candidates first, so that all trainer ranks send and none sends much more than the
-  replicas beside it. The tied-embedding copy on a trainer's last stage is never used as a source: only the
-  canonical copy on the first stage is (the copies agree in exact arithmetic, and we do not rely on bitwise
-  agreement); a generator's tied copy is filled like any other parameter.
+  replicated over TP, every TP rank of that stage); a mixture of experts' expert shard, the ranks of the stage
+  at its place in the expert grid (its expert-data-parallel group: with EP over DP, only some DP ranks hold an
+  expert at all, and the same local name means another expert on the others). A destination rank that is itself
+  a candidate (colocated executors) copies locally. Otherwise pieces go to the least-loaded candidate, largest
+  pieces first, and large pieces are split over the candidates first, so that all trainer ranks send and none
+  sends much more than the replicas beside it. The tied-embedding copy on a trainer's last stage is never used as
+  a source: only the canonical copy on the first stage is (the copies agree in exact arithmetic, and we do not
+  rely on bitwise agreement); a generator's tied copy is filled like any other parameter.
 
 Megatron-Core's `megatron.core.resharding` planner works from live modules on the same ranks, gathers metadata with
 collectives and rejects differing vocabulary padding; this one needs neither the modules nor any communication.

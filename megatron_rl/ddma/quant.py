@@ -197,12 +197,13 @@ def is_quantized(param: LogicalParam, quantize: Optional[str], quantize_vocab: b
 
 
 def quantized_targets(fmt: str, model_cfg, layout: ParallelLayout, pp_rank: int, tp_rank: int, *,
-                      quantize_vocab: bool = False,
-                      device: Optional[torch.device] = None) -> dict[str, QuantizedWeight]:
-    """Empty `fmt` weights for every quantized parameter of one generator stage, keyed by local name."""
+                      quantize_vocab: bool = False, device: Optional[torch.device] = None,
+                      dp_rank: int = 0) -> dict[str, QuantizedWeight]:
+    """Empty `fmt` weights for every quantized parameter of one generator stage, keyed by local name (a mixture of
+    experts' experts too: which ones a rank holds depends on its `dp_rank` where EP runs over DP ranks)."""
     cls = weight_format(fmt)
     return {lp.local_name: cls.empty(lp.local_shape, device)
-            for lp in stage_params(model_cfg, layout, pp_rank, tp_rank)
+            for lp in stage_params(model_cfg, layout, pp_rank, tp_rank, dp_rank)
             if is_quantized(lp.param, fmt, quantize_vocab)}
 
 

@@ -6,6 +6,9 @@ The generator starts as NaN, DDMA runs, and each generator parameter is compared
 weights sliced directly into the generator's layout (padding rows zero). With `quantize="int8"` or `"fp8"` the codes
 and scales must equal `quant.quantize` of that direct slice, bit for bit, and dequantize to within half a step.
 `tests/test_ddma_transport.py` checks the same against `load_full_state_dict`, an independent slicing path.
+A mixture of experts (a MoE preset, or `--set num_moe_experts=...`) is checked the same way between layouts with
+`ep`/`etp` (`--src tp=2,dp=2,ep=2 --dst tp=2,ep=2,etp=1`): each rank fills, and checks, the experts the expert grid
+gives it; the summary's `expert_params_checked` counts the generator's expert tensors.
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ def reshard_check_worker(rank: int, world_size: int, cfg_kw: dict, src: str, dst
     sync = WeightSync(cfg, t, g, settings=settings)
     targets = {}
     if generator is not None and quantize:
-        targets = quantized_targets(quantize, cfg, g.layout, g.pp_rank, g.tp_rank)
+        targets = quantized_targets(quantize, cfg, g.layout, g.pp_rank, g.tp_rank, dp_rank=g.dp_rank)
     dst = None if generator is None else {**dict(generator.named_parameters()), **targets}
     dist.barrier()
     t0 = time.perf_counter()
@@ -129,7 +132,7 @@ def reshard_check_worker(rank: int, world_size: int, cfg_kw: dict, src: str, dst
     elapsed = time.perf_counter() - t0
     out = {"rank": rank, "seconds": elapsed, "sync_seconds": result.seconds,
            **dataclasses.asdict(result.stats), "mismatches": 0, "elements_checked": 0, "params_checked": 0,
-           "version": None, "quant_error_over_bound": 0.0}
+           "expert_params_checked": 0, "version": None, "quant_error_over_bound": 0.0}
     if generator is not None:
         expected = _local_params(cfg, g)
         names = {n for n, _ in generator.named_parameters()}
@@ -151,6 +154,7 @@ def reshard_check_worker(rank: int, world_size: int, cfg_kw: dict, src: str, dst
                 out["mismatches"] += count_mismatches(p, want)
             out["elements_checked"] += p.numel()
             out["params_checked"] += 1
+            out["expert_params_checked"] += ".local_experts." in name
         out["version"] = None if sync.version is None else sync.version.step
     return out
 
@@ -185,6 +189,7 @@ def reshard_check(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
         "seconds": max(r["seconds"] for r in ranks),
         "plan_seconds": plan_seconds,
         "params_checked": sum(r["params_checked"] for r in ranks),
+        "expert_params_checked": sum(r["expert_params_checked"] for r in ranks),  # of a mixture of experts
         "elements_checked": sum(r["elements_checked"] for r in ranks),
         "mismatches": mismatches,
         "quant_error_over_bound": max(r["quant_error_over_bound"] for r in ranks),
