@@ -45,9 +45,9 @@ FILTERS = (
     ("When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
      UserWarning),
     # A mixture of experts at TP > 1 without sequence parallelism: our MoE layer splits its tokens over TP itself
-    # (`models/moe.py`), which is what the warning asks sequence parallelism for.
-    ("When using expert parallelism and tensor parallelism for training, sequence parallelism must be used",
-     UserWarning),
+    # (`models/moe.py`), which is what the warning asks sequence parallelism for. (Cut at its comma: PYTHONWARNINGS
+    # separates its entries with commas.)
+    ("When using expert parallelism and tensor parallelism for training", UserWarning),
 )
 
 # (logger name, start of the message) of library log records the filters above would hide were they warnings.

@@ -118,10 +118,11 @@ def documented_metrics() -> set:
 
 
 def test_every_field_of_a_metrics_row_is_documented_and_every_documented_field_exists():
-    """A row with every optional part (held-out reward, reward-model executor, KL reference) plus the two fields
-    the loop adds equals docs/metrics.md's list; test_controller checks that a real job's rows hold no other."""
+    """A row with every optional part (held-out reward, reward-model executor, KL reference, a mixture of experts'
+    load-balancing loss) plus the two fields the loop adds equals docs/metrics.md's list; test_controller checks that
+    a real job's rows hold no other."""
     parts = [dataclasses.replace(_rollouts(0, 0, [1.0, 0.0], [0, 0]), eval_reward=0.5, reward_model_s=0.1)]
-    row = metrics_row(0, parts, pack(parts, pad_id=0), {}, train_s=1.0, recv_s=0.0, kl_ref=True)
+    row = metrics_row(0, parts, pack(parts, pad_id=0), {"moe_aux_loss": 1.0}, train_s=1.0, recv_s=0.0, kl_ref=True)
     assert set(row) | {"time/total_s", "warm_start_s"} == documented_metrics()
 
 

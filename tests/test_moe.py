@@ -177,3 +177,50 @@ def test_train_from_a_converted_qwen3_moe_at_ep2_checks_every_push_and_resumes_a
         assert (summary["steps"], summary["resumed_from_step"]) == (steps, 0 if ep == 2 else 2)
     rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in rows if "step" in r}) == [0, 1, 2]  # three steps, the third after the resume
+
+
+def test_rl_step_at_tp2_dp2_ep2_is_the_single_rank_step(moe_models):
+    """An AIPO step of a TP2 x DP2 x EP2 trainer (Megatron-Core's DDP and distributed optimizer; expert gradients
+    reduced over the expert-data-parallel group, the grad norm counting every weight once: clipping is on and
+    shapes the update) equals a single-rank TP1 trainer's on the same batch, for both families, with padded and
+    with packed micro-batches (the same micro-batches at both layouts), the load-balancing loss on: loss, grad
+    norm, the response-token statistics, `moe_aux_loss`, every weight gathered back. Control: the loss's
+    coefficient changes the gradient (its norm), not the forward (loss and `moe_aux_loss`)."""
+    from megatron_rl.launch.spawn import run_local
+    from moe_workers import moe_batch, rl_step_worker
+
+    cases = [(cfg, full) for _, cfg, full in moe_models.values()]
+    batch = moe_batch(cases[0][0].vocab_size)
+    runs = [(False, 1.0, 2), (True, 1.0, 2)]
+    ref = run_local(rl_step_worker, 1, cases, batch, dict(), runs + [(False, 0.0, 2)])[0]
+    out = run_local(rl_step_worker, 4, cases, batch, dict(tp=2, dp=2, ep=2), runs)
+    keys = ("loss", "grad_norm", "is_weight_mean", "is_weight_max", "logp_diff_mean", "logp_diff_max", "entropy",
+            "moe_aux_loss")
+    for c, family in enumerate(moe_models):
+        padded, _, off = ref[c * 3: c * 3 + 3]
+        assert off["metrics"]["loss"] == padded["metrics"]["loss"]
+        assert off["metrics"]["moe_aux_loss"] == padded["metrics"]["moe_aux_loss"]
+        assert off["metrics"]["grad_norm"] != pytest.approx(padded["metrics"]["grad_norm"], rel=1e-3)
+        for i in range(len(runs)):
+            want = ref[c * 3 + i]
+            for rank, per_rank in enumerate(out):
+                got = per_rank[c * len(runs) + i]
+                for key in keys:
+                    assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-6), \
+                        (family, i, rank, key)
+                for k, v in want["params"].items():
+                    torch.testing.assert_close(got["params"][k], v, atol=1e-5, rtol=0,
+                                               msg=lambda s: f"{family} run {i} rank {rank} {k}: {s}")
+
+
+def test_moe_aux_loss_is_the_switch_loss_of_transformers(moe_models):
+    """`moe_aux_loss` of a step equals transformers' `load_balancing_loss_func` (divided by k) on the router
+    logits of each micro-batch's real tokens (padding excluded), averaged over micro-batches by response tokens
+    and over layers; it is reported with the coefficient 0 too."""
+    from megatron_rl.launch.spawn import run_local
+    from moe_workers import balance_worker, moe_batch
+
+    _, cfg, full = moe_models["mixtral"]
+    got, want, hooked = run_local(balance_worker, 1, cfg, full, moe_batch(cfg.vocab_size, seed=1), 0.0)[0]
+    assert hooked and 1.0 <= want < cfg.num_moe_experts / cfg.moe_router_topk
+    assert got == pytest.approx(want, rel=1e-6)

@@ -154,7 +154,7 @@ def metrics_row(k: int, parts: list[ScoredRollouts], batch: RolloutBatch, stats:
     if evals:
         row["eval/reward"] = sum(evals) / len(evals)
         row["eval/version"] = version
-    for key in step_metrics(with_reference=kl_ref):
+    for key in step_metrics(with_reference=kl_ref, moe="moe_aux_loss" in stats):
         v = stats.get(key)
         row[key] = float(v) if isinstance(v, (int, float, bool)) else v
     return row

@@ -111,14 +111,16 @@ def moe_config(model: ModelConfig, layout: ParallelLayout) -> dict:
     The token dispatcher is Megatron-Core's all-gather one: every rank of the TP x EP group gathers the group's
     tokens and keeps those routed to its experts. Its alternative, all-to-all, needs `all_to_all_single`, which
     gloo (the CPU backend) does not have. The router computes its logits and probabilities in fp32 (as
-    transformers does its softmax); the load-balancing loss is the switch-transformer auxiliary loss, whose
-    coefficient the trainer sets (`moe_aux_loss_coeff`, 0 here)."""
+    transformers does its softmax). The load-balancing loss is the switch-transformer auxiliary loss computed by
+    the MoE layer itself (`models.moe.TokenSplitMoELayer.route`, which says why), so Megatron-Core's own is off
+    (`moe_router_load_balancing_type` "none"); its coefficient is `moe_aux_loss_coeff`, 0 here, which the trainer
+    sets (`trainer.moe_aux_loss_coeff`)."""
     if model.num_moe_experts is None:
         return {}
     return dict(num_moe_experts=model.num_moe_experts, moe_ffn_hidden_size=model.moe_ffn_hidden_size,
                 moe_router_topk=model.moe_router_topk, moe_router_pre_softmax=model.moe_router_pre_softmax,
                 moe_router_score_function="softmax", moe_router_dtype="fp32", moe_token_dispatcher_type="allgather",
-                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
 
 
@@ -278,13 +280,7 @@ def build_gpt_model(
         )
     gpt.megatron_rl_fusions = frozenset(fused)
     if model.is_moe:
-        # Megatron-Core marks expert weights as expert-parallel (their own DDP buffers and optimizer, over the
-        # expert-data-parallel group) only when EP > 1; marked at every EP, the optimizer is the same two-part chain
-        # whatever the EP, so a checkpoint resumes at another EP, EP 1 included (at EP 1 the expert-DP group is the
-        # DP group: the same reduction).
-        for name, p in gpt.named_parameters():
-            if ".local_experts." in name:
-                p.allreduce = False
+        mark_experts_expert_parallel(gpt)
     zero_vocab_padding(gpt, model.vocab_size, pgs.tp.rank())
     if torch.cuda.is_available() or cuda_rules.enabled():  # (a no-op on the CPU, but for CUDA's refusals)
         # Weights left on the meta device (an 8-bit generator's, built without them) have nothing to copy: they
@@ -292,6 +288,16 @@ def build_gpt_model(
         device = torch.cuda.current_device()
         gpt._apply(lambda t: t if t.is_meta else t.cuda(device))
     return gpt
+
+
+def mark_experts_expert_parallel(gpt: GPTModel) -> None:
+    """Megatron-Core marks expert weights as expert-parallel (their own DDP buffers and optimizer, over the
+    expert-data-parallel group) only when EP > 1; marked at every EP, the optimizer is the same two-part chain
+    whatever the EP, so a checkpoint resumes at another EP, EP 1 included (at EP 1 the expert-DP group is the DP
+    group: the same reduction)."""
+    for name, p in gpt.named_parameters():
+        if ".local_experts." in name:
+            p.allreduce = False
 
 
 @torch.no_grad()

@@ -22,6 +22,21 @@ normal routing whenever the routes are the router's own). Each layer's router ho
 Megatron-Core's global registry (a process can hold a trainer's and a generator's model at once), and the targets
 are cleared after the forward that uses them, so nothing accumulates. `record_routes`, `recorded_routes` and
 `replaying` do the same for a whole model (one pipeline stage), the routes indexed by the model's layer number.
+
+The load-balancing loss is the switch-transformer one, per layer and micro-batch (`switch_balancing_loss`):
+E / k * sum_i f_i P_i over the micro-batch's real tokens, f_i the fraction of its token-expert assignments that went
+to expert i (the routes the layer dispatched: under replay, the generator's), P_i the mean router probability of
+expert i (softmax over all experts); 1 when perfectly balanced, up to E / k. The layer computes it itself rather
+than through Megatron-Core's router (whose own is turned off, `builder.moe_config`), because Megatron-Core's: is
+only computed when its coefficient is > 0 (the trainer reports it at 0 too); weights each rank's share by the
+rank's own token count, so with the tokens split over TP inside the layer its gradient would shrink with TP; and
+reads the padding mask the other way round from the MoE layer's docstring. Within `balancing` (one training forward
+of a micro-batch: its real tokens and its weight, the micro-batch's share of the step's loss count) each layer
+adds `config.moe_aux_loss_coeff` x weight x its loss to the backward (Megatron-Core's `MoEAuxLossAutoScaler`;
+the engine divides every gradient by the step's loss count, so the step's term is the coefficient times each
+layer's loss averaged over micro-batches as the policy loss is) and keeps weight x loss and the weight for the
+trainer's metric (`take_balance_stats`). Each TP rank holds the loss of its share of the tokens (the counts f
+summed over TP): the shares add up to the micro-batch's, and the router's gradient is summed over TP.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 
@@ -59,6 +75,22 @@ def _summed_over(grad: torch.Tensor, group) -> torch.Tensor:
     grad = grad.clone()
     dist.all_reduce(grad, group=group)
     return grad
+
+
+def switch_balancing_loss(logits: torch.Tensor, routing_map: torch.Tensor, valid: torch.Tensor, topk: int,
+                          group=None) -> torch.Tensor:
+    """The switch-transformer load-balancing loss of a layer's tokens, E / (k T^2) * sum_i c_i S_i: over the real
+    tokens (`valid` [n] bool) of `logits` [n, E] (the router's) and `routing_map` [n, E] (the experts each was sent
+    to), c_i the tokens sent to expert i, S_i the sum of their softmax probabilities of expert i, T the real
+    tokens. With `group` (the TP ranks each holding a share of the tokens), c and T are summed over it and the
+    result is this rank's share of the whole loss (the shares sum to it). 0 without real tokens."""
+    keep = valid.unsqueeze(1)
+    probs = torch.softmax(logits.float(), dim=-1) * keep
+    counts = torch.cat([(routing_map.bool() & keep).sum(0), valid.sum().reshape(1)]).float()
+    if group is not None and group.size() > 1:
+        dist.all_reduce(counts, group=group)
+    c, t = counts[:-1], counts[-1].clamp(min=1.0)
+    return logits.shape[-1] * (c * probs.sum(0)).sum() / (topk * t * t)
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -86,6 +118,11 @@ class TokenSplitMoELayer(MoELayer):
         self._recording = False
         self._recorded: Optional[torch.Tensor] = None
         self._replay: Optional[torch.Tensor] = None
+        # The load-balancing loss (module docstring): the next forward's real tokens [s, b] and weight (`balance`);
+        # this forward's real tokens among those the router sees; [sum of weight x loss, sum of weight] so far.
+        self._balance: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._balance_now: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.balance_stats: Optional[torch.Tensor] = None
 
     def record(self, on: bool = True) -> None:
         """Record the routes of every forward from now on (`take_recorded` hands out the last one's), or stop."""
@@ -101,6 +138,51 @@ class TokenSplitMoELayer(MoELayer):
         """Route the next forward's tokens to `routes` [s, b, k] (expert ids; the probabilities are the router's at
         those experts) instead of the router's top-k; None cancels. Used by that forward only."""
         self._replay = routes
+
+    def balance(self, real: Optional[torch.Tensor], weight: Optional[torch.Tensor]) -> None:
+        """Compute the load-balancing loss in the next forward (if it trains: with gradients, in training mode)
+        over its real tokens `real` [s, b] bool, weighting it by `weight` (module docstring); None cancels."""
+        self._balance = None if real is None or weight is None else (real, weight)
+
+    def take_balance_stats(self) -> Optional[torch.Tensor]:
+        """[sum of weight x loss, sum of weight] (float64) over the forwards since the last call (this rank's
+        shares of the losses), once; None when none computed it."""
+        out, self.balance_stats = self.balance_stats, None
+        return out
+
+    def _arm_balance(self, n_tokens: int, lo: int, hi: int) -> None:
+        """This forward's real tokens among tokens lo..hi of the n_tokens flattened (padding past n_tokens)."""
+        balance, self._balance = self._balance, None
+        self._balance_now = None
+        if balance is None or not (self.training and torch.is_grad_enabled()):
+            return
+        real, weight = balance
+        flat = real.reshape(-1).bool()
+        if flat.shape[0] != n_tokens:
+            raise ValueError(f"the real-token mask holds {flat.shape[0]} tokens, the layer's input {n_tokens}")
+        if hi > n_tokens:
+            flat = F.pad(flat, (0, hi - n_tokens), value=False)
+        self._balance_now = (flat[lo:hi], weight)
+
+    def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """Megatron-Core's routing; in a forward that computes the load-balancing loss (`balance`), the loss of
+        these tokens from the router's logits (computed again: a [tokens, hidden] x [hidden, experts] product) and
+        the experts they were sent to, attached to the backward with its coefficient and kept for the metric."""
+        probs, routing_map = super().route(hidden_states, padding_mask)
+        balance, self._balance_now = self._balance_now, None
+        if balance is None:
+            return probs, routing_map
+        valid, weight = balance
+        logits = self.router.gating(hidden_states).reshape(-1, self.config.num_moe_experts)
+        loss = switch_balancing_loss(logits, routing_map, valid.to(logits.device), self.config.moe_router_topk,
+                                     self.tp_group)
+        weight = weight.to(device=loss.device, dtype=torch.float32)
+        stats = torch.stack([weight * loss.detach(), weight]).double()
+        self.balance_stats = stats if self.balance_stats is None else self.balance_stats + stats
+        coeff = self.config.moe_aux_loss_coeff
+        if coeff:
+            probs = MoEAuxLossAutoScaler.apply(probs, loss * (coeff * weight))
+        return probs, routing_map
 
     def _set_action(self, n_tokens: int, lo: int, hi: int) -> None:
         """Arm the router for this forward's tokens lo..hi of the n_tokens flattened (padding past n_tokens)."""
@@ -145,6 +227,7 @@ class TokenSplitMoELayer(MoELayer):
         s, b, h = hidden_states.shape
         if tp == 1:
             self._set_action(s * b, 0, s * b)
+            self._arm_balance(s * b, 0, s * b)
             try:
                 return super().forward(hidden_states, padding_mask=padding_mask)
             finally:
@@ -162,6 +245,7 @@ class TokenSplitMoELayer(MoELayer):
         rank = self.tp_group.rank()
         my_mask = valid[rank * chunk:(rank + 1) * chunk].reshape(1, chunk)
         self._set_action(s * b, rank * chunk, (rank + 1) * chunk)
+        self._arm_balance(s * b, rank * chunk, (rank + 1) * chunk)
         try:
             out, bias = super().forward(mine, padding_mask=None if padding_mask is None and not pad else my_mask)
         finally:
@@ -203,3 +287,30 @@ def replaying(model: torch.nn.Module, routes: Optional[torch.Tensor]) -> Iterato
     finally:
         for _, layer in layers:
             layer.replay(None)
+
+
+@contextlib.contextmanager
+def balancing(model: torch.nn.Module, real: Optional[torch.Tensor], weight: Optional[torch.Tensor]) -> Iterator[None]:
+    """Within the block, the next training forward of `model` (one pipeline stage) computes every MoE layer's
+    load-balancing loss over the real tokens `real` [b, s] bool (batch-first, as micro-batches are) with the
+    micro-batch's `weight` (0-d; module docstring). None: none. Whatever was not used is cleared on exit."""
+    layers = moe_layers(model) if real is not None and weight is not None else []
+    for _, layer in layers:
+        layer.balance(real.transpose(0, 1), weight)
+    try:
+        yield
+    finally:
+        for _, layer in layers:
+            layer.balance(None, None)
+
+
+def take_balance_stats(model: torch.nn.Module, num_layers: int) -> torch.Tensor:
+    """[2, num_layers] float64: per layer of the whole model, this stage's [sum of weight x load-balancing loss
+    (this rank's share), sum of weight] since the last call (zeros for other stages' layers and layers that
+    computed none); reset."""
+    out = torch.zeros(2, num_layers, dtype=torch.float64)
+    for index, layer in moe_layers(model):
+        stats = layer.take_balance_stats()
+        if stats is not None:
+            out[:, index] = stats.cpu()
+    return out

@@ -26,7 +26,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_rl.models.moe import replaying
+from megatron_rl.models.moe import balancing, replaying
 from megatron_rl.training.reference import unwrap
 from megatron_rl.training.settings import LRSchedule, TrainerSettings
 
@@ -181,13 +181,17 @@ def run_schedule(model: torch.nn.Module, pgs: ProcessGroupCollection, micro_batc
     Each micro-batch is a dict with `tokens` [b, s]; `loss_fn(logits_shard, micro_batch)` runs on the last stage.
     A micro-batch with `logit_positions` ([b, s] bool) gets only those positions' logits, [1, n, v/tp]
     (`logits_only_at`); one with `cu_seqlens` is packed (`training.packing`); one with `routes` ([b, s, layers, k])
-    routes its tokens to those experts in every MoE layer of this stage (routing replay, `models.moe.replaying`).
+    routes its tokens to those experts in every MoE layer of this stage (routing replay, `models.moe.replaying`);
+    one with `real_tokens` ([b, s] bool) and `moe_aux_weight` (0-d) has its MoE layers' load-balancing loss computed
+    over those tokens with that weight (`models.moe.balancing`).
     """
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
         packed = {**batch, "cp_group": pgs.cp} if "cu_seqlens" in batch else None
-        with replaying(chunk, batch.get("routes")):  # routing replay: the generator's experts (`models/moe.py`)
+        # Routing replay (the generator's experts) and the load-balancing loss's tokens and weight (`models/moe.py`)
+        with replaying(chunk, batch.get("routes")), balancing(chunk, batch.get("real_tokens"),
+                                                              batch.get("moe_aux_weight")):
             output = model_forward(chunk, batch["tokens"], needs_mask, batch.get("logit_positions"), packed)
         return output, lambda logits: loss_fn(logits, batch)
 

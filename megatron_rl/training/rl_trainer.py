@@ -13,6 +13,7 @@ the output layer and a pass over the vocabulary for nothing.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms.aipo import AIPOSettings, aipo_token_loss, normalize
+from megatron_rl.models.moe import take_balance_stats
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.topology import ExecutorGroups
 from megatron_rl.rollout import RolloutBatch
@@ -114,12 +116,12 @@ class TokenStats:
         return {name: values[name] / tokens if rule == "mean" else values[name] for name, rule in zip(names, rules)}
 
 
-def step_metrics(with_reference: bool) -> tuple[str, ...]:
+def step_metrics(with_reference: bool, moe: bool = False) -> tuple[str, ...]:
     """What `RLTrainer.step` reports, in the order of a metrics row: the engine's step, the statistics of the
-    response tokens (`TokenStats`), the batch's response length and the step's speed, whether the step was
-    skipped."""
-    return ("loss", "grad_norm", "lr", *TokenStats.reported(with_reference), "response_length", "tokens_per_s",
-            "skipped")
+    response tokens (`TokenStats`), for a mixture of experts (`moe`) the load-balancing loss (`moe_aux_loss`,
+    `RLTrainer.moe_aux_loss`), the batch's response length and the step's speed, whether the step was skipped."""
+    return ("loss", "grad_norm", "lr", *TokenStats.reported(with_reference), *(("moe_aux_loss",) if moe else ()),
+            "response_length", "tokens_per_s", "skipped")
 
 
 @dataclass
@@ -157,7 +159,7 @@ def micro_batch_rows(n: int, micro_batch_size: int) -> int:
 
 def make_micro_batches(batch: RolloutBatch, micro_batch_size: int, seq_len: int, pad_id: int = 0) -> list[dict]:
     """Micro-batches of equal shape [rows, seq_len], rows = `micro_batch_rows` (at most micro_batch_size);
-    missing rows are padding with no loss."""
+    missing rows are padding with no loss. `real_tokens` marks each sequence's own tokens (not the padding)."""
     n = batch.size
     micro_batch_size = micro_batch_rows(n, micro_batch_size)
     rows = max(-(-n // micro_batch_size), 1) * micro_batch_size
@@ -166,6 +168,9 @@ def make_micro_batches(batch: RolloutBatch, micro_batch_size: int, seq_len: int,
         raise ValueError(f"seq_len {seq_len} is shorter than the batch's {s}")
     tokens = torch.full((rows, seq_len), pad_id, dtype=torch.long)
     tokens[:n, :s] = batch.tokens
+    lengths = torch.zeros(rows, dtype=torch.long)
+    lengths[:n] = batch.prompt_lengths + batch.response_lengths
+    real = torch.arange(seq_len) < lengths[:, None]  # each sequence's own tokens
     mask = torch.zeros(rows, seq_len, dtype=torch.bool)
     mask[:n, :s] = batch.response_mask()
     mask[:, 0] = False  # position 0 is never a target
@@ -177,7 +182,7 @@ def make_micro_batches(batch: RolloutBatch, micro_batch_size: int, seq_len: int,
         raise ValueError("the batch has no advantages; compute them before training")
     adv[:n] = batch.advantages
     named = [("tokens", tokens), ("loss_mask", mask), ("logit_positions", positions), ("logp_mu", logp_mu),
-              ("adv", adv)]
+             ("adv", adv), ("real_tokens", real)]
     if batch.routes is not None:  # routing replay: the generator's experts (placeholders on padding)
         routes = placeholder_routes(rows, seq_len, batch.routes)
         routes[:n, :s] = batch.routes
@@ -227,6 +232,8 @@ class RLTrainer:
         self.groups = groups
         self.pgs = groups.pgs
         self.settings = settings
+        if model_cfg.is_moe:  # the MoE layers read their load-balancing loss's coefficient from the config
+            model.config.moe_aux_loss_coeff = settings.trainer.moe_aux_loss_coeff
         self.engine = TrainEngine.create(model, self.pgs, settings.trainer, settings.schedule)
         self.reference: Optional[torch.nn.Module] = None
         if reference_model is not None:
@@ -260,9 +267,44 @@ class RLTrainer:
         seq_len = padded_seq_len(batch.tokens.shape[1])
         if t.packing:
             budget = t.max_tokens_per_micro_batch or t.micro_batch_size * seq_len
-            return packed_micro_batches(batch, layout.dp, self.groups.dp_rank, budget, current_device())
-        mine = shard_for_dp(batch, layout.dp, self.groups.dp_rank)
-        return make_micro_batches(mine, t.micro_batch_size, seq_len)
+            out = packed_micro_batches(batch, layout.dp, self.groups.dp_rank, budget, current_device())
+        else:
+            mine = shard_for_dp(batch, layout.dp, self.groups.dp_rank)
+            out = make_micro_batches(mine, t.micro_batch_size, seq_len)
+        if self.cfg.is_moe:
+            for mb in out:
+                self._load_balancing_inputs(mb)
+        return out
+
+    def _load_balancing_inputs(self, mb: dict) -> None:
+        """A mixture of experts' micro-batch gets what its load-balancing loss needs (`models.moe.balancing`): its
+        real tokens (those of a sequence, not padding) and its weight, its loss count (the `count` of
+        `aipo_microbatch_loss`: response tokens or sequences, as `algorithm.normalization` says). The engine
+        divides the gradients by the step's loss count, so the layers' losses enter the step averaged over
+        micro-batches with the policy loss's own weights."""
+        if "segments" in mb:
+            mb["real_tokens"] = mb["segments"] >= 0
+        mask = mb["loss_mask"]
+        _, count = normalize(torch.zeros(mask.shape, device=mask.device), mask, self.settings.aipo.normalization,
+                             mb.get("segments"))
+        mb["moe_aux_weight"] = count.float()
+
+    def moe_aux_loss(self) -> float:
+        """The load-balancing loss of the step just taken (a mixture of experts): each MoE layer's switch loss
+        (`models.moe.switch_balancing_loss`) averaged over the step's micro-batches of every DP rank with the
+        policy loss's weights (their loss counts), then over layers; 1 when every layer is perfectly balanced, up
+        to experts / k. Every rank of the executor learns it: TP ranks' shares summed, DP ranks' and stages'
+        sums added."""
+        stats = take_balance_stats(self.model, self.cfg.num_layers).to(current_device() or "cpu")
+        share = stats[0].clone()
+        dist.all_reduce(share, group=self.pgs.tp)
+        both = torch.stack([share, stats[1]])
+        for group in (self.pgs.dp_cp, self.pgs.pp):
+            dist.all_reduce(both, group=group)
+        both = both.cpu()
+        if not bool((both[1] > 0).all()):
+            return math.nan
+        return float((both[0] / both[1]).mean())
 
     def step(self, batch: RolloutBatch) -> dict:
         """One AIPO update from a global batch (every rank passes the same batch; each takes its DP share)."""
@@ -283,6 +325,8 @@ class RLTrainer:
         metrics = self.engine.step(micro, loss_fn)
         # The last stage holds the numbers: summed over DP, then shared over the pipeline.
         metrics.update(TokenStats.reduce(outputs, [self.pgs.dp_cp, self.pgs.pp], device=current_device()))
+        if self.cfg.is_moe:
+            metrics["moe_aux_loss"] = self.moe_aux_loss()
         elapsed = time.perf_counter() - t0
         metrics["step_time_s"] = elapsed
         metrics["tokens_per_s"] = float(batch.response_lengths.sum() + batch.prompt_lengths.sum()) / elapsed

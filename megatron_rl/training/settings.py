@@ -49,6 +49,13 @@ class TrainerSettings(Section):
     # trainer's and the generator's log-probs differ by the arithmetic only, not by flipped routes. false: the
     # trainer routes by itself (to compare). Ignored for a dense model (no routes).
     routing_replay: bool = True
+    # The load-balancing loss of a mixture-of-experts model (`models/moe.py`): the training loss adds this times
+    # the sum over MoE layers of each layer's switch-transformer loss (1 per layer when balanced; Megatron-Core's
+    # convention and default, 0). RL fine-tunes a pretrained router that is balanced already: a balancing term would
+    # pull the router by something other than the rewards and, under routing replay, away from the generator's
+    # routes. The step reports the loss (`moe_aux_loss`, the mean over layers) whatever the coefficient.
+    # (transformers' `router_aux_loss_coef` multiplies k x the loss pooled over layers: c x k / layers here.)
+    moe_aux_loss_coeff: float = ranged(0.0, ">= 0")
 
     @property
     def layout(self) -> ParallelLayout:
