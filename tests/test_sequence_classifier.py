@@ -120,6 +120,12 @@ def test_reward_model_config_refuses_in_one_line(reward_dir, tmp_path):
     shutil.copytree(d, tmp_path / "gpt2")
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert _error(tmp_path / "gpt2") == f"reward.model={str(tmp_path / 'gpt2')!r}: architecture 'gpt2' is not " \
-                                        f"supported (supported: llama, qwen2, qwen3, mistral)"
+                                        f"supported (supported: llama, qwen2, qwen3, mistral, qwen3_moe, mixtral)"
+    moe = json.loads((d / "config.json").read_text()) | {"model_type": "mixtral", "num_local_experts": 4,
+                                                        "architectures": ["MixtralForSequenceClassification"]}
+    shutil.copytree(d, tmp_path / "moe")
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(moe))
+    assert _error(tmp_path / "moe") == f"reward.model={str(tmp_path / 'moe')!r}: a mixture-of-experts reward model " \
+                                       f"(mixtral) is not supported; use a dense family"
     with pytest.raises(ValueError, match="without pipeline parallelism"):
         ParallelRewardModel(d, ParallelLayout(pp=2), None)

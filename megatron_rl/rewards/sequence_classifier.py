@@ -82,6 +82,9 @@ def _check_hf_config(src: Path) -> ModelConfig:
     except ValueError as e:  # ConversionError: one line starting with the path
         text = str(e).splitlines()[0]
         raise ValueError(f"{_where(src)}: {text.removeprefix(f'{src}: ')}") from None
+    if cfg.is_moe:  # not built or tested as a reward model
+        raise ValueError(f"{_where(src)}: a mixture-of-experts reward model ({cfg.family}) is not supported; use a "
+                         f"dense family")
     raw = json.loads((src / "config.json").read_text())
     archs = raw.get("architectures") or []
     if archs and not any(str(a).endswith("ForSequenceClassification") for a in archs):
