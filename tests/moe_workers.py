@@ -30,34 +30,6 @@ def logits_worker(rank, world_size, cases, tokens, layout):
     return out
 
 
-def push_worker(rank, world_size, cfg, full, trainer_layout, generator_layout):
-    """Ranks [0, trainer size): a trainer at `trainer_layout` loaded from the logical weights `full`; the rest: a
-    generator at `generator_layout` built with other weights. One DDMA push with the per-push check; the generator
-    ranks return their weights gathered back to logical ones, the names the push left unchanged and the number of
-    expert tensors the plan copies into them."""
-    from megatron_rl.ddma.fingerprint import PushCheck
-    from megatron_rl.ddma.sync import WeightSync, parameters_of
-
-    t_layout, g_layout = ParallelLayout(**trainer_layout), ParallelLayout(**generator_layout)
-    topo = build_topology([ExecutorPlacement("trainer", t_layout, 0),
-                           ExecutorPlacement("generator", g_layout, t_layout.size)])
-    t, g = topo["trainer"], topo["generator"]
-    sync = WeightSync(cfg, t, g)
-    check = PushCheck(sync.plan, rank, None, interval=1)
-    if t.is_member:
-        model = build_gpt_model(cfg, t.layout, t.pgs, attention="sdpa")
-        load_full_state_dict(model, full, cfg, t.pgs)
-        result = sync.sync(model, None, step=1)
-        check.after_push(parameters_of(model), None, 1, result.seconds)
-        return None
-    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", seed=77)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    result = sync.sync(None, model)
-    check.after_push(None, parameters_of(model), 1, result.seconds)
-    unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
-    experts = sum(".local_experts." in c.dst_param for c in sync.plan.copies if c.dst_rank == rank)
-    return gather_full_state_dict(model, cfg, g.pgs), unchanged, experts
-
 
 def moe_batch(vocab: int, n: int = 8, seed: int = 0):
     """`n` rollouts of 12-19 tokens (prompt 4-7, response 8-12) in rows of 20, with RLOO advantages and no

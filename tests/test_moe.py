@@ -4,20 +4,13 @@ against transformers' own classes."""
 import pytest
 import torch
 
-from tiny_hf import MOE_CONFIGS, file_state_dict, tiny_family_model
+from tiny_hf import MOE_CONFIGS, file_state_dict, tiny_family_model, tiny_moe_models
 
 
 @pytest.fixture(scope="module")
 def moe_models():
     """family -> (transformers model, ModelConfig, logical Megatron weights)."""
-    from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
-
-    out = {}
-    for family in MOE_CONFIGS:
-        hf = tiny_family_model(family)
-        cfg = model_config_from_hf(hf.config, name=family)
-        out[family] = hf, cfg, hf_to_megatron(file_state_dict(hf), cfg)
-    return out
+    return tiny_moe_models()
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2, dp=2, ep=2), dict(tp=2, ep=2, etp=1)], ids=["trainer", "in-tp"])
@@ -55,42 +48,6 @@ def test_trainer_ep_is_checked_in_one_line_each():
             (moe + ["trainer.ep=0"], "trainer.ep=0 must be >= 1")]:
         with pytest.raises(ConfigError, match=message):
             validate(load_config(None, overrides))
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_push_from_an_ep2_trainer_into_an_ep2_generator_is_bit_exact(moe_models, family):
-    """DDMA from a trainer at TP2 x DP2 x EP2 (experts over DP ranks, each split over TP) into a generator at TP2
-    with EP2 inside TP (whole experts per rank): every generator tensor changes and equals the trainer's bit for
-    bit, expert tensors are among the copies, and the per-push check (fingerprints of every copy) passes."""
-    from megatron_rl.launch.spawn import run_local
-    from moe_workers import push_worker
-
-    _, cfg, full = moe_models[family]
-    out = run_local(push_worker, 6, cfg, full, dict(tp=2, dp=2, ep=2), dict(tp=2, ep=2, etp=1))
-    for got, unchanged, experts in out[4:]:
-        assert unchanged == [] and experts > 0
-        assert got.keys() == full.keys() and all(torch.equal(got[k], full[k]) for k in full)
-
-
-def test_reshard_check_moves_every_expert_between_expert_layouts(capsys):
-    """`megatron-rl reshard-check` with a mixture of experts, from EP over DP (a trainer's) to EP inside TP (a
-    generator's): every logical tensor is checked, the experts included, and nothing differs."""
-    import json
-
-    from megatron_rl.cli import main
-    from megatron_rl.ddma.descriptors import logical_params, rank_params
-    from megatron_rl.models import get_preset
-    from megatron_rl.parallel import ParallelLayout
-
-    sets = ["--set", "family=mixtral", "--set", "num_layers=2", "--set", "num_moe_experts=4",
-            "--set", "moe_ffn_hidden_size=48"]
-    assert main(["reshard-check", "--src", "tp=2,dp=2,ep=2", "--dst", "tp=2,ep=2,etp=1", *sets]) == 0
-    summary = json.loads(capsys.readouterr().out)
-    cfg = get_preset("tiny", family="mixtral", num_layers=2, num_moe_experts=4, moe_ffn_hidden_size=48)
-    names = [p.name for p in logical_params(cfg)]
-    held = [lp.global_name for r in range(2) for lp in rank_params(cfg, ParallelLayout(tp=2, ep=2, etp=1), r)]
-    assert set(held) == set(names) and sum(".local_experts." in n for n in held) == 2 * 4 * 2  # each expert once
-    assert summary["ok"] and summary["mismatches"] == 0 and summary["params_checked"] == len(held)
 
 
 MOE_TINY = {"family": "mixtral", "num_moe_experts": 4}

@@ -18,7 +18,7 @@ from megatron_rl.models import get_preset
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel import ParallelLayout
 from test_ddma_planner import check_balance, simulate
-from tiny_hf import MOE_CONFIGS, file_state_dict, tiny_family_model
+from tiny_hf import MOE_CONFIGS, tiny_moe_models
 
 EXPERTS = ".local_experts."
 TINY_MOE = dict(family="mixtral", num_moe_experts=4, moe_ffn_hidden_size=48)
@@ -167,14 +167,7 @@ def test_the_push_check_fingerprints_expert_tensors_and_names_a_stale_one():
 @pytest.fixture(scope="module")
 def moe_models():
     """family -> (ModelConfig, logical Megatron weights) of a tiny transformers model."""
-    from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
-
-    out = {}
-    for family in MOE_CONFIGS:
-        hf = tiny_family_model(family)
-        cfg = model_config_from_hf(hf.config, name=family)
-        out[family] = cfg, hf_to_megatron(file_state_dict(hf), cfg)
-    return out
+    return {family: (cfg, full) for family, (_, cfg, full) in tiny_moe_models().items()}
 
 
 def test_pushes_from_expert_trainers_are_bit_exact_at_other_generator_layouts(moe_models):

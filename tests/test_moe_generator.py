@@ -8,7 +8,7 @@ import torch
 
 from megatron_rl.launch.spawn import run_local
 from moe_gen_workers import PROMPTS, cuda_rules_worker, generate_worker, pipeline_worker
-from tiny_hf import MOE_CONFIGS, file_state_dict, tiny_family_model
+from tiny_hf import tiny_moe_models
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,14 +20,7 @@ LP_GAP = 1e-5
 def moe_cases():
     """family -> (transformers model, ModelConfig, logical Megatron weights); weights scaled up so that greedy
     decoding has clear winners."""
-    from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
-
-    out = {}
-    for family in MOE_CONFIGS:
-        hf = tiny_family_model(family, scale=4.0)
-        cfg = model_config_from_hf(hf.config, name=family)
-        out[family] = hf, cfg, hf_to_megatron(file_state_dict(hf), cfg)
-    return out
+    return tiny_moe_models(scale=4.0)
 
 
 def _greedy_hf(hf) -> list[list[int]]:

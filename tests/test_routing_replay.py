@@ -13,7 +13,7 @@ from routing_replay_workers import (
     rollouts_worker,
     trainer_routes_worker,
 )
-from tiny_hf import MOE_CONFIGS, file_state_dict, tiny_family_model
+from tiny_hf import tiny_moe_models
 
 pytest.importorskip("transformers")
 
@@ -21,14 +21,7 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def moe_cases():
     """family -> (ModelConfig, logical Megatron weights)."""
-    from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
-
-    out = {}
-    for family in MOE_CONFIGS:
-        hf = tiny_family_model(family, scale=4.0)
-        cfg = model_config_from_hf(hf.config, name=family)
-        out[family] = cfg, hf_to_megatron(file_state_dict(hf), cfg)
-    return out
+    return {family: (cfg, full) for family, (_, cfg, full) in tiny_moe_models(scale=4.0).items()}
 
 
 @pytest.mark.parametrize("layout", [dict(tp=1), dict(tp=2, ep=2, etp=1)], ids=["tp1", "tp2-ep2"])

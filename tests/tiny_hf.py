@@ -63,6 +63,19 @@ def file_state_dict(model):
                 for k, v in load_file(os.path.join(d, f)).items()}
 
 
+def tiny_moe_models(scale=1.0):
+    """family -> (transformers model, ModelConfig, logical Megatron weights) for each mixture-of-experts family
+    (`MOE_CONFIGS`; `scale` multiplies the 2-D weights: 4 gives greedy decoding clear winners)."""
+    from megatron_rl.models.hf_mapping import hf_to_megatron, model_config_from_hf
+
+    out = {}
+    for family in MOE_CONFIGS:
+        hf = tiny_family_model(family, scale=scale)
+        cfg = model_config_from_hf(hf.config, name=family)
+        out[family] = hf, cfg, hf_to_megatron(file_state_dict(hf), cfg)
+    return out
+
+
 def tiny_family_model(family, *, vocab_size=300, num_layers=2, seed=0, scale=1.0, max_positions=512, **overrides):
     """A random transformers model of `family` (hidden 64, 4 heads / 2 KV heads, ffn 176) whose norms, biases and
     q/k norms are perturbed away from their initial values (so each one matters), 2-D weights times `scale`."""

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, make_dataclass, replace
 from functools import lru_cache
 from typing import Optional, Protocol
 
@@ -212,21 +212,8 @@ def _layer_table(shape: tuple) -> dict[str, ParamSpec]:
     return {p.name: p for p in layer_params(m)}
 
 
-@dataclass(frozen=True)
-class _Shape:
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    add_qkv_bias: bool
-    qk_layernorm: bool
-    family: str
-    num_moe_experts: Optional[int]
-    moe_ffn_hidden_size: Optional[int]
+# A hashable stand-in for any DecoderShape (`_layer_table`'s cache key is its field values).
+_Shape = make_dataclass("_Shape", _SHAPE_FIELDS, frozen=True)
 
 
 def find_param(name: str, m: DecoderShape) -> ParamSpec:
