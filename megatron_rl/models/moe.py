@@ -255,8 +255,14 @@ class TokenSplitMoELayer(MoELayer):
 
 
 def moe_layers(model: torch.nn.Module) -> list[tuple[int, TokenSplitMoELayer]]:
-    """This stage's MoE layers with their 0-based layer index in the whole model (wrappers looked through)."""
-    return [(m.layer_number - 1, m) for m in model.modules() if isinstance(m, TokenSplitMoELayer)]
+    """This stage's MoE layers with their 0-based layer index in the whole model (wrappers looked through). Found
+    once per model and kept on it: the engine asks before every micro-batch's forward, and Qwen3-30B-A3B's 128
+    experts a layer make tens of thousands of modules to walk."""
+    found = getattr(model, "_megatron_rl_moe_layers", None)
+    if found is None:
+        found = [(m.layer_number - 1, m) for m in model.modules() if isinstance(m, TokenSplitMoELayer)]
+        model._megatron_rl_moe_layers = found
+    return found
 
 
 def record_routes(model: torch.nn.Module, on: bool = True) -> None:
