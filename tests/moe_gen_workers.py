@@ -68,9 +68,10 @@ def pipeline_worker(rank, world_size, cfg, full, pp):
 
 
 def cuda_rules_worker(rank, world_size, cfg, full, layout_kw):
-    """With the CUDA-rules mode on, then off: the outputs (tokens, log-probs), whether the generator captured its
-    decode step, its lookahead, and whether `cuda_graphs=True` was refused; with it on, also what the capture check
-    says of one MoE layer's forward (the reason there is no graph)."""
+    """With the CUDA-rules mode on, then off: the outputs (tokens, log-probs, recorded routes: their pinned,
+    non-blocking copies to the host run under CUDA's rules), whether the generator captured its decode step, its
+    lookahead, and whether `cuda_graphs=True` was refused; with it on, also what the capture check says of one MoE
+    layer's forward (the reason there is no graph)."""
     from megatron_rl.compat import cuda_rules
 
     os.environ[cuda_rules.ENV] = "1"
@@ -79,7 +80,7 @@ def cuda_rules_worker(rank, world_size, cfg, full, layout_kw):
     for mode in ("1", "0"):
         os.environ[cuda_rules.ENV] = mode
         g, model = _model(cfg, full, ParallelLayout(**layout_kw))
-        gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=3, max_len=64)
+        gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=3, max_len=64, record_routes=True)
         outputs = gen.generate(requests())
         try:
             Generator(model, cfg.vocab_size, g.pgs.tp, cuda_graphs=True)
@@ -87,6 +88,7 @@ def cuda_rules_worker(rank, world_size, cfg, full, layout_kw):
         except ValueError as e:
             refused = str(e)
         out[mode] = {"outputs": [(o.token_ids, o.logprobs) for o in outputs], "graph": gen.stats["cuda_graph"],
+                     "routes": [o.routes for o in outputs],
                      "lookahead": gen.lookahead, "refused": refused}
         if mode == "1":
             try:

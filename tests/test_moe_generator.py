@@ -57,7 +57,8 @@ def test_pipelined_moe_generator_equals_one_stage(moe_cases):
 
 def test_moe_generator_under_cuda_rules_decodes_eagerly(moe_cases):
     """On the GPU paths (CUDA-rules mode, TP2 x EP2) an MoE generator takes no decode graph, refuses
-    `cuda_graphs=True`, keeps its lookahead, and gives the CPU path's tokens; the capture check refuses its MoE
+    `cuda_graphs=True`, keeps its lookahead, and gives the CPU path's tokens and recorded routes (copied to pinned
+    host buffers without waiting, under CUDA's rules); the capture check refuses its MoE
     layer's forward (the expert dispatch selects each expert's tokens: a data-dependent shape), which is why."""
     _, cfg, full = moe_cases["mixtral"]
     for r in run_local(cuda_rules_worker, 2, cfg, full, dict(tp=2, ep=2, etp=1)):
@@ -65,6 +66,7 @@ def test_moe_generator_under_cuda_rules_decodes_eagerly(moe_cases):
         assert rules["graph"] is False and rules["lookahead"] is True
         assert "mixture-of-experts" in rules["refused"] and "mixture-of-experts" in cpu["refused"]
         assert [t for t, _ in rules["outputs"]] == [t for t, _ in cpu["outputs"]]
+        assert all(torch.equal(a, b) for a, b in zip(rules["routes"], cpu["routes"], strict=True))
         gap = max(abs(a - b) for (_, x), (_, y) in zip(rules["outputs"], cpu["outputs"]) for a, b in zip(x, y))
         assert gap < 1e-4, gap
         assert r["capture"] is not None and "inside a CUDA graph capture" in r["capture"]
