@@ -120,3 +120,22 @@ def test_replayed_rl_step_is_the_single_process_one(replay_batch, layout, packed
             assert r["metrics"][key] == pytest.approx(m[key], rel=1e-5, abs=1e-6), key
         for k, v in ref["params"].items():
             torch.testing.assert_close(r["params"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")
+
+
+def test_packed_routes_keep_each_samples_and_fill_the_rest_with_placeholders():
+    """`pack_routes`: each sample's recorded routes at its positions, placeholders (experts 0..k-1) past them, for
+    a refused request (None) and for a batch whose every request was refused (no routes at all); None when no
+    sample has routes."""
+    from megatron_rl.controller.collector import pack_routes
+    from megatron_rl.controller.scoring import ScoredRollouts
+
+    def batch(routes, n):
+        return ScoredRollouts(0, 0, [[1]] * n, [[2, 3]] * n, [[0.0, 0.0]] * n, [0.0] * n, list(range(n)), [""] * n,
+                              0.0, 0.0, 0.0, routes=routes)
+
+    seen = torch.randint(0, 8, (3, 2, 2), dtype=torch.uint8)
+    out = pack_routes([batch([seen, None], 2), batch(None, 1)], 5)
+    fill = torch.tensor([0, 1], dtype=torch.uint8).expand(2, 2)
+    assert out.shape == (3, 5, 2, 2) and out.dtype == torch.uint8
+    assert torch.equal(out[0, :3], seen) and (out[0, 3:] == fill).all() and (out[1:] == fill).all()
+    assert pack_routes([batch(None, 2), batch(None, 1)], 5) is None

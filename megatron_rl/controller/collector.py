@@ -50,15 +50,15 @@ def pack(rollouts: list[ScoredRollouts], pad_id: int) -> RolloutBatch:
 
 def pack_routes(rollouts: list[ScoredRollouts], s: int) -> Optional[torch.Tensor]:
     """Every sample's recorded routes right-padded to [n, s, layers, k] (padding, and a sample without routes, hold
-    placeholders: experts 0..k-1), or None when no replica recorded any (routing replay off, or a dense model)."""
-    if all(r.routes is None for r in rollouts):
+    placeholders: experts 0..k-1), or None when none was recorded (routing replay off, or a dense model). A batch
+    without routes beside others with them is one whose every request the generator refused (`_routes`)."""
+    per_sample = [x for r in rollouts for x in (r.routes or [None] * len(r.token_ids))]
+    have = [x for x in per_sample if x is not None]
+    if not have:
         return None
-    if any(r.routes is None for r in rollouts):
-        raise ValueError("some generator replicas recorded routes and others did not")
-    have = [x for r in rollouts for x in r.routes if x is not None]
     _, layers, k = have[0].shape
-    out = torch.arange(k, dtype=have[0].dtype).expand(sum(len(r.routes) for r in rollouts), s, layers, k).clone()
-    for i, x in enumerate(x for r in rollouts for x in r.routes):
+    out = torch.arange(k, dtype=have[0].dtype).expand(len(per_sample), s, layers, k).clone()
+    for i, x in enumerate(per_sample):
         if x is not None:
             out[i, : x.shape[0]] = x
     return out
