@@ -9,12 +9,12 @@ The batch: `--sequences` sequences of a 32-token prompt and a response, total le
 weights take one step with padded micro-batches (`trainer.packing=false`: `--micro-batch` rows each, padded to the
 longest sequence) and one with packed ones (the default budget: the same tokens per micro-batch as a padded one).
 
-Printed: each step's time and tokens per second (real tokens, not padding), their ratio beside the ceiling the
-padding sets (the tokens the padded step computes over the real ones: what packing would gain if a step's time were
-proportional to its tokens; attention, quadratic in each sequence's length, makes the real gain smaller), and how
-far apart the two steps' loss, gradient norm, metrics and gradients are (fp32 rounding: a different summation
-order). Ends with one JSON line holding `packed_speedup`; `cache_capacity_ratio` (the generator's paged cache) is
-null until that cache exists.
+Printed: each step's time and tokens per second (real tokens, not padding), their ratio beside two ceilings: the
+tokens the padded step computes over the packed one's, and the FLOPs' (`_flop_ceiling`: the layers' matmuls on every
+token computed, attention on every pair of positions each causal call covers, the output layer on the response
+tokens alone in both layouts); and how far apart the two steps' loss, gradient norm, metrics and gradients are (fp32
+rounding: a different summation order). The generator's part: the slot cache against a paged cache of the same
+memory (`decode_comparison`). Ends with one JSON line holding `packed_speedup` and `cache_capacity_ratio`.
 """
 
 from __future__ import annotations
@@ -70,12 +70,23 @@ def _step(rank, world_size, args, packing: bool):
     batch = rollouts(cfg.vocab_size, args.sequences, args.min_len, args.max_len, args.seed)
     micro = trainer.micro_batches(batch)
     computed = sum(mb["tokens"].numel() for mb in micro)
+    attended = sum(_attended_pairs(mb) for mb in micro)
     t0 = time.perf_counter()
     metrics = trainer.step(batch)
     seconds = time.perf_counter() - t0
     grads = torch.cat([b.grad_data.float().flatten() for b in trainer.engine.model.buffers])
     return {"seconds": seconds, "metrics": metrics, "grads": grads, "micro_batches": len(micro),
-            "computed_tokens": computed, "real_tokens": int((batch.prompt_lengths + batch.response_lengths).sum())}
+            "computed_tokens": computed, "attended_pairs": attended, "real_tokens": int((batch.prompt_lengths + batch.response_lengths).sum())}
+
+
+def _attended_pairs(mb: dict) -> int:
+    """The (query, key) pairs a micro-batch's causal attention computes: a padded row attends over its whole length
+    (padding included: one causal call), a packed row within each of its segments (one causal call each)."""
+    if "host_bounds" in mb:
+        b = mb["host_bounds"]
+        return sum((y - x) * (y - x + 1) // 2 for x, y in zip(b[:-1], b[1:]))
+    rows, s = mb["tokens"].shape
+    return rows * s * (s + 1) // 2
 
 
 def _decode(rank, world_size, args, kv_cache_tokens, slots: int):
@@ -147,18 +158,25 @@ def main() -> None:
     emit(result)
 
 
-def _flop_ceiling(args, pad: dict, pk: dict) -> float:
-    """What packing can gain in matmul FLOPs: the layers' matmuls run on every token computed (padding included),
-    the output layer's only on the response tokens (`engine.logits_only_at`), whichever way the batch is laid out;
-    so a large vocabulary's share of the work does not shrink with the padding."""
+def _flop_ceiling(args, pad: dict, pk: dict) -> tuple[float, float]:
+    """What packing can gain in FLOPs, from the model's shapes (multiply-adds of one forward; the backward scales
+    every term alike). The layers' matmuls run on every token computed (padding included); attention on every
+    (query, key) pair each causal call covers, quadratic in a padded row's length, in each packed sequence's; the
+    output layer only on the response tokens (`engine.logits_only_at`) whichever way the batch is laid out, so a large
+    vocabulary's share of the work does not shrink with the padding. Returns (matmuls only, matmuls and attention)."""
     from megatron_rl.models import get_preset
 
     m = get_preset(args.preset)
     kv = m.num_query_groups * m.kv_channels
     q = m.num_attention_heads * m.kv_channels
     body = m.num_layers * (m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.ffn_hidden_size)
+    pair = m.num_layers * 2 * q  # QK^T and AV: kv_channels multiply-adds a pair, each head
     out = m.vocab_size * m.hidden_size * (pk["real_tokens"] - args.sequences * PROMPT)
-    return (body * pad["computed_tokens"] + out) / (body * pk["computed_tokens"] + out)
+
+    def work(r: dict, attention: bool) -> float:
+        return body * r["computed_tokens"] + out + (pair * r["attended_pairs"] if attention else 0)
+
+    return work(pad, False) / work(pk, False), work(pad, True) / work(pk, True)
 
 
 def packed_comparison(args) -> dict:
@@ -175,17 +193,17 @@ def packed_comparison(args) -> dict:
     pad, pk = out["padded"], out["packed"]
     speedup = pad["seconds"] / pk["seconds"]
     ceiling = pad["computed_tokens"] / pk["computed_tokens"]
-    flop_ceiling = _flop_ceiling(args, pad, pk)
+    matmul_ceiling, flop_ceiling = _flop_ceiling(args, pad, pk)
     grad_diff = float((pad["grads"] - pk["grads"]).abs().max() / pad["grads"].abs().max())
     keys = ("loss", "grad_norm", "is_weight_mean", "entropy", "kl_mu_pi", "logp_diff_mean")
     rel = {k: abs(pk["metrics"][k] - pad["metrics"][k]) / max(abs(pad["metrics"][k]), 1e-12) for k in keys}
-    print(f"packed / padded tokens per second: {speedup:.2f}x (the tokens' ceiling {ceiling:.2f}x; the matmul "
-          f"FLOPs' {flop_ceiling:.2f}x, {speedup / flop_ceiling:.2f} of it)")
+    print(f"packed / padded tokens per second: {speedup:.2f}x (the tokens' ceiling {ceiling:.2f}x; the FLOPs' "
+          f"{flop_ceiling:.2f}x with attention, {speedup / flop_ceiling:.2f} of it; {matmul_ceiling:.2f}x without)")
     print(f"largest gradient difference {grad_diff:.1e} of the largest gradient; metrics' relative differences: "
           + ", ".join(f"{k} {v:.1e}" for k, v in rel.items()))
     return {"preset": args.preset, "sequences": args.sequences, "padded_s": pad["seconds"],
             "packed_s": pk["seconds"], "packed_speedup": speedup, "padding_ceiling": ceiling,
-            "flop_ceiling": flop_ceiling,
+            "flop_ceiling": flop_ceiling, "matmul_ceiling": matmul_ceiling,
             "padded_tokens_computed": pad["computed_tokens"], "packed_tokens_computed": pk["computed_tokens"],
             "real_tokens": pk["real_tokens"], "max_grad_rel_diff": grad_diff, "metric_rel_diff": rel}
 
