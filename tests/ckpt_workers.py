@@ -16,6 +16,14 @@ from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
 from rl_workers import make_rollouts
 
 
+def index_contents(index) -> dict:
+    """A checkpoint index (`resume_check.Index`) as comparable data: {(directory, key): (global shape, dtype, every
+    chunk's offsets and sizes) or "object"}."""
+    return {(d, key): (tuple(e.size), e.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in e.chunks))
+            if hasattr(e, "chunks") else "object"
+            for d, md in index.metadata.items() for key, e in md.state_dict_metadata.items()}
+
+
 def _trainer(layout_kw, state_path, seed=0):
     layout_kw = dict(layout_kw)
     distributed = layout_kw.pop("distributed_optimizer", True)  # False: Megatron-Core's DP-replicated optimizer

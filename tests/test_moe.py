@@ -57,11 +57,17 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_at_tp2_exactly(tmp_path):
     """A mixture-of-experts trainer saved at DP2 x EP2 (experts and their optimizer state split over the DP
     ranks) resumes at DP2 x EP1 and at TP2 x DP2 x EP2 and takes the same next step as the uninterrupted run:
     loss and every weight. Expert weights are expert-parallel at every EP (`build_gpt_model`), so the optimizer
-    is the same two-part chain whatever the EP."""
-    from ckpt_workers import load_and_continue, train_save_continue
+    is the same two-part chain whatever the EP. `resume-check` rehearses both: the save it builds on the meta device
+    is the one written (chunk for chunk), each rank reads the bytes it predicted, and an expert chunk missing from
+    the index is named in one line."""
+    from pathlib import Path
+
+    from ckpt_workers import index_contents, load_and_continue, train_save_continue
     from megatron_rl.launch.spawn import run_local
     from megatron_rl.models import get_preset
     from megatron_rl.models.hf_mapping import hf_to_megatron
+    from megatron_rl.parallel import ParallelLayout
+    from megatron_rl.planning.resume_check import ResumeCheckError, TrainerSpec, read_index, rehearse, rehearsed_index
     from tiny_hf import tiny_family_model
 
     cfg = get_preset("tiny", **MOE_TINY)
@@ -69,12 +75,29 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_at_tp2_exactly(tmp_path):
     state = tmp_path / "full.pt"
     torch.save(hf_to_megatron(file_state_dict(hf), cfg), state)
     ref = run_local(train_save_continue, 2, dict(dp=2, ep=2, model=MOE_TINY), str(state), str(tmp_path / "c"), 2)[0]
+    index = read_index(Path(ref["path"]))
+    rehearsed = rehearsed_index(TrainerSpec(cfg, ParallelLayout(dp=2, ep=2), attention="sdpa"), Path("dp2-ep2"))
+    assert index_contents(rehearsed) == index_contents(index)
     for layout in (dict(dp=2, model=MOE_TINY), dict(tp=2, dp=2, ep=2, model=MOE_TINY)):
-        for r in run_local(load_and_continue, layout.get("tp", 1) * 2, layout, ref["path"], 2):
+        target = ParallelLayout(**{k: v for k, v in layout.items() if k != "model"})
+        predicted = sorted(rehearse(index, TrainerSpec(cfg, target, attention="sdpa")),
+                           key=lambda r: target.local_rank(r.tp, r.pp, r.dp))
+        loaded = run_local(load_and_continue, layout.get("tp", 1) * 2, layout, ref["path"], 2)
+        assert [r["read_bytes"] for r in loaded] == [r.read_bytes for r in predicted], layout
+        for r in loaded:
             assert r["steps_done"] == 3
             assert r["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], rel=1e-5, abs=1e-7)
             for k, v in ref["params"].items():
                 torch.testing.assert_close(r["params"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")
+    # One expert's chunk of the Adam moments gone from the index: the resume is refused before it loads a byte.
+    broken = read_index(Path(ref["path"]))
+    key = next(k for k in broken.metadata["optimizer"].state_dict_metadata if ".experts." in k and "exp_avg" in k)
+    chunks = broken.metadata["optimizer"].state_dict_metadata[key].chunks
+    assert len(chunks) == cfg.num_layers * cfg.num_moe_experts  # one chunk per layer and expert
+    del chunks[5]
+    with pytest.raises(ResumeCheckError, match=rf"^{broken.label('optimizer')}: {key}: elements \[.* are in no saved "
+                                               rf"chunk \(the trainer at tp=1,pp=1,dp=2 loads it\)$"):
+        rehearse(broken, TrainerSpec(cfg, ParallelLayout(dp=2), attention="sdpa"))
 
 
 def test_eval_greedy_at_tp2_ep2_from_an_ep2_conversion_writes_what_transformers_generate_writes(shared_data,
@@ -134,11 +157,13 @@ def test_train_from_a_converted_qwen3_moe_at_ep2_checks_every_push_and_resumes_a
         assert (summary["steps"], summary["resumed_from_step"]) == (steps, 0 if ep == 2 else 2)
     rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in rows if "step" in r}) == [0, 1, 2]  # three steps, the third after the resume
-    # `resume-check` does not model expert-parallel optimizer state: it says so in one line rather than vouch.
-    job = warm_cli.run(["resume-check", str(tmp_path / "moe")])
-    assert job.returncode == 2 and job.stderr.strip().splitlines() == [
-        "megatron-rl resume-check: a mixture of experts' load is not rehearsed yet (its expert-parallel optimizer "
-        "state): a job's load checks every tensor it reads"], job.stderr
+    # Both resumes were rehearsed before they loaded (`check_resume`); `resume-check` rehearses the last checkpoint
+    # (written at EP1) at EP2.
+    job = warm_cli.run(["resume-check", str(tmp_path / "moe"), "trainer.ep=2", "--json"])
+    assert job.returncode == 0, job.stderr[-3000:]
+    report = json.loads(job.stdout)
+    assert report["ok"] and (report["written_at"], report["target"]) == ("tp=1,pp=1,dp=2", "tp=1,pp=1,dp=2,ep=2")
+    assert [(r["tp"], r["dp"]) for r in report["per_rank"]] == [(0, 0), (0, 1)] and report["read_bytes"] > 0
 
 
 def test_rl_step_at_tp2_dp2_ep2_is_the_single_rank_step(moe_models):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ckpt_workers import load_and_continue, train_save_continue
+from ckpt_workers import index_contents, load_and_continue, train_save_continue
 from megatron_rl.launch.spawn import run_local
 from rl_workers import random_full_state
 import warm_cli
@@ -28,15 +28,10 @@ def test_the_save_rehearsed_on_the_meta_device_is_the_one_written(saved):
     from megatron_rl.parallel import ParallelLayout
     from megatron_rl.planning.resume_check import TrainerSpec, read_index, rehearsed_index
 
-    def contents(index):
-        return {(d, key): (tuple(e.size), e.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes))
-                                                                      for c in e.chunks)) if hasattr(e, "chunks")
-                else "object" for d, md in index.metadata.items() for key, e in md.state_dict_metadata.items()}
-
     written = read_index(Path(saved[0]["path"]))
     rehearsed = rehearsed_index(TrainerSpec(get_preset("tiny"), ParallelLayout(2, 2, 2), attention="sdpa"),
                                 Path("tiny-tp2-pp2-dp2"))
-    assert contents(rehearsed) == contents(written)
+    assert index_contents(rehearsed) == index_contents(written)
     assert sum(len(e.chunks) for _, _, e in written.tensors()) > 100
 
 

@@ -276,7 +276,8 @@ def _optimizer_shards(model: torch.nn.Module, layout: ParallelLayout,
 
 def owned_ranges(model: torch.nn.Module, dp: int) -> list[list[tuple[torch.nn.Parameter, int, int]]]:
     """For each rank of a `dp`-way data-parallel group, what its distributed optimizer owns of `model` (a meta
-    stage, `stage_model`): (parameter, start, end) flat ranges of the local parameters, in Megatron-Core's order."""
+    stage, `stage_model`): (parameter, start, end) flat ranges of the local parameters, in Megatron-Core's order.
+    A mixture of experts' expert weights are not among them (`owned_expert_ranges`)."""
     with meta_building():
         dp_group = StandInGroup(dp, 0)
         buffers = _ddp_buffers(model, dp_group, True)
@@ -285,6 +286,16 @@ def owned_ranges(model: torch.nn.Module, dp: int) -> list[list[tuple[torch.nn.Pa
             dp_group._rank = r
             out.append([owned for buf in buffers for owned in _owned(buf, True)])
     return out
+
+
+def owned_expert_ranges(model: torch.nn.Module, layout: ParallelLayout, tp_rank: int, pp_rank: int,
+                        dp_rank: int) -> list[tuple[torch.nn.Parameter, int, int]]:
+    """What the distributed optimizer of rank (tp_rank, pp_rank, dp_rank) of `layout` owns of its experts' weights
+    (`model`: that rank's meta stage, `stage_model(dp_rank=...)`): Megatron-Core's range map over the experts' DDP
+    buffer, split over the rank's expert-data-parallel group (`stand_in_groups`); (parameter, start, end)."""
+    with meta_building():
+        group = stand_in_groups(layout, tp_rank, pp_rank, dp_rank).expt_dp
+        return [owned for buf in _ddp_buffers(model, group, True, experts=True) for owned in _owned(buf, True)]
 
 
 def _checkpoint_keys(model: torch.nn.Module) -> dict:
@@ -325,11 +336,19 @@ def build_rank_modules(model_cfg: ModelConfig, layout: ParallelLayout, *, tp_ran
 
 
 def stage_model(model_cfg: ModelConfig, layout: ParallelLayout, *, tp_rank: int = 0, pp_rank: int = 0,
-                params_dtype: torch.dtype = torch.float32, attention: str = "auto") -> torch.nn.Module:
+                params_dtype: torch.dtype = torch.float32, attention: str = "auto",
+                dp_rank: int = 0) -> torch.nn.Module:
     """The meta-device GPTModel stage at (tp_rank, pp_rank) of `layout` that `build_rank_modules` measures (the
-    same cached object: read it, and hand it to `owned_ranges`, which only re-points its parameters)."""
+    same cached object: read it, and hand it to `owned_ranges`, which only re-points its parameters). `dp_rank`
+    matters to a mixture of experts only: the experts a rank holds follow its place in the expert grid."""
     return _stage_cached(dataclasses.astuple(model_cfg), layout.tp, layout.pp, layout.ep, layout.etp, tp_rank,
-                         pp_rank, params_dtype, attention, "none", None)[0]
+                         pp_rank, params_dtype, attention, "none", None, dp_rank % _least_dp(layout))[0]
+
+
+def _least_dp(layout: ParallelLayout) -> int:
+    """The least DP that holds `layout`'s expert grid (1 for a dense layout): a stage's modules are the same at every
+    DP, and DP ranks congruent modulo it hold the same experts (`ParallelLayout.expert_coords`)."""
+    return math.lcm(layout.tp, layout.etp * layout.ep) // layout.tp
 
 
 @functools.lru_cache(maxsize=64)
@@ -347,7 +366,7 @@ def _build_cached(model_fields: tuple, layout: ParallelLayout, tp_rank: int, pp_
 @functools.lru_cache(maxsize=16)
 def _stage_cached(model_fields: tuple, tp: int, pp: int, ep: int, etp: int, tp_rank: int, pp_rank: int,
                   params_dtype: torch.dtype, attention: str, quantization: str,
-                  kv_cache: Optional[tuple[int, int]]) -> tuple:
+                  kv_cache: Optional[tuple[int, int]], dp_rank: int = 0) -> tuple:
     """One pipeline stage's meta modules, which do not depend on the data-parallel degree: built once for every DP
     that `_build_cached` asks of it (the plan's synchronous baseline takes the trainer's TP x PP at another DP,
     and rebuilt every stage: 2.7 of the 20 s that the four recipes' plans took on the 2-core test machine).
@@ -359,10 +378,11 @@ def _stage_cached(model_fields: tuple, tp: int, pp: int, ep: int, etp: int, tp_r
     from megatron_rl.models.builder import build_gpt_model
 
     model_cfg = ModelConfig(*model_fields)
-    # The least DP that holds the expert grid (the stage is the same at every DP; EP rank 0's experts).
-    layout = ParallelLayout(tp, pp, math.lcm(tp, etp * ep) // tp, ep=ep, etp=etp)
+    # The least DP that holds the expert grid (the stage is the same at every DP; `dp_rank` names the experts).
+    layout = ParallelLayout(tp, pp, 1, ep=ep, etp=etp)
+    layout = dataclasses.replace(layout, dp=_least_dp(layout))
     build = dict(attention=attention, params_dtype=params_dtype, fusions="none", initialize=False)
-    pgs = stand_in_groups(layout, tp_rank, pp_rank)
+    pgs = stand_in_groups(layout, tp_rank, pp_rank, dp_rank)
     with meta_building():
         if quantization != "none":
             from megatron_rl.inference.quantized import _linear_weights_on_meta, quantize_generator

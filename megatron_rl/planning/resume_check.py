@@ -14,7 +14,10 @@ How, from the job's own pieces (none restated here):
    distributed optimizer's ranges (`planning.meta.owned_ranges`: Megatron-Core's range map over its DDP buffers)
    cut into the model-space boxes the checkpoint stores (`checkpointing.optimizer_state.range_boxes`). Ranks with
    the same (tp, pp) coordinates hold the same model tensors: each stage is built once, and only the optimizer's
-   ranges differ over DP.
+   ranges differ over DP. A mixture of experts split over DP ranks is built once per share of the experts (the
+   layout's expert grid); each rank reads its expert weights itself (the load's DP group does not hold them alike),
+   and its optimizer owns ranges of the dense weights over the DP group and of its experts' over its
+   expert-data-parallel group (`planning.meta.owned_expert_ranges`).
 2. The checkpoint's index: torch DCP's `Metadata` of `model/` and `optimizer/` (`safe_load.read_dcp_metadata`;
    a copy of just the `.metadata` files and `megatron_rl.json` will do), or, for a job's config, the `Metadata` its
    save writes: every rank's tensors (1.) at the job's layout, each distinct chunk once, as DCP keeps one copy of
@@ -55,12 +58,14 @@ from megatron_rl.checkpointing.optimizer_state import PREFIX, STATE_KEYS, range_
 from megatron_rl.checkpointing.reads import chunk_read_ranges, read_owners
 from megatron_rl.checkpointing.safe_load import COMMON, read_dcp_metadata
 from megatron_rl.models.presets import ModelConfig
-from megatron_rl.parallel.layout import ParallelLayout
-from megatron_rl.planning.meta import StandInGroup, meta_building, owned_ranges, stage_model
+from megatron_rl.parallel.layout import ParallelLayout, layout_problems
+from megatron_rl.planning.meta import (StandInGroup, meta_building, owned_expert_ranges, owned_ranges,
+                                      stage_model)
 
 DIST_DIRS = (MODEL_DIR, OPTIMIZER_DIR)
 DIST_CONFIG = "metadata.json"  # Megatron-Core's description of a dist_checkpointing directory, read before it loads
 REFERENCE = "reference."  # the KL reference model's keys in the optimizer checkpoint (`megatron_state`)
+EXPERTS = ".experts."  # in the key of every expert weight (`megatron_state.spread_replicas` reads it so too)
 PROGRESS_EVERY_S = 5.0
 
 
@@ -120,6 +125,10 @@ class Stage:
     replicated: dict[str, list[Box]] = field(default_factory=dict)
     objects: list[tuple[str, str]] = field(default_factory=list)  # (directory, DCP key) of each sharded object
     optimizer: list[list[Box]] = field(default_factory=list)  # the distributed optimizer's boxes, per DP rank
+    # Per DP rank, what it reads alone besides: a mixture of experts' weights where DP ranks hold different experts
+    # (EP over DP), which the load's DP group does not hold alike (and the reference's, and a non-distributed
+    # optimizer's state of them); empty where every DP rank holds the same tensors.
+    own: list[dict[str, list[Box]]] = field(default_factory=list)
 
 
 def _model_boxes(sd: dict, prefix: str = "") -> tuple[list[Box], list[str]]:
@@ -138,51 +147,109 @@ def _model_boxes(sd: dict, prefix: str = "") -> tuple[list[Box], list[str]]:
     return boxes, objects
 
 
-def build_stage(spec: TrainerSpec, tp_rank: int, pp_rank: int) -> Stage:
-    """What the ranks of stage (tp_rank, pp_rank) of `spec` load, from the stage built on the meta device."""
+@dataclass
+class _Held:
+    """A meta stage as one DP rank holds it: the model, its parameters' sharding, its tensors and objects."""
+
+    model: torch.nn.Module
+    sharding_of: dict
+    weights: list[Box]
+    objects: list[str]
+
+
+def _held(spec: TrainerSpec, tp_rank: int, pp_rank: int, dp_rank: int) -> _Held:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, apply_factories
 
     from megatron_rl.models.sharding import model_sharded_state_dict
 
-    layout = spec.layout
-    model = stage_model(spec.model, layout, tp_rank=tp_rank, pp_rank=pp_rank, params_dtype=spec.params_dtype,
-                        attention=spec.attention)
+    model = stage_model(spec.model, spec.layout, tp_rank=tp_rank, pp_rank=pp_rank, params_dtype=spec.params_dtype,
+                        attention=spec.attention, dp_rank=dp_rank)
     with meta_building():
-        sd = model_sharded_state_dict(model, StandInGroup(layout.dp, 0))
+        sd = model_sharded_state_dict(model, StandInGroup(spec.layout.dp, 0))
     sharding_of = {sh.data: sh for sh in nested_values(sd) if isinstance(sh, (ShardedTensor, ShardedTensorFactory))}
     apply_factories(sd)
-    weights, objects = _model_boxes(sd)
-    stage = Stage(tp_rank, pp_rank, {MODEL_DIR: weights, OPTIMIZER_DIR: []}, [(MODEL_DIR, o) for o in objects])
+    return _Held(model, sharding_of, *_model_boxes(sd))
+
+
+def _is_expert(b: Box) -> bool:
+    return EXPERTS in b.key
+
+
+def _state_boxes(ranges, sharding_of: dict) -> list[Box]:
+    """The distributed optimizer's boxes of its owned flat ranges (`range_boxes`), one per state key."""
+    boxes = []
+    for param, start, end in ranges:
+        for sh, offset, shape, _ in range_boxes(sharding_of[param], start, end):
+            boxes += [Box(f"{PREFIX}.{k}.{sh.key}", offset, shape, tuple(sh.global_shape), torch.float32,
+                          sh.allow_shape_mismatch) for k in STATE_KEYS]
+    return boxes
+
+
+def build_stage(spec: TrainerSpec, tp_rank: int, pp_rank: int) -> Stage:
+    """What the ranks of stage (tp_rank, pp_rank) of `spec` load, from the stage built on the meta device: one build
+    for a dense model, one per share of the experts for a mixture of experts split over DP ranks."""
+    layout = spec.layout
+    coords = [layout.expert_coords(tp_rank, r) for r in range(layout.dp)]
+    first_rank = {}
+    for r, c in enumerate(coords):
+        first_rank.setdefault(c, r)
+    held = {c: _held(spec, tp_rank, pp_rank, r) for c, r in first_rank.items()}
+    mine = [held[c] for c in coords]  # each DP rank's
+    split = len(held) > 1  # DP ranks hold different experts: each reads its own
+
+    def shared(boxes: list[Box]) -> list[Box]:
+        return [b for b in boxes if not (split and _is_expert(b))]
+
+    def alone(boxes: list[Box]) -> list[Box]:
+        return [b for b in boxes if split and _is_expert(b)]
+
+    objects = list(dict.fromkeys(o for h in held.values() for o in h.objects))
+    stage = Stage(tp_rank, pp_rank, {MODEL_DIR: shared(mine[0].weights), OPTIMIZER_DIR: []},
+                  [(MODEL_DIR, o) for o in objects], own=[{MODEL_DIR: alone(h.weights), OPTIMIZER_DIR: []}
+                                                           for h in mine])
     if spec.reference:
-        ref, ref_objects = _model_boxes(sd, REFERENCE)
-        stage.replicated[OPTIMIZER_DIR] += ref
-        stage.objects += [(OPTIMIZER_DIR, o) for o in ref_objects]
+        def reference(boxes: list[Box]) -> list[Box]:
+            return [dataclasses.replace(b, key=REFERENCE + b.key) for b in boxes]
+
+        stage.replicated[OPTIMIZER_DIR] += reference(shared(mine[0].weights))
+        for own, h in zip(stage.own, mine):
+            own[OPTIMIZER_DIR] += reference(alone(h.weights))
+        stage.objects += [(OPTIMIZER_DIR, REFERENCE + o) for o in objects]
     if not spec.optimizer_state:
         return stage
     if not spec.distributed_optimizer:
         # Megatron-Core's own optimizers: each state tensor sharded as its parameter (`optim_state_to_sharding_state`),
         # the fp32 copies of 16-bit parameters as `fp32_param`.
-        state = [Box(f"{PREFIX}.{k}.{b.key}", b.offset, b.shape, b.global_shape, torch.float32, b.padded_vocab)
-                 for b in weights for k in ("exp_avg", "exp_avg_sq", "fp32_param")
-                 if k != "fp32_param" or b.dtype != torch.float32]
-        stage.replicated[OPTIMIZER_DIR] += state
+        def state(boxes: list[Box]) -> list[Box]:
+            return [Box(f"{PREFIX}.{k}.{b.key}", b.offset, b.shape, b.global_shape, torch.float32, b.padded_vocab)
+                    for b in boxes for k in ("exp_avg", "exp_avg_sq", "fp32_param")
+                    if k != "fp32_param" or b.dtype != torch.float32]
+
+        stage.replicated[OPTIMIZER_DIR] += state(shared(mine[0].weights))
+        for own, h in zip(stage.own, mine):
+            own[OPTIMIZER_DIR] += state(alone(h.weights))
         return stage
-    for ranges in owned_ranges(model, layout.dp):
-        boxes = []
-        for param, start, end in ranges:
-            for sh, offset, shape, _ in range_boxes(sharding_of[param], start, end):
-                boxes += [Box(f"{PREFIX}.{k}.{sh.key}", offset, shape, tuple(sh.global_shape), torch.float32,
-                              sh.allow_shape_mismatch) for k in STATE_KEYS]
-        stage.optimizer.append(boxes)
+    # Dense weights over the DP group; a mixture of experts' over each rank's expert-data-parallel group.
+    for r, (ranges, h) in enumerate(zip(owned_ranges(mine[0].model, layout.dp), mine)):
+        experts = owned_expert_ranges(h.model, layout, tp_rank, pp_rank, r) if spec.model.is_moe else []
+        stage.optimizer.append(_state_boxes(ranges, mine[0].sharding_of) + _state_boxes(experts, h.sharding_of))
     return stage
 
 
-def stages(spec: TrainerSpec, progress: Optional["Progress"] = None) -> Iterator[Stage]:
-    """Every stage of `spec`, each built once (pipeline stage by stage)."""
+def stages(spec: TrainerSpec, progress: Optional["Progress"] = None,
+           built: Optional[dict] = None) -> Iterator[Stage]:
+    """Every stage of `spec`, each built once (pipeline stage by stage). `built`: stages of this same `spec` kept
+    by (tp_rank, pp_rank) from an earlier pass, and filled by this one (a config rehearsed into its own layout
+    builds each stage once for the index and the rehearsal)."""
     for pp_rank in range(spec.layout.pp):
         for tp_rank in range(spec.layout.tp):
-            yield build_stage(spec, tp_rank, pp_rank)
+            stage = built.get((tp_rank, pp_rank)) if built is not None else None
+            if stage is None:
+                stage = build_stage(spec, tp_rank, pp_rank)
+                if built is not None:
+                    built[(tp_rank, pp_rank)] = stage
+            yield stage
             if progress is not None:
                 progress.step()
 
@@ -236,16 +303,24 @@ class Index:
 
 
 class _Saved:
-    """One saved tensor: its index entry and its chunks sorted by their first offset, to find those a box
-    overlaps by bisection."""
+    """One saved tensor: its index entry, and its chunks grouped by their first offset (a stacked tensor's layer),
+    each group sorted by the offsets after it, to find those a box overlaps by bisection on the first two axes (a
+    layer of 128 experts, each in its own chunk, is one group of 128 or more)."""
 
     def __init__(self, entry):
         self.entry = entry
         self.shape = tuple(entry.size)
         self.itemsize = entry.properties.dtype.itemsize
         self.chunks = sorted(entry.chunks, key=lambda c: tuple(c.offsets))
-        self.starts = [c.offsets[0] for c in self.chunks] if self.shape else []
+        groups: dict[int, list] = {}
+        for c in self.chunks if self.shape else ():
+            groups.setdefault(c.offsets[0], []).append(c)
+        self.firsts = list(groups)  # ascending, as the chunks are
+        self.groups = list(groups.values())
         self.reach = max((c.sizes[0] for c in self.chunks), default=0) if self.shape else 0
+        deep = len(self.shape) > 1
+        self.seconds = [[c.offsets[1] for c in g] if deep else None for g in self.groups]
+        self.second_reach = [max(c.sizes[1] for c in g) if deep else 0 for g in self.groups]
         self._problem: Optional[tuple[str]] = None
 
     def problem(self) -> Optional[str]:
@@ -257,10 +332,15 @@ class _Saved:
     def overlapping(self, lo: tuple[int, ...], hi: tuple[int, ...]) -> list:
         if not self.shape:
             return self.chunks
-        first = bisect.bisect_right(self.starts, lo[0] - self.reach)
-        last = bisect.bisect_left(self.starts, hi[0])
-        return [c for c in self.chunks[first:last]
-                if all(o < h and o + s > low for o, s, low, h in zip(c.offsets, c.sizes, lo, hi))]
+        out = []
+        first, last = bisect.bisect_right(self.firsts, lo[0] - self.reach), bisect.bisect_left(self.firsts, hi[0])
+        for g in range(first, last):
+            group, seconds = self.groups[g], self.seconds[g]
+            if seconds is not None:
+                group = group[bisect.bisect_right(seconds, lo[1] - self.second_reach[g]):
+                              bisect.bisect_left(seconds, hi[1])]
+            out += [c for c in group if all(o < h and o + s > low for o, s, low, h in zip(c.offsets, c.sizes, lo, hi))]
+        return out
 
 
 def read_index(ckpt: Path) -> Index:
@@ -303,9 +383,10 @@ def saved_files() -> set[str]:
     return {f"{d}/{name}" for d in DIST_DIRS for name in (DCP_METADATA, COMMON, DIST_CONFIG)} | {RL_STATE}
 
 
-def rehearsed_index(spec: TrainerSpec, where: Path, progress: Optional["Progress"] = None) -> Index:
+def rehearsed_index(spec: TrainerSpec, where: Path, progress: Optional["Progress"] = None,
+                    built: Optional[dict] = None) -> Index:
     """The index that a save of trainer `spec` writes: the distinct chunks of every rank's tensors and its
-    objects (`Stage`), in torch DCP's `Metadata`."""
+    objects (`Stage`), in torch DCP's `Metadata`. `built`: as `stages` takes it."""
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                        TensorProperties, TensorStorageMetadata)
 
@@ -322,13 +403,17 @@ def rehearsed_index(spec: TrainerSpec, where: Path, progress: Optional["Progress
                                                               torch.Size(b.global_shape), [])
         entry.chunks.append(ChunkStorageMetadata(torch.Size(b.offset), torch.Size(b.shape)))
 
-    for stage in stages(spec, progress):
+    for stage in stages(spec, progress, built):
         for d, boxes in stage.replicated.items():
             for b in boxes:
                 add(d, b)
         for boxes in stage.optimizer:
             for b in boxes:
                 add(OPTIMIZER_DIR, b)
+        for own in stage.own:
+            for d, boxes in own.items():
+                for b in boxes:
+                    add(d, b)
         for d, key in stage.objects:
             entries[d][key] = BytesStorageMetadata()
     return Index(Path(where), saved_files(), spec.layout,
@@ -435,20 +520,21 @@ class _Rehearsal:
                 ranks[owner].read_bytes += read
                 for r in ranks:
                     r.needed_bytes += need
-        for r, boxes in zip(ranks, stage.optimizer):
-            for b in boxes:
-                read, need = self.box(OPTIMIZER_DIR, b, stage, r.dp)
+        for r, boxes, own in zip(ranks, stage.optimizer or [[]] * dp, stage.own):
+            for d, b in [(OPTIMIZER_DIR, b) for b in boxes] + [(d, b) for d, bs in own.items() for b in bs]:
+                read, need = self.box(d, b, stage, r.dp)
                 r.read_bytes += read
                 r.needed_bytes += need
         return ranks
 
 
-def rehearse(index: Index, spec: TrainerSpec, progress: Optional["Progress"] = None) -> list[RankBytes]:
+def rehearse(index: Index, spec: TrainerSpec, progress: Optional["Progress"] = None,
+             built: Optional[dict] = None) -> list[RankBytes]:
     """Every rank of trainer `spec` loading checkpoint `index`: its bytes, in layout order (pp, tp, dp);
     ResumeCheckError (one line) for the first thing some rank needs that is not in the checkpoint exactly once."""
     check = _Rehearsal(index, spec)
     out = []
-    for stage in stages(spec, progress):
+    for stage in stages(spec, progress, built):
         out += check.stage(stage)
     return out
 
@@ -497,11 +583,6 @@ def report(index: Index, spec: TrainerSpec, ranks: list[RankBytes], cal) -> dict
 
 
 # ---- inside `train`: before a resume loads anything -------------------------------------------------------------
-# The rehearsal models a dense trainer's state: a mixture of experts' expert weights and their optimizer state live on
-# the expert grid (their own DDP buffers over the expert-data-parallel group), which it does not lay out yet.
-MOE_NOT_REHEARSED = "a mixture of experts' load is not rehearsed yet (its expert-parallel optimizer state)"
-
-
 def check_resume(path: Path, target: TrainerSpec, group=None) -> Optional[str]:
     """Collective over `group` (every rank of the job; None: the default group): checkpoint `path` rehearsed at the
     layout it was written with and at `target`'s, the stages shared out over the ranks; every rank raises the same
@@ -510,8 +591,6 @@ def check_resume(path: Path, target: TrainerSpec, group=None) -> Optional[str]:
     such note is returned, on every rank, and the load's own checks still run."""
     import torch.distributed as dist
 
-    if target.model.is_moe:  # the same answer on every rank: nothing to gather
-        return f"resume-check: {MOE_NOT_REHEARSED}; loading without it"
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     failures, notes = [], []
     try:
@@ -567,7 +646,7 @@ class Progress:
         print(f"{self.prog}: {text} [{self.last - self.start:.0f} s]", file=self.out, flush=True)
 
 
-TRAINER_KEYS = ("trainer.tp", "trainer.pp", "trainer.dp", "trainer.dtype", "trainer.attention",
+TRAINER_KEYS = ("trainer.tp", "trainer.pp", "trainer.dp", "trainer.ep", "trainer.dtype", "trainer.attention",
                 "trainer.use_distributed_optimizer")
 
 
@@ -584,8 +663,14 @@ def _trainer_of_checkpoint(index: Index, overrides: list[str], cal) -> TrainerSp
                           f"apply (the rest is the checkpoint's); give the job with --config")
     cfg = load_config(None, overrides)
     t = cfg.trainer
+    # A trainer's experts are split over its DP ranks, each over its TP group (expert TP = TP).
     layout = ParallelLayout(*(getattr(t, k) if f"trainer.{k}" in given else getattr(spec.layout, k)
-                              for k in ("tp", "pp", "dp")))
+                              for k in ("tp", "pp", "dp", "ep")))
+    problems = layout_problems(spec.model, layout)
+    if problems:
+        p = problems[0]
+        raise ConfigError(f"trainer.ep={layout.ep} does not divide trainer.dp={layout.dp}" if p.dim == "etp x ep"
+                          else f"trainer.{p}")
     return dataclasses.replace(
         spec, layout=layout,
         params_dtype=executor_dtype(t.dtype, cal) if "trainer.dtype" in given else spec.params_dtype,
@@ -658,8 +743,9 @@ def run(source: str, config: Optional[str] = None, overrides: Optional[list[str]
             target = _job_trainer(source, overrides, cal)
             progress.begin(f"the checkpoint {source} writes at {written.layout}, built on the meta device",
                            written.layout.tp * written.layout.pp)
-            index = rehearsed_index(written, src, progress)
-            ranks = _target(index, target, progress)
+            built = {}  # the stages of `written`: the target's too where the overrides change nothing
+            index = rehearsed_index(written, src, progress, built)
+            ranks = _target(index, target, progress, built if target == written else None)
         else:
             with reading(src) as ckpt:
                 index = read_index(ckpt)
@@ -680,12 +766,11 @@ def run(source: str, config: Optional[str] = None, overrides: Optional[list[str]
     return 0
 
 
-def _target(index: Index, target: TrainerSpec, progress: Progress) -> list[RankBytes]:
-    if target.model.is_moe:
-        raise CheckpointError(f"{MOE_NOT_REHEARSED}: a job's load checks every tensor it reads")
+def _target(index: Index, target: TrainerSpec, progress: Progress,
+            built: Optional[dict] = None) -> list[RankBytes]:
     progress.begin(f"every rank of the trainer at {target.layout} loading it", target.layout.tp * target.layout.pp)
     try:
-        return rehearse(index, target, progress)
+        return rehearse(index, target, progress, built)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - the builders' assertions for a layout the model cannot take
