@@ -33,14 +33,21 @@ def _model(cfg, full, layout):
 
 def _lp_gap(model, g, cfg, outputs) -> float:
     """The largest gap between the log-probs the generator recorded and the trainer's teacher-forced forward of the
-    same sequences (at each output's temperature: 1 for greedy)."""
+    same sequences (at each output's temperature: 1 for greedy): one right-padded forward per temperature (causal
+    attention and per-token routing: the padding changes no real position)."""
+    temps = [r.params.temperature or 1.0 for r in requests() for _ in range(max(r.params.n, 1))]
     gap = 0.0
-    for o, r in zip(outputs, [r for r in requests() for _ in range(max(r.params.n, 1))]):
-        seq = torch.tensor([o.prompt_ids + o.token_ids])
+    for t in sorted(set(temps)):
+        mine = [o for o, ot in zip(outputs, temps) if ot == t]
+        seqs = [o.prompt_ids + o.token_ids for o in mine]
+        batch = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            batch[i, :len(seq)] = torch.tensor(seq)
         with torch.no_grad():
-            lp = target_logprobs(model_forward(model, seq, False), seq, g.pgs.tp, cfg.vocab_size,
-                                 r.params.temperature or 1.0)
-        gap = max(gap, (lp[0, len(o.prompt_ids):] - torch.tensor(o.logprobs)).abs().max().item())
+            lp = target_logprobs(model_forward(model, batch, False), batch, g.pgs.tp, cfg.vocab_size, t)
+        for i, o in enumerate(mine):
+            p, n = len(o.prompt_ids), len(o.token_ids)
+            gap = max(gap, (lp[i, p:p + n] - torch.tensor(o.logprobs)).abs().max().item())
     return gap
 
 

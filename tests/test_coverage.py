@@ -21,7 +21,7 @@ from megatron_rl.checkpointing.safe_load import read_dcp_metadata
 import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["trainer.sft_warmup_steps=10", "rollout.prompts_per_step=4", "data.eval_size=4", "run.eval_interval=1000",
+FAST = ["trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4", "data.eval_size=4", "run.eval_interval=1000",
         "rollout.max_new_tokens=6", "checkpoint.save_interval=1000"]
 
 

@@ -202,7 +202,7 @@ def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_pat
     # the local launcher's fork server imports transformers' tokenizer modules for such a job, once for its ranks
     assert rank_preload(load_config(None, [f"model.checkpoint={ckpt}"])) == RANK_MODULES + HF_TOKENIZER_MODULES
     assert rank_preload(load_config(None, [])) == RANK_MODULES  # the byte tokenizer
-    out = warm_cli.run(["train", f"model.checkpoint={ckpt}", "data.dataset=gsm8k", "data.eval_size=2",
+    out = warm_cli.run(["train", f"model.checkpoint={ckpt}", "data.dataset=gsm8k", "data.eval_size=1",
                         "data.eval_samples=1", "trainer.tp=1", "trainer.sft_warmup_steps=0", "trainer.lr=1e-6",
                         "rollout.mode=sync", "trainer.dtype=fp32", "generator.dtype=fp32",  # agreement to fp32 rounding
                         "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",

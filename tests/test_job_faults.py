@@ -51,12 +51,13 @@ def _prompts(tmp_path):
 
 def test_a_reward_function_that_never_returns_ends_the_job_in_bounded_time(tmp_path):
     # Before: every response cost its timeout, one after another, for all 200 steps, and the job exited 0.
+    # a quarter of a second per call (the function never returns): each batch's deadline is four of them
     out, seconds, text = _train(tmp_path, "hang", *_prompts(tmp_path), "reward.function=reward_fns:sleeps_forever",
-                                "run.steps=200")
+                                "run.steps=200", "reward.timeout_s=0.25")
     assert out.returncode == 1 and seconds < 150, (seconds, out.stderr[-3000:])
     assert "(generator) failed: RewardFailureError: reward function 'reward_fns:sleeps_forever' failed on" \
         in out.stderr, out.stderr[-3000:]
-    assert "batch timed out after 2 s" in text
+    assert "batch timed out after 1 s" in text
 
 
 def test_a_reward_function_that_always_raises_is_counted_in_the_metrics_and_stops_the_job(tmp_path):

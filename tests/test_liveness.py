@@ -84,12 +84,12 @@ def _assert_gone(pids):
 
 def test_a_stopped_trainer_rank_ends_the_local_job_in_one_line(tmp_path):
     cmd = ["train", *FAST, f"checkpoint.dir={tmp_path}"]
-    out, seconds, stopped = _run(cmd, _stopped_at("train_step:3"), tmp_path)
+    out, seconds, stopped = _run(cmd, _stopped_at("train_step:1"), tmp_path)
     assert out.returncode == 1
     line = _hang_line(out.stderr)
     silent = re.match(r"megatron-rl: rank [01] \(trainer\) hung: no heartbeat for (\d+) s", line)
     assert silent and TIMEOUT_S <= int(silent.group(1)) <= TIMEOUT_S + 2, line
-    assert "last in Train(step=3)" in line and line.endswith(str(tmp_path / "default" / "failure.log"))
+    assert "last in Train(step=1)" in line and line.endswith(str(tmp_path / "default" / "failure.log"))
     _assert_gone(stopped)
     assert seconds < 90, seconds
 
@@ -97,7 +97,7 @@ def test_a_stopped_trainer_rank_ends_the_local_job_in_one_line(tmp_path):
 def test_a_stopped_generator_rank_under_torchrun_is_named_by_its_watcher(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "megatron_rl.cli", "train", "--launcher", "env", *FAST, "trainer.tp=1", f"checkpoint.dir={tmp_path}"]
-    out, seconds, stopped = _run(cmd, _stopped_at("generate:3"), tmp_path)
+    out, seconds, stopped = _run(cmd, _stopped_at("generate:1"), tmp_path)
     assert out.returncode != 0
     line = _hang_line(out.stderr)
     assert line.startswith("megatron-rl: rank 1 (generator) hung: no heartbeat for "), line
@@ -124,16 +124,16 @@ def test_a_stopped_reward_model_rank_ends_the_job(reward_model_job, tmp_path):
 def test_a_warm_start_longer_than_the_timeout_is_not_a_hang(tmp_path):
     """The trainer's warm start takes several timeouts; the generator waits for it in a collective all along. The
     timeout is TIMEOUT_S: with 1 s, a healthy rank of this job on the loaded 2-core machine once went 1 s without a
-    beat (a clean-clone CI run, stop 51). Each of the 20 steps also sleeps a quarter of a second (a failpoint), so
+    beat (a clean-clone CI run, stop 51). Each of the 6 steps sleeps three quarters of a second (a failpoint), so
     the warm start outlasts two timeouts on any machine (a generator whose beat stopped while it waited would be
-    called hung after one): 120 steps of compute alone took 13 s on one 2-core test machine and 5.5 s on another."""
-    cmd = ["train", "trainer.sft_warmup_steps=20", "run.steps=2", f"checkpoint.dir={tmp_path}"]
+    called hung after one); the beat is a thread of its own, which a step's sleep does not silence."""
+    cmd = ["train", "trainer.sft_warmup_steps=6", "run.steps=1", f"checkpoint.dir={tmp_path}"]
     env = _env(MEGATRON_RL_DIST_TIMEOUT_S=str(TIMEOUT_S), MEGATRON_RL_FAILPOINT="warm_start_step",
-               MEGATRON_RL_FAILPOINT_ACTION="sleep:0.25")
+               MEGATRON_RL_FAILPOINT_ACTION="sleep:0.75")
     out, _, _ = _run(cmd, env, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["warm_start_s"] >= 20 * 0.25 > 2 * TIMEOUT_S and summary["steps"] == 2
+    assert summary["warm_start_s"] >= 6 * 0.75 > 2 * TIMEOUT_S and summary["steps"] == 1
 
 
 def test_store_watchers_report_a_silent_rank_once_and_every_rank_ends():

@@ -23,21 +23,24 @@ def moe_cases():
     return tiny_moe_models(scale=4.0)
 
 
-def _greedy_hf(hf) -> list[list[int]]:
-    return [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0,
-                        eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+@pytest.fixture(scope="module")
+def greedy_hf(moe_cases) -> dict[str, list[list[int]]]:
+    """family -> transformers' greedy `generate` of each prompt (10 tokens)."""
+    return {family: [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+            for family, (hf, _, _) in moe_cases.items()}
 
 
 @pytest.mark.parametrize("layout", [dict(tp=1), dict(tp=2, ep=2, etp=1)], ids=["tp1", "tp2-ep2"])
-def test_generator_equals_teacher_forcing_and_transformers(moe_cases, layout):
+def test_generator_equals_teacher_forcing_and_transformers(moe_cases, greedy_hf, layout):
     """Greedy and sampled outputs (2 slots for 12 sequences: slots reused, prefill beside decode) record the
     log-probs of the trainer's forward of the same sequences; greedy tokens are transformers' `generate`'s; a paged
     cache of 48 tokens (sequences preempted) gives the slot cache's tokens. At TP2 x EP2 every TP rank holds two
     whole experts and routes half of each step's tokens (`models.moe.TokenSplitMoELayer`)."""
     cases = [(cfg, full) for _, cfg, full in moe_cases.values()]
     results = run_local(generate_worker, layout["tp"], cases, layout, [(2, None), (3, 48)])
-    for i, (family, (hf, _, _)) in enumerate(moe_cases.items()):
-        want = _greedy_hf(hf)
+    for i, family in enumerate(moe_cases):
+        want = greedy_hf[family]
         (slot, slot_gap), (paged, paged_gap) = results[0][i]
         assert [t for t, _ in slot[:len(PROMPTS)]] == want, family
         assert slot_gap < LP_GAP and paged_gap < LP_GAP, (family, slot_gap, paged_gap)

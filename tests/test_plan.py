@@ -113,21 +113,25 @@ class _ColdCommand:
         self.returncode = self.proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
 
     def result(self, timeout: float) -> tuple[int, str, str]:
-        self.ended.join(timeout)
-        if self.ended.is_alive():
-            self.proc.kill()
-            self.ended.join()
-            pytest.fail(f"{self.proc.args} did not end within {timeout} s")
-        with self.out, self.err:
-            self.out.seek(0), self.err.seek(0)
-            return self.returncode, self.out.read(), self.err.read()
+        """(exit status, stdout, stderr), once it has ended (the same for every test that asks)."""
+        if getattr(self, "_result", None) is None:
+            self.ended.join(timeout)
+            if self.ended.is_alive():
+                self.proc.kill()
+                self.ended.join()
+                pytest.fail(f"{self.proc.args} did not end within {timeout} s")
+            with self.out, self.err:
+                self.out.seek(0), self.err.seek(0)
+                self._result = (self.returncode, self.out.read(), self.err.read())
+        return self._result
 
 
 @pytest.fixture(scope="module")
 def plan_405b_cold(tmp_path_factory):
-    """`megatron-rl plan` of the 405B recipe, cold, started before the recipes' plans are computed here."""
+    """`megatron-rl plan` of the 405B recipe, cold, started before the recipes' plans are computed here; with a
+    stated filesystem rate (which only the checkpointing times read)."""
     return _ColdCommand([sys.executable, "-m", "megatron_rl.cli", "plan", "-c", str(CONFIGS / "llama3-405b.yaml"),
-                         "--json"], tmp_path_factory.mktemp("plan_405b"))
+                         "--json", "--filesystem-gbps", "8"], tmp_path_factory.mktemp("plan_405b"))
 
 
 @pytest.fixture(scope="module")
@@ -426,13 +430,12 @@ def test_reward_executor_gpus_and_weights_are_planned(tmp_path):
         assert "reward model's" in text and "in neither step time" in text
 
 
-def test_checkpoint_times_follow_the_rates(capsys):
+def test_checkpoint_times_follow_the_rates(plan_405b_cold):
     """The 405B recipe (TP8 x PP14 x DP4): the busiest rank writes its DP quarter of the optimizer state (12 bytes
     an element) and a quarter of its shard's weights; nothing is gathered. Times are bytes over the stated rates."""
-    from megatron_rl import cli
-
-    assert cli.main(["plan", "-c", str(CONFIGS / "llama3-405b.yaml"), "--json", "--filesystem-gbps", "8"]) == 0
-    c = json.loads(capsys.readouterr().out)["checkpointing"]
+    returncode, stdout, stderr = plan_405b_cold.result(timeout=120)
+    assert returncode == 0, stderr[-2000:]
+    c = json.loads(stdout)["checkpointing"]
     n = 405e9 / (8 * 14)  # parameters of one model-parallel shard, about
     assert 0.95 < c["busiest_rank_bytes"] / (n * 2 / 4 + n * 12 / 4) < 1.1
     assert c["host_bytes_per_rank"] == c["busiest_rank_bytes"]

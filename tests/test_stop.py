@@ -19,7 +19,7 @@ from megatron_rl.launch.runlock import LOCK_FILE, RunDirLocked, RunLock
 import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["trainer.sft_warmup_steps=20", "checkpoint.save_interval=1000", "rollout.prompts_per_step=4",
+FAST = ["trainer.sft_warmup_steps=0", "checkpoint.save_interval=1000", "rollout.prompts_per_step=4",
         "data.eval_size=4", "run.eval_interval=1000", "rollout.max_new_tokens=6"]
 
 
@@ -49,7 +49,7 @@ def test_sigterm_stops_at_a_checkpoint_ends_every_process_and_a_relaunch_resumes
                             for i in range(64)))
     # a user reward function: the run has reward worker processes too
     args = ["run.name=t", "data.dataset=jsonl", f"data.path={data}", "reward.kind=function",
-            "reward.function=stop_workers:exact_answer", "trainer.sft_warmup_steps=0"]
+            "reward.function=stop_workers:exact_answer"]
     proc = _train(tmp_path, *args, "run.steps=200")
     _wait_for(lambda: len(_rows(run)) >= 2, 120, proc)
     launcher = psutil.Process(proc.pid)
@@ -161,7 +161,7 @@ def _read_until_hangup(fd):
 
 def test_a_second_launch_on_a_running_run_dir_exits_2_and_the_first_finishes(tmp_path):
     run = tmp_path / "l"
-    first = _train(tmp_path, "run.name=l", "run.steps=3")
+    first = _train(tmp_path, "run.name=l", "run.steps=3", "trainer.sft_warmup_steps=20")  # still running below
     _wait_for(lambda: (run / "config.yaml").exists(), 60, first)
     started = json.loads((run / LOCK_FILE).read_text())["started"]  # the lock is taken before config.yaml is written
     second = _train(tmp_path, "run.name=l", "run.steps=3")
