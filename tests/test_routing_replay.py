@@ -139,3 +139,31 @@ def test_packed_routes_keep_each_samples_and_fill_the_rest_with_placeholders():
     assert out.shape == (3, 5, 2, 2) and out.dtype == torch.uint8
     assert torch.equal(out[0, :3], seen) and (out[0, 3:] == fill).all() and (out[1:] == fill).all()
     assert pack_routes([batch(None, 2), batch(None, 1)], 5) is None
+
+
+def test_a_route_log_keeps_what_concatenating_the_chunks_keeps():
+    """A sequence's routes on the host (`RouteLog`): prefill chunks, one position per decode step, truncations (a
+    preempted sequence recorded again from where its cache ends), as one buffer; each state equals the chunks
+    concatenated and cut, and a reused step buffer appended is copied, not aliased."""
+    from megatron_rl.inference.generator import RouteLog
+
+    g = torch.Generator().manual_seed(0)
+    log, want = RouteLog(), torch.zeros(0, 3, 2, dtype=torch.uint8)
+    assert log.recorded() is None and len(log) == 0
+    step = torch.zeros(1, 3, 2, dtype=torch.uint8)  # a decode step's host buffer, reused
+    for op in ["chunk"] + ["step"] * 40 + ["cut", "chunk"] + ["step"] * 70 + ["cut"]:
+        if op == "cut":
+            n = len(log) // 3
+            log.truncate(n)
+            want = want[:n]
+            continue
+        rows = torch.randint(0, 64, (int(torch.randint(2, 30, (1,), generator=g)) if op == "chunk" else 1, 3, 2),
+                             generator=g, dtype=torch.uint8)
+        if op == "step":
+            step.copy_(rows)
+            rows = step
+        log.append(rows)
+        want = torch.cat([want, rows.clone()])
+        assert torch.equal(log.recorded(), want)
+    step.fill_(255)
+    assert torch.equal(log.recorded(), want) and len(log) == want.shape[0] > 0

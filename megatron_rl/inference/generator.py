@@ -97,7 +97,7 @@ class _Seq:
     cached: int = 0
     budget: Optional[int] = None  # an episode's most tokens after its prompt (`Turns.max_tokens`)
     admitted_at: int = 0  # when it last got a slot (a paged cache preempts the latest first)
-    routes: list = field(default_factory=list)  # recorded routes: chunks [n, layers, k] of positions 0, 1, ...
+    routes: "RouteLog" = field(default_factory=lambda: RouteLog())  # recorded routes of positions 0, 1, ...
 
     @property
     def history(self) -> list[int]:
@@ -125,6 +125,40 @@ def _to_device(t: torch.Tensor, device: torch.device, cuda_rules_on: bool) -> to
     return cuda_rules.pin_memory(t.contiguous()).to(device, non_blocking=True)
 
 
+class RouteLog:
+    """One sequence's recorded routes [n, layers, k] on the host, in one buffer that doubles as it grows: a decode
+    step appends one position, and a long response's thousands of positions stay one tensor (not one small tensor
+    each, which hundreds of sequences would make millions of Python objects)."""
+
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self):
+        self._buf: Optional[torch.Tensor] = None
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def append(self, rows: torch.Tensor) -> None:
+        """Add the routes of the next positions, [m, layers, k] (copied: `rows` may be a reused buffer)."""
+        m = rows.shape[0]
+        if self._buf is None or self._n + m > self._buf.shape[0]:
+            grown = torch.empty((max(2 * (self._n + m), 16), *rows.shape[1:]), dtype=rows.dtype)
+            if self._n:
+                grown[: self._n] = self._buf[: self._n]
+            self._buf = grown
+        self._buf[self._n: self._n + m] = rows
+        self._n += m
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions (those a sequence's cache still holds)."""
+        self._n = min(self._n, n)
+
+    def recorded(self) -> Optional[torch.Tensor]:
+        """The positions recorded so far, [n, layers, k] (a view; None before the first)."""
+        return None if self._buf is None else self._buf[: self._n]
+
+
 class _Routes:
     """The routes a generator records (module docstring): taken from the model after each forward, kept per
     sequence on the host, in the compact dtype."""
@@ -140,18 +174,13 @@ class _Routes:
             return None
         return recorded_routes(self.model).to(self.dtype)
 
-    @staticmethod
-    def keep(seq: "_Seq", n: int) -> None:
-        """Keep the routes of `seq`'s first n positions (those its cache still holds)."""
-        if sum(c.shape[0] for c in seq.routes) > n:
-            seq.routes = [torch.cat(seq.routes)[:n]]
-
     def prefilled(self, admitted: list, routes: torch.Tensor) -> None:
-        """A prefill's routes [width, rows, layers, k] to the sequences it fed (`Prefill.of`'s rows)."""
+        """A prefill's routes [width, rows, layers, k] to the sequences it fed (`Prefill.of`'s rows), after the
+        positions each one's cache still held (a preempted sequence's are recorded again)."""
         rows = [q for q in admitted if len(q.prompt) + len(q.tokens) - 1 > q.cached]
         host = routes.transpose(0, 1).cpu()
         for j, q in enumerate(rows):
-            self.keep(q, q.cached)
+            q.routes.truncate(q.cached)
             q.routes.append(host[j, : len(q.prompt) + len(q.tokens) - 1 - q.cached])
 
     def to_host(self, routes: Optional[torch.Tensor], parity: int, pin: bool) -> Optional[torch.Tensor]:
@@ -167,9 +196,11 @@ class _Routes:
         """[len(history), layers, k]: the recorded positions, then placeholders (experts 0..k-1) for the last."""
         if not self.on:
             return None
-        self.keep(seq, len(seq.prompt) + len(seq.tokens) - 1)
+        seq.routes.truncate(len(seq.prompt) + len(seq.tokens) - 1)
         layers, k = self.model.config.num_layers, self.model.config.moe_router_topk
-        have = torch.cat(seq.routes) if seq.routes else torch.zeros(0, layers, k, dtype=self.dtype)
+        have = seq.routes.recorded()
+        if have is None:
+            have = torch.zeros(0, layers, k, dtype=self.dtype)
         fill = torch.arange(k, dtype=self.dtype).expand(len(seq.prompt) + len(seq.tokens) - have.shape[0], layers, k)
         return torch.cat([have, fill])
 
@@ -568,7 +599,7 @@ class Generator:
             if s.finish is not None:  # ended at the previous step: this one ran ahead for nothing
                 continue
             if routes_h is not None:  # the routes of the token this step fed (its last, at len(history) - 1)
-                s.routes.append(routes_h[slot].clone()[None])
+                s.routes.append(routes_h[slot][None])
             if self._append(s, tokens[slot], logprobs[slot]):
                 del by_slot[slot]
                 if turns is None:
