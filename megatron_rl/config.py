@@ -441,7 +441,7 @@ def problems(cfg: JobConfig, world_size: Optional[int] = None,
         errors.append(str(e))
         model = None
     if model is not None:
-        errors += model_problems(model) + _layout_problems(cfg, model) + cfg.generator.model_rules("generator", model)
+        errors += model_problems(model) + _layout_problems(cfg, model)
         if model.num_moe_experts is not None and cfg.trainer.routing_replay and cfg.generator.pp > 1:
             errors.append(f"trainer.routing_replay=true needs generator.pp=1: a pipelined generator does not record "
                           f"the experts it routes each token to (set trainer.routing_replay=false, or "

@@ -67,6 +67,37 @@ def generate_worker(rank, world_size, cases, layout_kw, runs):
     return out
 
 
+def quantized_worker(rank, world_size, cfg, full, layout_kw, formats):
+    """Per 8-bit format: a generator built without its full-precision matrices and filled as a sync fills it (the
+    8-bit weights quantized from this rank's shards of `full`, the rest copied), and a full-precision generator
+    holding the same weights dequantized. Returns, per format: (the 8-bit generator's outputs, the full-precision
+    one's, the quantized names, {expert weight name: (dequantized, the full-precision local shard)})."""
+    from megatron_rl.ddma.quant import quantize
+    from megatron_rl.inference.quantized import build_quantized_generator
+
+    g, _ = _model(cfg, full, ParallelLayout(**layout_kw))
+    out = []
+    for fmt in formats:
+        _, model = _model(cfg, full, ParallelLayout(**layout_kw))
+        params = dict(model.named_parameters())
+        shards = {n: p.detach().clone() for n, p in params.items()}
+        model8, targets = build_quantized_generator(fmt, cfg, g.layout, g.pgs, attention="sdpa")
+        with torch.no_grad():
+            for name, p in model8.named_parameters():
+                p.copy_(shards[name])
+            for name, w8 in targets.items():
+                q = quantize(shards[name], fmt)
+                w8.qweight.copy_(q.qweight)
+                w8.scale.copy_(q.scale)
+                params[name].copy_(w8.dequantize(params[name].dtype))
+        outputs = [[(o.token_ids, o.logprobs) for o in Generator(m, cfg.vocab_size, g.pgs.tp, max_batch_size=3,
+                                                                   max_len=64).generate(requests())]
+                   for m in (model8, model)]
+        experts = {n: (w8.dequantize(torch.float32), shards[n]) for n, w8 in targets.items() if ".local_experts." in n}
+        out.append((*outputs, sorted(targets), experts))
+    return out
+
+
 def pipeline_worker(rank, world_size, cfg, full, pp):
     """The greedy and sampled outputs of one replica of `pp` stages (tokens, log-probs)."""
     g, model = _model(cfg, full, ParallelLayout(pp=pp))

@@ -135,7 +135,8 @@ def test_eval_greedy_at_tp2_ep2_from_an_ep2_conversion_writes_what_transformers_
 def test_train_from_a_converted_qwen3_moe_at_ep2_checks_every_push_and_resumes_at_ep1(tmp_path):
     """`megatron-rl train model.checkpoint=<a converted tiny Qwen3-MoE> trainer.ep=2`: a DP2 x EP2 trainer and a
     TP1 generator, every weight push checked, routing replay on; then the same run resumed at trainer.ep=1 (the
-    checkpoint's experts read back over other ranks) to one more step."""
+    checkpoint's experts read back over other ranks) to one more step, its generator in int8 (experts quantized as
+    DDMA writes them, the router in full precision)."""
     import json
 
     import warm_cli
@@ -148,11 +149,12 @@ def test_train_from_a_converted_qwen3_moe_at_ep2_checks_every_push_and_resumes_a
             "generator.tp=1", "trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4",
             "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "generator.push_check_interval=1",
             "checkpoint.save_interval=1", f"checkpoint.dir={tmp_path}", "run.name=moe"]
-    for ep, steps in ((2, 2), (1, 3)):
-        job = warm_cli.run([*args, f"trainer.ep={ep}", f"run.steps={steps}"])
+    for ep, steps, generator in ((2, 2, "none"), (1, 3, "int8")):
+        job = warm_cli.run([*args, f"trainer.ep={ep}", f"run.steps={steps}", f"generator.quantization={generator}"])
         assert job.returncode == 0, job.stderr[-3000:]
         banner = f"active: 2 of 4 experts), trainer tp=1 pp=1 dp=2{' ep=2' if ep == 2 else ''}, "
         assert banner in job.stdout + job.stderr
+        assert (", int8 generator weights, " in job.stdout + job.stderr) == (generator == "int8")
         summary = json.loads(job.stdout.strip().splitlines()[-1])
         assert (summary["steps"], summary["resumed_from_step"]) == (steps, 0 if ep == 2 else 2)
     rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]

@@ -85,8 +85,6 @@ MOE_MODEL = ["model.preset=qwen3-30b-a3b", "model.num_layers=4"]
      r"^generator.ep=2 needs a mixture-of-experts model \(this one is dense\)$"),
     (MOE_MODEL + ["model.num_moe_experts=6", "model.moe_router_topk=2", "generator.tp=4", "generator.ep=4"],
      r"^generator.ep=4 does not divide model.num_moe_experts=6$"),
-    (MOE_MODEL + ["generator.quantization=int8"],
-     r"^generator.quantization='int8': a mixture-of-experts model's generator has no 8-bit experts yet"),
     (MOE_MODEL + ["generator.ep=0"], r"^generator.ep=0 must be >= 1"),
 ])
 def test_generator_ep_rules(overrides, message):
@@ -108,12 +106,24 @@ def test_generator_ep_layout_keeps_experts_within_tp():
     assert sorted(layout.expert_coords(t, 0) for t in range(4)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-def test_an_8bit_moe_generator_is_refused_in_one_line(moe_cases):
-    """Its experts have no 8-bit path yet (the job's configuration refuses `generator.quantization` likewise)."""
-    from megatron_rl.inference.quantized import build_quantized_generator
+def test_an_8bit_moe_generator_holds_its_experts_in_8_bits_and_decodes_with_them(moe_cases):
+    """int8 and fp8 at TP2 x EP2 (each TP rank two whole experts): every expert linear the rank holds is an 8-bit
+    weight (routers and norms are not), each expert's dequantized weight is an independent per-row round trip of its
+    shard (int8: the nearest multiple of max|row| / 127), and the generator decodes, greedy and sampled, exactly as a
+    full-precision generator holding those rounded weights."""
+    from moe_gen_workers import quantized_worker
 
-    _, cfg, _ = moe_cases["mixtral"]
-    for fmt in ("int8", "fp8"):
-        with pytest.raises(ValueError, match=f"^quantization='{fmt}': a mixture-of-experts model's generator has no "
-                                             f"8-bit experts yet$"):
-            build_quantized_generator(fmt, cfg, None, None)
+    _, cfg, full = moe_cases["qwen3_moe"]
+    per_rank = run_local(quantized_worker, 2, cfg, full, dict(tp=2, ep=2, etp=1), ["int8", "fp8"])
+    for rank, results in enumerate(per_rank):
+        for fmt, (got, want, names, experts) in zip(["int8", "fp8"], results):
+            assert [t for t, _ in got] == [t for t, _ in want], (fmt, rank)
+            assert max(abs(a - b) for (_, x), (_, y) in zip(got, want) for a, b in zip(x, y)) < 1e-6, (fmt, rank)
+            assert not any("router" in n or "norm" in n for n in names), names
+            # 2 local experts x 2 linears per layer
+            assert len(experts) == cfg.num_layers * 2 * 2 and all(n in names for n in experts), (fmt, sorted(experts))
+            for name, (deq, shard) in experts.items():
+                if fmt == "int8":
+                    scale = shard.abs().amax(dim=1, keepdim=True) / 127
+                    torch.testing.assert_close(deq, torch.round(shard / scale) * scale, atol=1e-6, rtol=0)
+                assert 0 < (deq - shard).abs().max() <= shard.abs().max() / 8, (fmt, name)  # rounded, not zeroed

@@ -65,13 +65,6 @@ def _quantized_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _refuse_experts(model_cfg, fmt: str) -> None:
-    """A mixture-of-experts model has no 8-bit generator yet (its experts are neither among `quantized_targets`
-    nor placed by expert parallelism there): refused, as `generator.quantization` is in the job's configuration."""
-    if getattr(model_cfg, "num_moe_experts", None) is not None:
-        raise ValueError(f"quantization={fmt!r}: a mixture-of-experts model's generator has no 8-bit experts yet")
-
-
 def quantize_generator(model: torch.nn.Module, model_cfg, layout: ParallelLayout, pp_rank: int, tp_rank: int,
                        device: Optional[torch.device] = None, fmt: str = "int8") -> dict[str, QuantizedWeight]:
     """Switch one generator stage to `fmt` ("int8" or "fp8") weights, in place; returns {local parameter name:
@@ -79,9 +72,9 @@ def quantize_generator(model: torch.nn.Module, model_cfg, layout: ParallelLayout
 
     The 8-bit weights start as the quantized current weights (zero for weights built on the meta device); pass
     them to `WeightSync.sync` together with the remaining parameters (`{**dict(model.named_parameters()),
-    **targets}`) with `TransportSettings(quantize=fmt)`. The vocabulary tensors (embedding, output layer) and
-    the norms stay in the model's dtype."""
-    _refuse_experts(model_cfg, fmt)
+    **targets}`) with `TransportSettings(quantize=fmt)`. The vocabulary tensors (embedding, output layer), the
+    norms and a mixture of experts' routers stay in the model's dtype; its experts' linears (those of the experts
+    this rank holds: a generator keeps them within its TP group) are 8-bit like the dense ones."""
     if device is None:
         device = next(p.device for p in model.parameters() if not p.is_meta)
     targets = quantized_targets(fmt, model_cfg, layout, pp_rank, tp_rank, device=device)
@@ -142,7 +135,6 @@ def build_quantized_generator(fmt: str, model_cfg, layout: ParallelLayout, pgs, 
     the trainer before use. `build_kwargs` go to `build_gpt_model` (attention, params_dtype, seed, ...)."""
     from megatron_rl.models import build_gpt_model
 
-    _refuse_experts(model_cfg, fmt)
     overrides = dict(build_kwargs.pop("config_overrides", None) or {}, perform_initialization=False)
     with _linear_weights_on_meta():
         model = build_gpt_model(model_cfg, layout, pgs, config_overrides=overrides, **build_kwargs)

@@ -70,13 +70,6 @@ class GeneratorSettings(Section):
                        f"pipeline's lanes split a slot cache)")
         return out
 
-    def model_rules(self, path: str, model) -> list[str]:
-        """The rules between this section and the model (`models.presets.ModelConfig`) beyond the layout's
-        (`parallel.layout.layout_problems`: ep > 1 needs a mixture-of-experts model, ep must divide its experts)."""
-        if model.num_moe_experts is not None and self.quantization != "none":
-            return [f"{path}.quantization={self.quantization!r}: a mixture-of-experts model's generator has no 8-bit "
-                    f"experts yet; set {path}.quantization='none'"]
-        return []
 
 
 @dataclass

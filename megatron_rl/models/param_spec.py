@@ -57,6 +57,7 @@ from megatron_rl.models.families import family
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
+ROUTER = "mlp.router.weight"  # a mixture-of-experts layer's router (its name inside a layer)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -161,7 +162,7 @@ def _mlp(m: DecoderShape) -> tuple[ParamSpec, ...]:
         f"mlp.experts.local_experts.{j}.", tuple(f"{names.prefix}.experts.{j}.{x}.weight"
                                                  for x in (names.gate, names.up, names.down)),
         h, m.moe_ffn_hidden_size, expert=j))
-    return (_one("mlp.router.weight", f"{names.prefix}.gate.weight", (m.num_moe_experts, h)), *experts)
+    return (_one(ROUTER, f"{names.prefix}.gate.weight", (m.num_moe_experts, h)), *experts)
 
 
 def layer_params(m: DecoderShape) -> tuple[ParamSpec, ...]:
