@@ -7,10 +7,12 @@
    storages, compression, another byte order) take torch's path: the chunk read whole, then narrowed. It counts
    the bytes it reads (`ReadCount`).
 2. `RangeLoadStrategy`: Megatron-Core's torch_dist load strategy with that reader.
-3. `ParallelLoadStrategy`: the ShardedTensors that every rank of a data-parallel group holds alike (model weights,
-   the KL reference's) are read by one rank each (`read_owners`) and broadcast over the group, in buckets of at most
-   `BUCKET_BYTES`, on the device the tensors live on (the group's backend moves them: gloo on CPU, NCCL on GPU);
-   everything else (the distributed optimizer's pieces, objects) is read by the ranks that need it.
+3. `ParallelLoadStrategy`: the ShardedTensors that several ranks of a data-parallel group hold alike (model weights
+   and the KL reference's on every rank; a mixture of experts' experts on each expert-data-parallel group's) are
+   read by one of their holders each (`read_owners`) and sent to the others (a broadcast where all hold them), in
+   buckets of at most `BUCKET_BYTES`, on the device the tensors live on (the group's backend moves them: gloo on
+   CPU, NCCL on GPU); everything else (the distributed optimizer's pieces, objects) is read by the ranks that need
+   it.
 4. `resume_strategy`: the two together, what the loads pass to `dist_checkpointing.load`.
 
 Every rank ends with the values a plain `dist_checkpointing.load` gives it (the tests check bit-equality).
@@ -304,10 +306,6 @@ def _shard_id(sh) -> tuple:
     return ("object", sh.key, tuple(sh.global_offset), tuple(sh.global_shape))
 
 
-def _nbytes(sh: ShardedTensor) -> int:
-    return math.prod(sh.local_shape) * sh.dtype.itemsize
-
-
 def _device_type(sh: ShardedTensor) -> str:
     return sh.data.device.type if sh.data is not None else "cpu"
 
@@ -349,54 +347,72 @@ class ParallelLoadStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict, checkpoint_dir):
         items = {_shard_id(v): v for v in nested_values(sharded_state_dict)
                  if isinstance(v, (ShardedTensor, ShardedObject))}
-        size, rank = self.group.size(), self.group.rank()
-        shared = self._replicated(items) if size > 1 else []
-        owners = read_owners([(sh.key, tuple(sh.global_offset), _nbytes(sh)) for sh in shared], size)
-        elsewhere = {_shard_id(sh) for sh, owner in zip(shared, owners) if owner != rank}
+        rank = self.group.rank()
+        shares = self._replicated(items) if self.group.size() > 1 else []
+        elsewhere = {entry[0] for s in shares if rank in s.ranks for entry, owner in zip(s.entries, s.owners)
+                     if owner != rank}
         loaded = self.base.load({i: v for i, v in items.items() if i not in elsewhere}, checkpoint_dir)
-        loaded.update(self._exchange(shared, owners, loaded))
+        for share in shares:
+            loaded.update(self._exchange(share, loaded))
         dict_list_map_inplace(
             lambda v: loaded[_shard_id(v)] if isinstance(v, (ShardedTensor, ShardedObject)) else v,
             sharded_state_dict)
         return sharded_state_dict
 
-    def _replicated(self, items: dict) -> list:
-        """The ShardedTensors that every rank of the group holds alike, in the same order on every rank."""
+    def _replicated(self, items: dict) -> list["_Share"]:
+        """The ShardedTensors that two or more ranks of the group hold alike, as one `_Share` per set of holders
+        (every rank: a model's weights; some: a mixture of experts' experts, held alike by each expert-data-parallel
+        group), in the same order on every rank."""
         mine = sorted((i, tuple(sh.local_shape), str(sh.dtype), _device_type(sh)) for i, sh in items.items()
                       if isinstance(sh, ShardedTensor))
-        digests = [None] * self.group.size()
+        size = self.group.size()
+        digests = [None] * size
         dist.all_gather_object(digests, hashlib.sha256(repr(mine).encode()).hexdigest(), group=self.group)
-        common = mine
-        if len(set(digests)) > 1:
-            lists = [None] * self.group.size()
-            dist.all_gather_object(lists, mine, group=self.group)
-            held = set(mine).intersection(*map(set, lists))
-            common = [entry for entry in mine if entry in held]
-        return [items[entry[0]] for entry in common]
+        if len(set(digests)) == 1:
+            return [_Share(tuple(range(size)), [items[entry[0]] for entry in mine])] if mine else []
+        lists = [None] * size
+        dist.all_gather_object(lists, mine, group=self.group)
+        holders: dict[tuple, tuple[int, ...]] = {}
+        for r, entries in enumerate(lists):
+            for entry in entries:
+                holders[entry] = holders.get(entry, ()) + (r,)
+        shares: dict[tuple[int, ...], list] = {}
+        for entry in sorted(holders):  # every rank walks the same entries: its own and the others'
+            if len(holders[entry]) > 1:
+                shares.setdefault(holders[entry], []).append(entry)
+        return [_Share(ranks, [items.get(entry[0]) for entry in entries], entries)
+                for ranks, entries in sorted(shares.items())]
 
-    def _buckets(self, shared: list, owners: list) -> list[tuple[int, list]]:
-        """(owner, shards) per broadcast: each owner's shards, by device type, in buckets of `bucket_bytes`."""
+    def _buckets(self, share: "_Share") -> list[tuple[int, list[int]]]:
+        """(owner, indices into the share) per message: each owner's tensors, by device type, in buckets of
+        `bucket_bytes`."""
         out = []
-        for owner in sorted(set(owners)):
-            for device in sorted({_device_type(sh) for sh in shared}):
+        for owner in sorted(set(share.owners)):
+            for device in sorted(set(share.devices)):
                 bucket, used = [], 0
-                for sh, o in zip(shared, owners):
-                    if o != owner or _device_type(sh) != device:
+                for i, (o, d) in enumerate(zip(share.owners, share.devices)):
+                    if o != owner or d != device:
                         continue
-                    n = -(-_nbytes(sh) // _ALIGN) * _ALIGN
+                    n = -(-share.nbytes[i] // _ALIGN) * _ALIGN
                     if bucket and used + n > self.bucket_bytes:
                         out.append((owner, bucket))
                         bucket, used = [], 0
-                    bucket.append(sh)
+                    bucket.append(i)
                     used += n
                 if bucket:
                     out.append((owner, bucket))
         return out
 
-    def _exchange(self, shared: list, owners: list, loaded: dict) -> dict:
-        """The replicated tensors this rank did not read, received from their owners."""
+    def _exchange(self, share: "_Share", loaded: dict) -> dict:
+        """The tensors of `share` this rank did not read, received from their owners: a broadcast where every rank
+        of the group holds them, else the owner's sends to each other holder (messages in the same order on every
+        rank; a rank outside the share takes no part)."""
         rank, received = self.group.rank(), {}
-        for owner, shards in self._buckets(shared, owners):
+        if rank not in share.ranks:
+            return received
+        everyone = len(share.ranks) == self.group.size()
+        for owner, bucket in self._buckets(share):
+            shards = [share.shards[i] for i in bucket]
             if owner == rank:
                 tensors = [loaded[_shard_id(sh)] for sh in shards]
             else:
@@ -414,13 +430,44 @@ class ParallelLoadStrategy(LoadShardedStrategy):
             if owner == rank:
                 for part, t in zip(parts, tensors):
                     part.copy_(t)
-            dist.broadcast(buffer, group=self.group, group_src=owner)
+            if everyone:
+                dist.broadcast(buffer, group=self.group, group_src=owner)
+            elif owner == rank:
+                for r in share.ranks:
+                    if r != owner:
+                        dist.send(buffer, group=self.group, group_dst=r)
+            else:
+                dist.recv(buffer, group=self.group, group_src=owner)
             if owner != rank:
                 for sh, part, t in zip(shards, parts, tensors):
                     t.copy_(part)
                     received[_shard_id(sh)] = t
                     self.received += t.numel() * t.element_size()
         return received
+
+
+@dataclasses.dataclass
+class _Share:
+    """Tensors that the group's ranks `ranks` hold alike: on a holder, its ShardedTensors (None on other ranks);
+    who reads each (`read_owners` over the holders, as group ranks), and each one's bytes and device type."""
+
+    ranks: tuple[int, ...]
+    shards: list
+    entries: Optional[list] = None  # (shard id, local shape, dtype, device type) each; from `shards` when None
+
+    def __post_init__(self):
+        if self.entries is None:
+            self.entries = [(_shard_id(sh), tuple(sh.local_shape), str(sh.dtype), _device_type(sh))
+                            for sh in self.shards]
+        self.nbytes = [math.prod(shape) * _itemsize(dtype) for _, shape, dtype, _ in self.entries]
+        self.devices = [device for *_, device in self.entries]
+        picks = read_owners([(sid[1], tuple(sid[2]), n) for (sid, *_), n in zip(self.entries, self.nbytes)],
+                            len(self.ranks))
+        self.owners = [self.ranks[p] for p in picks]
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype.removeprefix("torch.")).itemsize
 
 
 def resume_strategy(group) -> ParallelLoadStrategy:

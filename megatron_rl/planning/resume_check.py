@@ -15,9 +15,10 @@ How, from the job's own pieces (none restated here):
    cut into the model-space boxes the checkpoint stores (`checkpointing.optimizer_state.range_boxes`). Ranks with
    the same (tp, pp) coordinates hold the same model tensors: each stage is built once, and only the optimizer's
    ranges differ over DP. A mixture of experts split over DP ranks is built once per share of the experts (the
-   layout's expert grid); each rank reads its expert weights itself (the load's DP group does not hold them alike),
-   and its optimizer owns ranges of the dense weights over the DP group and of its experts' over its
-   expert-data-parallel group (`planning.meta.owned_expert_ranges`).
+   layout's expert grid); the DP ranks holding a share (an expert-data-parallel group) read its weights as the load
+   reads what the whole group holds alike, one rank each, and each rank's optimizer owns ranges of the dense
+   weights over the DP group and of its experts' over its expert-data-parallel group
+   (`planning.meta.owned_expert_ranges`).
 2. The checkpoint's index: torch DCP's `Metadata` of `model/` and `optimizer/` (`safe_load.read_dcp_metadata`;
    a copy of just the `.metadata` files and `megatron_rl.json` will do), or, for a job's config, the `Metadata` its
    save writes: every rank's tensors (1.) at the job's layout, each distinct chunk once, as DCP keeps one copy of
@@ -125,10 +126,11 @@ class Stage:
     replicated: dict[str, list[Box]] = field(default_factory=dict)
     objects: list[tuple[str, str]] = field(default_factory=list)  # (directory, DCP key) of each sharded object
     optimizer: list[list[Box]] = field(default_factory=list)  # the distributed optimizer's boxes, per DP rank
-    # Per DP rank, what it reads alone besides: a mixture of experts' weights where DP ranks hold different experts
-    # (EP over DP), which the load's DP group does not hold alike (and the reference's, and a non-distributed
-    # optimizer's state of them); empty where every DP rank holds the same tensors.
-    own: list[dict[str, list[Box]]] = field(default_factory=list)
+    # What only some DP ranks hold alike, per directory: a mixture of experts' weights where DP ranks hold different
+    # experts (EP over DP), each share with the DP ranks holding it (an expert-data-parallel group; and the
+    # reference's experts, and a non-distributed optimizer's state of them); empty where every DP rank holds the
+    # same tensors. The load reads each tensor on one of its holders and sends it to the others.
+    experts: list[tuple[tuple[int, ...], dict[str, list[Box]]]] = field(default_factory=list)
 
 
 def _model_boxes(sd: dict, prefix: str = "") -> tuple[list[Box], list[str]]:
@@ -191,12 +193,12 @@ def build_stage(spec: TrainerSpec, tp_rank: int, pp_rank: int) -> Stage:
     for a dense model, one per share of the experts for a mixture of experts split over DP ranks."""
     layout = spec.layout
     coords = [layout.expert_coords(tp_rank, r) for r in range(layout.dp)]
-    first_rank = {}
+    holders: dict[tuple[int, int], list[int]] = {}  # the DP ranks holding each share of the experts
     for r, c in enumerate(coords):
-        first_rank.setdefault(c, r)
-    held = {c: _held(spec, tp_rank, pp_rank, r) for c, r in first_rank.items()}
+        holders.setdefault(c, []).append(r)
+    held = {c: _held(spec, tp_rank, pp_rank, ranks[0]) for c, ranks in holders.items()}
     mine = [held[c] for c in coords]  # each DP rank's
-    split = len(held) > 1  # DP ranks hold different experts: each reads its own
+    split = len(held) > 1  # DP ranks hold different experts
 
     def shared(boxes: list[Box]) -> list[Box]:
         return [b for b in boxes if not (split and _is_expert(b))]
@@ -206,15 +208,16 @@ def build_stage(spec: TrainerSpec, tp_rank: int, pp_rank: int) -> Stage:
 
     objects = list(dict.fromkeys(o for h in held.values() for o in h.objects))
     stage = Stage(tp_rank, pp_rank, {MODEL_DIR: shared(mine[0].weights), OPTIMIZER_DIR: []},
-                  [(MODEL_DIR, o) for o in objects], own=[{MODEL_DIR: alone(h.weights), OPTIMIZER_DIR: []}
-                                                           for h in mine])
+                  [(MODEL_DIR, o) for o in objects],
+                  experts=[(tuple(holders[c]), {MODEL_DIR: alone(h.weights), OPTIMIZER_DIR: []})
+                           for c, h in held.items()] if split else [])
     if spec.reference:
         def reference(boxes: list[Box]) -> list[Box]:
             return [dataclasses.replace(b, key=REFERENCE + b.key) for b in boxes]
 
         stage.replicated[OPTIMIZER_DIR] += reference(shared(mine[0].weights))
-        for own, h in zip(stage.own, mine):
-            own[OPTIMIZER_DIR] += reference(alone(h.weights))
+        for (_, dirs), h in zip(stage.experts, held.values()):
+            dirs[OPTIMIZER_DIR] += reference(alone(h.weights))
         stage.objects += [(OPTIMIZER_DIR, REFERENCE + o) for o in objects]
     if not spec.optimizer_state:
         return stage
@@ -227,8 +230,8 @@ def build_stage(spec: TrainerSpec, tp_rank: int, pp_rank: int) -> Stage:
                     if k != "fp32_param" or b.dtype != torch.float32]
 
         stage.replicated[OPTIMIZER_DIR] += state(shared(mine[0].weights))
-        for own, h in zip(stage.own, mine):
-            own[OPTIMIZER_DIR] += state(alone(h.weights))
+        for (_, dirs), h in zip(stage.experts, held.values()):
+            dirs[OPTIMIZER_DIR] += state(alone(h.weights))
         return stage
     # Dense weights over the DP group; a mixture of experts' over each rank's expert-data-parallel group.
     for r, (ranges, h) in enumerate(zip(owned_ranges(mine[0].model, layout.dp), mine)):
@@ -410,8 +413,8 @@ def rehearsed_index(spec: TrainerSpec, where: Path, progress: Optional["Progress
         for boxes in stage.optimizer:
             for b in boxes:
                 add(OPTIMIZER_DIR, b)
-        for own in stage.own:
-            for d, boxes in own.items():
+        for _, dirs in stage.experts:
+            for d, boxes in dirs.items():
                 for b in boxes:
                     add(d, b)
         for d, key in stage.objects:
@@ -513,16 +516,19 @@ class _Rehearsal:
             if not self.index.has_object(d, key):
                 raise ResumeCheckError(f"{self.index.label(d)}: holds no object {key}, which is loaded by "
                                        f"{self._where(stage)}")
-        for d, boxes in stage.replicated.items():
-            owners = read_owners([(b.key, b.offset, b.nbytes) for b in boxes], dp)
+        # Each directory's tensors that several DP ranks hold alike are read by one of them (the load's rule)
+        shares = [(tuple(range(dp)), d, boxes) for d, boxes in stage.replicated.items()]
+        shares += [(held_by, d, boxes) for held_by, dirs in stage.experts for d, boxes in dirs.items()]
+        for held_by, d, boxes in shares:
+            owners = read_owners([(b.key, b.offset, b.nbytes) for b in boxes], len(held_by))
             for b, owner in zip(boxes, owners):
-                read, need = self.box(d, b, stage)
-                ranks[owner].read_bytes += read
-                for r in ranks:
-                    r.needed_bytes += need
-        for r, boxes, own in zip(ranks, stage.optimizer or [[]] * dp, stage.own):
-            for d, b in [(OPTIMIZER_DIR, b) for b in boxes] + [(d, b) for d, bs in own.items() for b in bs]:
-                read, need = self.box(d, b, stage, r.dp)
+                read, need = self.box(d, b, stage, None if len(held_by) == dp else held_by[owner])
+                ranks[held_by[owner]].read_bytes += read
+                for r in held_by:
+                    ranks[r].needed_bytes += need
+        for r, boxes in zip(ranks, stage.optimizer):
+            for b in boxes:
+                read, need = self.box(OPTIMIZER_DIR, b, stage, r.dp)
                 r.read_bytes += read
                 r.needed_bytes += need
         return ranks
