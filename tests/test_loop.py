@@ -90,6 +90,27 @@ def test_collector_packs_replicas_in_order_and_keeps_pending_batches():
     assert restored.take(1) == c.collect(1)
 
 
+def test_pending_batches_keep_their_routes_through_a_checkpoints_rl_state(tmp_path):
+    """Routing replay across a resume: a pending batch's routes (a uint8 tensor [prompt + response, layers, k] per
+    sample) are saved in rl_state.pt with it and read back (safe_load) as they were, so the resumed trainer replays
+    the experts the generator chose."""
+    import torch
+
+    from megatron_rl.checkpointing import safe_load
+
+    g = torch.Generator().manual_seed(0)
+    part = dataclasses.replace(_rollouts(1, 0, [1.0, 0.0], [0, 0]), routes=[
+        torch.randint(0, 8, (3 + i, 2, 2), generator=g, dtype=torch.uint8) for i in range(2)])
+    c = Collector([0], lambda src: pytest.fail("this replica's batches are put, not received"))
+    c.put(part)
+    torch.save({"pending": c.pending(1, 1, 4)}, tmp_path / "rl_state.pt")
+    restored = Collector([0], lambda src: pytest.fail("restored batches are not received"))
+    restored.restore(safe_load.load_data(tmp_path / "rl_state.pt")["pending"])
+    got = restored.take(1)
+    assert len(got) == 1 and len(got[0].routes) == 2
+    assert all(a.dtype == torch.uint8 and torch.equal(a, b) for a, b in zip(got[0].routes, part.routes))
+
+
 def test_collector_adds_reward_model_scores_to_each_replicas_rewards():
     """With a reward-model executor, replica d's scores come from its scorer's rank and are added, times the
     coefficient, to the verifier's rewards (the held-out reward too)."""
