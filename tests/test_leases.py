@@ -50,6 +50,39 @@ def test_a_live_lease_keeps_its_step_until_it_is_released(tmp_path):
         assert ckpt == root / "step_00000004"
 
 
+def test_a_save_repeating_a_read_step_replaces_it_only_once_its_reader_is_done(tmp_path):
+    """A resume from an older checkpoint saves a step again: while another process reads the earlier directory of
+    that step (its lease), the save waits, saying so once, and the reader's files stay as they were; once the
+    reader is done, the new directory replaces it and `latest` names it. Without a reader, no wait."""
+    import threading
+
+    root = _run(tmp_path, steps=(2, 4))
+    final = root / "step_00000004"
+    (final / "model" / "shard").write_text("old")
+    said = []
+    ck = TrainCheckpointer(root, log=said.append)
+
+    def write(content):
+        tmp = root / "step_00000004.tmp"
+        (tmp / "model").mkdir(parents=True)
+        (tmp / "model" / "shard").write_text(content)
+        return tmp
+
+    with reading(final) as ckpt:
+        saving = threading.Thread(target=ck._publish, args=(write("new"), final))
+        saving.start()
+        saving.join(1.0)
+        assert saving.is_alive() and (ckpt / "model" / "shard").read_text() == "old"
+        assert said == [f"checkpoint step_00000004: an earlier step_00000004 is being read (a lease in "
+                        f"{root / READERS_DIR}); it is replaced once its reader is done"]
+    saving.join(10)
+    assert not saving.is_alive() and (final / "model" / "shard").read_text() == "new"
+    assert (root / "latest").read_text().strip() == "step_00000004" and not list(root.glob(".step_*"))
+    t0 = time.monotonic()
+    ck._publish(write("newer"), final)
+    assert (final / "model" / "shard").read_text() == "newer" and len(said) == 1 and time.monotonic() - t0 < 1
+
+
 def test_a_dead_readers_lease_does_not_keep_its_step(tmp_path):
     root = _run(tmp_path)
     code = ("import sys, time\nfrom megatron_rl.checkpointing.inspect import reading\n"

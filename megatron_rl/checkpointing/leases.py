@@ -10,6 +10,9 @@ included), so a lease whose flock retention can take is stale, and is removed. W
 (some network mounts), a lease is stale when its reader ran on this host under a pid that no longer exists; a reader
 on another host is then trusted to be alive (the rules of the run lock, `launch/runlock.py`).
 
+A save that repeats a step (a resume from an older checkpoint) replaces that step's directory only when no lease
+holds it (`unread`): it waits for the reader, as retention does, but cannot go on without the replacement.
+
 Resolving a step (`latest`) and taking its lease is one step for retention: both sides hold a short exclusive flock
 on `ROOT/.readers.lock`, the reader while it resolves the step and creates its lease, retention while it reads the
 leases and renames the steps it removes to hidden names (`layout.retire`; the files are deleted after the lock is
@@ -23,6 +26,7 @@ import json
 import os
 import secrets
 import socket
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -124,3 +128,23 @@ def leased_steps(root: Path) -> set[str]:
         finally:
             os.close(fd)
     return leased
+
+
+@contextlib.contextmanager
+def unread(root: Path, step: str, waiting: Optional[Callable[[], None]] = None,
+           poll_s: float = 0.5) -> Iterator[None]:
+    """Hold `readers_lock(root)` at a moment when no live lease holds step `step` (a step directory's name): the
+    body may replace or remove that step, and no reader takes a lease on it meanwhile. While a reader holds one,
+    wait with the lock released, polling every `poll_s` seconds (`waiting()` called once, when the wait begins): a
+    reader that resolved the step opens its files by path, and would mix two saves' files if the step were replaced
+    under it."""
+    told = False
+    while True:
+        with readers_lock(root):
+            if step not in leased_steps(root):
+                yield
+                return
+        if not told and waiting is not None:
+            waiting()
+            told = True
+        time.sleep(poll_s)

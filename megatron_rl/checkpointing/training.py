@@ -301,10 +301,28 @@ class TrainCheckpointer:
             checksums.update(file_checksums(tmp, [rel for rel in _files(tmp) if rel not in checksums]))
             write_meta(tmp, {**meta, MANIFEST: manifest(tmp), CHECKSUMS: checksums})
             failpoint("checkpoint_before_rename", name)
-            publish(tmp, final)
+            self._publish(tmp, final)
             self._prune(keep=final)
         except BaseException as e:  # noqa: BLE001
             pending.error = self._failure(name, rank, e)
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """`publish` the finished write `tmp` as step directory `final`. Where `final` exists (a resume from an older
+        checkpoint saves its steps again), the old directory is renamed away and replaced only while no reader's
+        lease holds it (`leases.unread`: waiting for the reader), then deleted."""
+        if not final.exists():
+            publish(tmp, final)
+            return
+
+        def waiting() -> None:
+            if self.log is not None:
+                self.log(f"checkpoint {final.name}: an earlier {final.name} is being read (a lease in "
+                         f"{self.root / leases.READERS_DIR}); it is replaced once its reader is done")
+
+        with leases.unread(self.root, final.name, waiting):
+            old = retire(final)
+            publish(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
 
     def _failure(self, name: str, rank: int, e: BaseException) -> str:
         """The one line for a save that failed on `rank` in the background. Its unfinished write is left to the
