@@ -209,8 +209,9 @@ def _stage_params(m: ModelShape, layout: ParallelLayout, pp_rank: int, tp_rank: 
     out = []
     if first:
         out.append(local(EMBEDDING, EMBEDDING))
+    layer = layer_params(m)
     for j, i in enumerate(layer_range(m, layout.pp, pp_rank)):
-        for p in layer_params(m):
+        for p in layer:
             if p.expert is None:
                 out.append(local(f"decoder.layers.{j}.{p.name}", f"decoder.layers.{i}.{p.name}"))
             elif p.expert // per_rank == ep_rank:  # this rank's share of the experts, split over expert TP

@@ -166,7 +166,12 @@ def _mlp(m: DecoderShape) -> tuple[ParamSpec, ...]:
 
 
 def layer_params(m: DecoderShape) -> tuple[ParamSpec, ...]:
-    """One transformer layer's parameters, in Megatron-Core's registration order (the module docstring's table)."""
+    """One transformer layer's parameters, in Megatron-Core's registration order (the module docstring's table).
+    Built once per shape (`_layer_table`): a layer of 128 experts has 259 of them, and the planners ask per layer."""
+    return tuple(_layer_table(tuple(getattr(m, f) for f in _SHAPE_FIELDS)).values())
+
+
+def _build_layer_params(m: DecoderShape) -> tuple[ParamSpec, ...]:
     h, d = m.hidden_size, m.kv_channels
     attention = [_one("self_attention.linear_proj.weight", "self_attn.o_proj.weight",
                       (h, m.num_attention_heads * d), partition_dim=1),
@@ -210,7 +215,7 @@ def _layer_table(shape: tuple) -> dict[str, ParamSpec]:
     """`layer_params` by name, for a shape given as the values of `_SHAPE_FIELDS` (a layer of 128 experts has 259
     parameters, and a conversion looks each of them up)."""
     m = _Shape(*shape)
-    return {p.name: p for p in layer_params(m)}
+    return {p.name: p for p in _build_layer_params(m)}
 
 
 # A hashable stand-in for any DecoderShape (`_layer_table`'s cache key is its field values).
