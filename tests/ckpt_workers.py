@@ -84,8 +84,13 @@ def train_save_continue_old_format(rank, world_size, layout_kw, state_path, root
     return train_save_continue(rank, world_size, layout_kw, state_path, root, steps)
 
 
-def load_and_continue(rank, world_size, layout_kw, path, steps, load_optimizer=True):
-    """A fresh trainer (different random init) restored from `path`, then the same next step."""
+def load_and_continue(rank, world_size, layout_kw, path, steps, load_optimizer=True, nccl_rules=False):
+    """A fresh trainer (different random init) restored from `path`, then the same next step; with `nccl_rules`,
+    every collective and point-to-point transfer keeps NCCL's rules (`compat.cuda_rules`)."""
+    if nccl_rules:
+        from megatron_rl.compat import cuda_rules
+
+        cuda_rules.install_nccl_rules()
     cfg, layout, g, trainer = _trainer(layout_kw, None, seed=77)
     ck = TrainCheckpointer(Path(path).parent)
     if load_optimizer:
