@@ -369,7 +369,7 @@ class ParallelLoadStrategy(LoadShardedStrategy):
         digests = [None] * size
         dist.all_gather_object(digests, hashlib.sha256(repr(mine).encode()).hexdigest(), group=self.group)
         if len(set(digests)) == 1:
-            return [_Share(tuple(range(size)), [items[entry[0]] for entry in mine])] if mine else []
+            return [_Share(tuple(range(size)), [items[entry[0]] for entry in mine], mine)] if mine else []
         lists = [None] * size
         dist.all_gather_object(lists, mine, group=self.group)
         holders: dict[tuple, tuple[int, ...]] = {}
@@ -448,17 +448,18 @@ class ParallelLoadStrategy(LoadShardedStrategy):
 
 @dataclasses.dataclass
 class _Share:
-    """Tensors that the group's ranks `ranks` hold alike: on a holder, its ShardedTensors (None on other ranks);
-    who reads each (`read_owners` over the holders, as group ranks), and each one's bytes and device type."""
+    """Tensors that the group's ranks `ranks` hold alike: their entries as every rank lists them (shard id, local
+    shape, dtype, device type), this rank's ShardedTensors of them (None where it holds none), and, derived, each
+    one's bytes, device type and reader (`read_owners` over the holders, as a group rank)."""
 
     ranks: tuple[int, ...]
     shards: list
-    entries: Optional[list] = None  # (shard id, local shape, dtype, device type) each; from `shards` when None
+    entries: list
+    nbytes: list[int] = dataclasses.field(init=False)
+    devices: list[str] = dataclasses.field(init=False)
+    owners: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self):
-        if self.entries is None:
-            self.entries = [(_shard_id(sh), tuple(sh.local_shape), str(sh.dtype), _device_type(sh))
-                            for sh in self.shards]
         self.nbytes = [math.prod(shape) * _itemsize(dtype) for _, shape, dtype, _ in self.entries]
         self.devices = [device for *_, device in self.entries]
         picks = read_owners([(sid[1], tuple(sid[2]), n) for (sid, *_), n in zip(self.entries, self.nbytes)],
