@@ -95,3 +95,38 @@ class NoStep:
 
 def not_a_class(record, seed):
     return Counter(record, seed)
+
+
+class BreaksEveryStep:
+    """Starts its episodes, then breaks in every `step` as `how` says (raise, return something ill-typed, or kill
+    its worker), after printing NOISE lines to its standard output and error and raising a warning: a run must stop
+    on it with one line, its noise and tracebacks in the run's workers.log."""
+
+    how = "raise"
+
+    def __init__(self, record, seed):
+        self.record = record
+
+    def reset(self):
+        return "Guess my number."
+
+    def step(self, response):
+        import sys
+        import warnings
+
+        for k in range(NOISE):
+            print(f"noise {k} on stdout")
+            print(f"noise {k} on stderr", file=sys.stderr)
+        warnings.warn("a warning from the environment")
+        return misbehave({"raise": "raise", "ill-typed": ["hi", 0.0, False], "die": "exit"}[self.how])
+
+
+NOISE = 200  # lines an environment or reward function writes to each stream per call
+
+
+class StepIllTyped(BreaksEveryStep):
+    how = "ill-typed"
+
+
+class StepDies(BreaksEveryStep):
+    how = "die"

@@ -15,6 +15,14 @@ def sleeps_forever(prompt, response, reference):
 
 
 def always_raises(prompt, response, reference):
+    """Raises, after printing lines to its standard output and error."""
+    import sys
+
+    from env_cases import NOISE
+
+    for k in range(NOISE):
+        print(f"reward noise {k} on stdout")
+        print(f"reward noise {k} on stderr", file=sys.stderr)
     raise ValueError(f"cannot score {response!r}")
 
 
@@ -23,3 +31,4 @@ def passes_its_tests(prompt, response, reference, record):
     response's text contains."""
     tests = record["tests"]
     return sum(t in response for t in tests) / len(tests)
+

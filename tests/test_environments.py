@@ -151,10 +151,12 @@ def test_a_hung_crashing_and_raising_environment_each_fail_one_episode_in_one_li
                 assert same(turn, live_turns(Counter, record, seed, ["a", reply])[-1])
             else:
                 assert turn.done and turn.reward == 0.0 and turn.message is None
-        assert pool.failures == 3 and pool.failing_batches == 0  # half the batch is not more than half
+        assert pool.failures == 3
         stats = pool.stats
         assert (stats["calls"], stats["errors"], stats["timeouts"], stats["crashes"], stats["restarts"]) == \
             (6, 3, 1, 1, 2)
+        pool.end_batch([t.error for t in turns if t.error], len(turns))
+        assert pool.failing_batches == 0  # half the batch is not more than half
         assert "failed on 3 of 6 episodes" in caplog.text and "second line" not in caplog.text
         # The pool was repaired: the next batch works, on both workers.
         again = pool.step([(record, seed, ["a", "ok", "b"]) for seed in range(4)])
@@ -204,22 +206,38 @@ def test_failures_to_build_or_reset_an_environment_fail_their_episode_in_one_lin
         assert pool.step([(records[0], 0, ["a"])])[0].error == turns[0].error
 
 
-def test_an_environment_failing_on_most_episodes_stops_after_three_batches_in_a_row():
+def test_an_environment_failing_on_most_episodes_stops_after_three_batches_in_a_row(tmp_path):
+    """A batch is what the caller says it is (`end_batch`: a rollout batch's resets and steps together), not one
+    call: an episode that fails in its third turn counts in the batch it belongs to."""
     record = {"prompt": "count:"}
-    with EnvironmentPool("env_cases:Misbehaves", num_workers=2, timeout_s=TIMEOUT_S) as pool:
+    log = tmp_path / "workers.log"
+    with EnvironmentPool("env_cases:Misbehaves", num_workers=2, timeout_s=TIMEOUT_S, log_path=str(log)) as pool:
         mostly_bad = [(record, 0, [r]) for r in ("raise", "raise", "ok")]
-        assert [t.error is None for t in pool.step(mostly_bad)] == [False, False, True]
+
+        def batch(calls):
+            turns = pool.step(calls)
+            pool.end_batch([t.error for t in turns if t.error is not None], len(turns))
+            return turns
+
+        assert [t.error is None for t in batch(mostly_bad)] == [False, False, True]
         assert pool.failures == 2 and pool.failing_batches == 1
-        pool.step([(record, 0, [r]) for r in ("raise", "ok")])  # half is not more than half
+        batch([(record, 0, [r]) for r in ("raise", "ok")])  # half is not more than half
         assert pool.failures == 1 and pool.failing_batches == 0
+        for _ in range(5):  # calls without a batch's end count nothing
+            pool.step(mostly_bad)
+        assert pool.failing_batches == 0
         for _ in range(MAX_FAILING_BATCHES - 1):
-            pool.step(mostly_bad)
+            batch(mostly_bad)
         with pytest.raises(EnvironmentFailureError) as e:
-            pool.step(mostly_bad)
+            batch(mostly_bad)
     assert str(e.value) == (
         "env 'env_cases:Misbehaves' failed on 2 of 3 episodes, and on more than half in each of the last 3 batches "
-        "(last error: env env_cases:Misbehaves.step raised RuntimeError: boom); stopping: fix the environment, or "
-        "raise env.timeout_s / env.num_workers")
+        "(last error: env env_cases:Misbehaves.step raised RuntimeError: boom); stopping: fix the environment "
+        f"(tracebacks and output: {log}), or raise env.timeout_s / env.num_workers")
+    # The tracebacks are in the log, whole (the line the pool got is the first line of the message only).
+    text = log.read_text()
+    assert text.count("env env_cases:Misbehaves.step raised:\nTraceback (most recent call last):") == 2 + 1 + 2 * 5 + 2 * MAX_FAILING_BATCHES
+    assert "RuntimeError: boom\nsecond line" in text and "in misbehave" in text
 
 
 def test_an_environment_from_a_file(tmp_path):

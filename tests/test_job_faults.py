@@ -6,6 +6,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import warm_cli
@@ -67,3 +68,43 @@ def test_a_reward_function_that_always_raises_is_counted_in_the_metrics_and_stop
     assert ("more than half in each of the last 3 batches (last error: ValueError: cannot score" in text), text[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "raise" / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(r["reward_failures"] == 8 and r["reward"] == 0.0 for r in rows)
+    # What the function printed, and its tracebacks, are in the run's workers.log; the console has the job's lines.
+    assert "noise" not in out.stdout + out.stderr and "Traceback" not in out.stdout + out.stderr
+    log = (tmp_path / "raise" / "workers.log").read_text()
+    assert log.count("reward noise 199 on stdout\n") == log.count("reward noise 199 on stderr\n") >= 8
+    assert "reward function 'reward_fns:always_raises' raised:\nTraceback (most recent call last):" in log
+
+
+GUESS = ["data.dataset=guess-number", "env.max_tokens=24", "env.max_turns=2", "env.num_workers=1", "run.steps=40",
+         "data.eval_size=2", "data.eval_samples=1", "run.eval_interval=100"]
+
+
+@pytest.mark.parametrize("cls, layout, role", [
+    ("env_cases:BreaksEveryStep", [], "generator"),  # disjoint: trainer TP2, generator TP1
+    ("env_cases:StepIllTyped", ["trainer.tp=1", "generator.colocated=true"], "trainer and generator"),
+    ("env_cases:StepDies", ["generator.pp=2"], "generator"),  # a pipelined generator
+])
+def test_an_environment_failing_every_step_stops_the_run_after_three_batches_with_one_line(tmp_path, cls, layout,
+                                                                                             role):
+    """Before: the stop was raised in the environments' thread and lost there (tracebacks on the console), and the
+    run trained to its last step on episodes that never ran, exit 0."""
+    out, _, _ = _train(tmp_path, "env", *GUESS, f"env.cls={cls}", *layout)
+    run = tmp_path / "env"
+    assert out.returncode == 1, out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    assert f"({role}) failed: EnvironmentFailureError: env '{cls}' failed on 8 of 8 episodes, and on more than " \
+        f"half in each of the last 3 batches" in out.stderr, out.stderr[-3000:]
+    assert f"(tracebacks and output: {run / 'workers.log'})" in out.stderr
+    assert "Traceback" not in console and "noise" not in console and "a warning from" not in console
+    warned = [line for line in console.splitlines() if "episodes, which end with reward 0" in line]
+    assert len(warned) == 3 and all(line.startswith("megatron-rl: environment ") for line in warned), warned
+    assert len(_rows(run)) <= 2  # stopped at the third batch: no step trained on more episodes that never ran
+    log = (run / "workers.log").read_text()
+    assert "noise 199 on stdout\n" in log and "noise 199 on stderr\n" in log and "a warning from the environment" in log
+    if cls.endswith("BreaksEveryStep"):
+        assert f"env {cls}.step raised:\nTraceback (most recent call last):" in log
+
+
+def _rows(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []

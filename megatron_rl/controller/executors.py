@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_rl.config import JobConfig
+from megatron_rl.controller.rundir import worker_log
 from megatron_rl.controller.scoring import Evaluated, ModelScores, ScoreRequest, UnscoredRollouts, model_scores
 from megatron_rl.controller.tasks import Task
 from megatron_rl.ddma.fingerprint import PushCheck
@@ -179,7 +180,8 @@ class GeneratorExecutor:
             from megatron_rl.environments.play import Episodes
 
             chat = tokenizer.has_chat_template if cfg.data.chat is None else cfg.data.chat
-            self.episodes = Episodes(cfg.env, tokenizer, chat, groups.pgs.mp, self.is_leader, self._sampling(0, 1))
+            self.episodes = Episodes(cfg.env, tokenizer, chat, groups.pgs.mp, self.is_leader, self._sampling(0, 1),
+                                     log_path=str(worker_log(cfg)))
 
     @property
     def is_leader(self) -> bool:
@@ -220,6 +222,8 @@ class GeneratorExecutor:
         gen_s = time.perf_counter() - t0
         if not self.is_leader:
             return None
+        if turns is not None:
+            self.episodes.end_batch(turns)
         groups = [mine[j // n] for j in range(len(outs))]
         episodes = dict(returns=turns.returns(), episodes=turns.statistics(outs),
                         prompts=self._prompt_texts(outs)) if turns is not None else {}

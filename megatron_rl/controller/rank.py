@@ -74,6 +74,13 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
         if bar is not None:
             bar.write(text, file=sys.stderr)
 
+    from megatron_rl.controller.train import below_bar
+    from megatron_rl.launch.console import job_log_lines
+
+    # Warnings of the package (a reward function or environment failing on part of a batch) in the job's form; rank
+    # 0's above its progress bar, the others' on a line of their own.
+    job_log_lines(echo if bar is not None else lambda line: print(below_bar(line), file=sys.stderr, flush=True))
+
     watches = (GapWatch(cfg.rollout.effective_staleness, echo), StuckWatch(model_cfg.vocab_size, echo))
 
     def on_row(row: dict) -> None:

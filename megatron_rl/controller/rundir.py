@@ -110,8 +110,17 @@ def check_run_dir(cfg: JobConfig, run_dir: Path) -> None:
                           f"or the run's own settings")
 
 
+WORKER_LOG = "workers.log"  # what the job's reward and environment workers print, and their calls' tracebacks
+
+
 def run_dir_of(cfg: JobConfig) -> Path:
     return Path(cfg.checkpoint.dir) / cfg.run.name
+
+
+def worker_log(cfg: JobConfig) -> Path:
+    """The file the job's reward-function and environment workers write to (their prints, warnings, and the
+    traceback of every call that failed), so that the console keeps the job's own lines."""
+    return run_dir_of(cfg) / WORKER_LOG
 
 
 def prepare_run_dir(cfg: JobConfig) -> Path:

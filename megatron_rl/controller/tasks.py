@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_rl.controller.rundir import worker_log
 from megatron_rl.data import (ChatPromptBuilder, DataError, JsonlPromptDataset, PromptRecord, ResumableSampler,
                               load_gsm8k, load_math500)
 from megatron_rl.data.datasets import dataset_files
@@ -363,7 +364,7 @@ def _dataset_task(cfg, tokenizer, key: str, instruction: str, train: list[Prompt
         reward = _ModelOnly()  # the reward model's ranks score the responses; the controller adds their scores
     elif with_reward and cfg.env.cls is None:  # episodes: their environment scores them
         reward = get_reward_fn(r.kind, r.function, timeout_s=r.timeout_s, num_workers=r.num_workers, dataset=key,
-                               model=r.model)
+                               model=r.model, log_path=str(worker_log(cfg)))
     chat = tokenizer.has_chat_template if data.chat is None else data.chat
     return DatasetTask(train, heldout, instruction, tokenizer, reward, chat=chat,
                        max_prompt_tokens=cfg.rollout.max_prompt_length, seed=cfg.run.seed, system=data.system)

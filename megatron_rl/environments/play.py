@@ -91,16 +91,30 @@ class _Episode:
     replies: list[str] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     failures: int = 0
+    error: Optional[str] = None  # the one line of its call that failed (which ended it)
     env_s: float = 0.0
+
+    def took(self, turn) -> None:
+        """Count an environment call's `Turn` (`environments/pool.py`)."""
+        self.env_s += turn.seconds or 0.0
+        if turn.error is not None:
+            self.failures += 1
+            self.error = self.error or turn.error
 
 
 class Episodes:
     """The environments of one generator replica: their worker processes on its leader (`pool`, None on the other
     ranks), the rendering of turns, and the replica's group (all its ranks, TP and pipeline stages: `pgs.mp`), over
-    which the leader, its first rank, shares what it renders."""
+    which the leader, its first rank, shares what it renders. `log_path`: where the workers' output and tracebacks go
+    (a job's `workers.log`; None: the console).
 
-    def __init__(self, env, tokenizer, chat: bool, replica_group, is_leader: bool, sampling: SamplingParams):
+    The failure rule is the batch's (`end_batch`, on the leader after each training batch): an environment that
+    fails on more than half of the episodes of MAX_FAILING_BATCHES batches in a row stops the run with one line."""
+
+    def __init__(self, env, tokenizer, chat: bool, replica_group, is_leader: bool, sampling: SamplingParams,
+                 log_path: Optional[str] = None):
         self.env, self.tok, self.is_leader, self.group = env, tokenizer, is_leader, replica_group
+        self.log_path = log_path
         self.template = TurnTemplate(tokenizer, chat)
         self.sampling = sampling
         # The leader's workers start in the background (an interpreter each, and the class's imports), while the job
@@ -114,7 +128,8 @@ class Episodes:
         from megatron_rl.environments.pool import EnvironmentPool
 
         try:
-            self._pool = EnvironmentPool(self.env.cls, num_workers=self.env.num_workers, timeout_s=self.env.timeout_s)
+            self._pool = EnvironmentPool(self.env.cls, num_workers=self.env.num_workers, timeout_s=self.env.timeout_s,
+                                         log_path=self.log_path)
         except BaseException as e:  # noqa: BLE001 - raised where the pool is first used
             self._pool_error = e
 
@@ -151,8 +166,7 @@ class Episodes:
             firsts = self.pool.first([(e.record, e.seed) for e in episodes])
             prompts = [self.template.prompt(t.message) if t.error is None else None for t in firsts]
             for e, t in zip(episodes, firsts):
-                e.env_s += t.seconds or 0.0
-                e.failures += t.error is not None
+                e.took(t)
         reqs = []
         for e, prompt in zip(episodes, self.share(prompts)):
             # An episode whose environment failed to start (one line in the log) samples nothing: a request the
@@ -161,6 +175,13 @@ class Episodes:
             params = {**self.sampling.__dict__, "n": 1, "seed": e.seed, **({} if prompt else {"max_new_tokens": 0})}
             reqs.append(GenerationRequest(e.prompt, SamplingParams(**params)))
         return reqs, EpisodeTurns(self, episodes)
+
+    def end_batch(self, turns: "EpisodeTurns") -> None:
+        """On the leader, once a training batch's episodes are over: the environment's failure rule over them
+        (`EnvironmentPool.end_batch`: one line for the batch's failures; EnvironmentFailureError, which stops the
+        run, after MAX_FAILING_BATCHES batches in a row failing on more than half)."""
+        errors = [e.error for e in turns.episodes if e.error is not None]
+        self.pool.end_batch(errors, len(turns.episodes))
 
 
 class EpisodeTurns(Turns):
@@ -172,6 +193,7 @@ class EpisodeTurns(Turns):
         self._ended: list[EndedTurn] = []
         self._thread: Optional[threading.Thread] = None
         self._answers: list = []
+        self._error: Optional[BaseException] = None  # what the step thread raised, raised again by `finish`
 
     def start(self, ended: list[EndedTurn]) -> None:
         self._ended = ended
@@ -186,10 +208,13 @@ class EpisodeTurns(Turns):
                 reply.pop()
             e.replies.append(tok.decode(reply))
             calls.append((e.record, e.seed, list(e.replies)))
-        self._answers = []
+        self._answers, self._error = [], None
 
         def step():
-            self._answers = self.owner.pool.step(calls)
+            try:
+                self._answers = self.owner.pool.step(calls)
+            except BaseException as e:  # noqa: BLE001 - raised again in the decode loop's thread, by `finish`
+                self._error = e
 
         self._thread = threading.Thread(target=step, name="megatron-rl-environments", daemon=True)
         self._thread.start()
@@ -198,12 +223,13 @@ class EpisodeTurns(Turns):
         observations = None
         if self.owner.is_leader:
             self._thread.join()
+            if self._error is not None:
+                raise self._error
             observations = []
-            for turn, answer in zip(self._ended, self._answers):
+            for turn, answer in zip(self._ended, self._answers, strict=True):
                 e = self.episodes[turn.request]
                 e.rewards.append(answer.reward)
-                e.env_s += answer.seconds or 0.0
-                e.failures += answer.error is not None
+                e.took(answer)
                 done = answer.done or answer.message is None
                 observations.append(None if done else self.owner.template.observation(answer.message))
         return self.owner.share(observations)

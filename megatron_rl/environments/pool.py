@@ -11,8 +11,10 @@ per-call and per-batch deadlines, a hung or dead worker killed and replaced, eve
 the class when it starts, so a spec that cannot be used fails at construction with one line. Whatever an
 environment does wrong in a call (raises, hangs, kills its process, returns something ill-typed) ends that episode
 with an error `Turn` whose one line names the class and the method; the other episodes of the batch are unaffected.
-An environment that fails on more than half of a batch's episodes, MAX_FAILING_BATCHES batches in a row (the rule of
-`FunctionReward`), is broken, not unlucky: EnvironmentFailureError, one line.
+An environment that fails on more than half of a rollout batch's episodes, MAX_FAILING_BATCHES batches in a row (the
+rule of `FunctionReward`; the caller says where a batch ends, `EnvironmentPool.end_batch`), is broken, not unlucky:
+EnvironmentFailureError, one line. What the workers print, and each failure's traceback, go to `log_path` (a job's
+`workers.log`), not the console.
 
 The worker side is stateless: a call carries (record, seed, the model's responses so far), and the environment after
 them is `Class(record, seed)`, reset and stepped through those responses. Environments must therefore be
@@ -34,7 +36,9 @@ import logging
 import math
 import numbers
 import pickle
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -216,6 +220,8 @@ class _Runner:
         try:
             return fn(*args)
         except BaseException as e:  # noqa: BLE001 - SystemExit included: the episode fails, not the worker
+            # The whole traceback to the worker's standard error (the run's workers.log); its one line to the pool.
+            sys.stderr.write(f"env {where} raised:\n{''.join(traceback.format_exception(e))}")  # one write
             raise _Failed(f"env {where} raised {type(e).__name__}: {e}") from None
 
     def _step(self, env: Any, response: str) -> tuple[Optional[dict], float, bool]:
@@ -277,7 +283,7 @@ class EnvironmentPool:
     Not thread-safe: one thread drives it. Keep one per run and `close()` it at the end (or use `with`)."""
 
     def __init__(self, spec: str, num_workers: int, timeout_s: float, start_method: Optional[str] = None,
-                 batch_timeout_s: Optional[float] = None):
+                 batch_timeout_s: Optional[float] = None, log_path: Optional[str] = None):
         problem = spec_problem(spec) if isinstance(spec, str) else "must be a string 'module:Class'"
         if problem:
             raise EnvironmentSpecError(f"env {spec!r} {problem}")
@@ -285,12 +291,13 @@ class EnvironmentPool:
         worker = worker_spec(spec)
         try:
             self._pool = WorkerPool(worker, num_workers=num_workers, timeout_s=timeout_s, start_method=start_method,
-                                    batch_timeout_s=batch_timeout_s, label=f"env {spec!r}")
+                                    batch_timeout_s=batch_timeout_s, label=f"env {spec!r}", log_path=log_path)
         except RewardFunctionError as e:  # the workers' own lines name the class; the pool's name its function
             line = str(e).replace(f"reward function {worker!r}", f"env {spec!r}")
             raise EnvironmentSpecError(line if line.startswith("env ") else f"env {spec!r}: {line}") from None
+        self.log_path = log_path
         self.failures = 0  # episodes of the last call that failed
-        self.failing_batches = 0  # calls in a row in which more than half of the episodes failed
+        self.failing_batches = 0  # batches in a row in which more than half of the episodes failed (`end_batch`)
         self._counts = {"calls": 0, "errors": 0, "seconds": 0.0, "replayed_steps": 0}
         # The worker that answered each running episode's last call, where its instance lives: its next call goes
         # there (`WorkerPool.map(prefer=)`), so that it steps once rather than replaying. Oldest forgotten first.
@@ -343,16 +350,23 @@ class EnvironmentPool:
         self._counts["calls"] += len(calls)
         self._counts["errors"] += len(errors)
         self.failures = len(errors)
+        return turns
+
+    def end_batch(self, errors: Sequence[str], episodes: int) -> None:
+        """The rule for a batch of `episodes` episodes (all the calls of one rollout batch: its resets and every
+        turn's steps), `errors` the one line of each that failed: the failures logged in one line, and
+        EnvironmentFailureError once more than half failed in MAX_FAILING_BATCHES batches in a row."""
+        errors = list(errors)
+        where = f" (tracebacks and output: {self.log_path})" if self.log_path else ""
         self.failing_batches = failing_batches(
-            errors, len(turns), self.failing_batches,
-            lambda text: log.warning("environment %s failed on %d of %d episodes, which end with reward 0: %s",
-                                     self.spec, len(errors), len(turns), text))
+            errors, episodes, self.failing_batches,
+            lambda text: log.warning("environment %s failed on %d of %d episodes, which end with reward 0%s: %s",
+                                     self.spec, len(errors), episodes, where, text))
         if self.failing_batches >= MAX_FAILING_BATCHES:
             raise EnvironmentFailureError(
-                f"env {self.spec!r} failed on {len(errors)} of {len(turns)} episodes, and on more than half in each "
-                f"of the last {self.failing_batches} batches (last error: {errors[-1]}); stopping: fix the "
-                f"environment, or raise env.timeout_s / env.num_workers")
-        return turns
+                f"env {self.spec!r} failed on {len(errors)} of {episodes} episodes, and on more than half in each of "
+                f"the last {self.failing_batches} batches (last error: {errors[-1]}); stopping: fix the environment"
+                f"{where}, or raise env.timeout_s / env.num_workers")
 
     def close(self) -> None:
         self._pool.close()

@@ -7,13 +7,17 @@ whose reader has gone (`megatron-rl train | tail`) fails with EPIPE. A job that 
 in a rank. `survive_hangup()` wraps this process's `sys.stdout` and `sys.stderr`: the first write or flush that
 fails that way points the stream's file descriptor at /dev/null, and from then on what is written, by Python or by
 the libraries' C code, is dropped instead of failing. Any other error is raised as before.
+
+`job_log_lines` shows the package's log records in the job's own form (`megatron-rl: ...`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
+from typing import Callable
 
 GONE = (errno.EIO, errno.EPIPE)  # a terminal that hung up; a pipe whose reader ended
 
@@ -61,3 +65,30 @@ def survive_hangup() -> None:
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, _Survivor):
             setattr(sys, name, _Survivor(stream))
+
+
+class _JobLines(logging.Handler):
+    """The package's log records as the job's own lines: `megatron-rl: <message>`, through `write` (rank 0's
+    progress bar, or this process's standard error)."""
+
+    def __init__(self, write: Callable[[str], None]):
+        super().__init__(logging.INFO)
+        self.write = write
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.write(f"megatron-rl: {record.getMessage()}")
+        except Exception:  # noqa: BLE001 - a log line never stops the job
+            self.handleError(record)
+
+
+def job_log_lines(write: Callable[[str], None]) -> None:
+    """Show the `megatron_rl` loggers' records (warnings of reward functions and environments, ...) as the job's
+    own lines, through `write`, instead of Python's bare `WARNING:module:` form or whatever format a library set on
+    the root logger (idempotent: the last `write` wins)."""
+    logger = logging.getLogger("megatron_rl")
+    for h in [h for h in logger.handlers if isinstance(h, _JobLines)]:
+        logger.removeHandler(h)
+    logger.addHandler(_JobLines(write))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

@@ -83,12 +83,14 @@ class FunctionReward(RewardFunction):
     name = "function"
 
     def __init__(self, spec: str, timeout_s: float = 5.0, num_workers: int = 1, start_method: Optional[str] = None,
-                 batch_timeout_s: Optional[float] = None):
+                 batch_timeout_s: Optional[float] = None, log_path: Optional[str] = None):
         self.spec = spec
+        self.log_path = log_path  # where the workers write (`WorkerPool`), named in the failure lines
         if not isinstance(spec, str) or ":" not in spec:  # checked here: the adapter's spec always has one
             raise RewardFunctionError(f"reward function {spec!r} must look like 'module:function'")
         self._pool = WorkerPool(f"{__name__}:ADAPTERS.fn_{spec.encode().hex()}", num_workers=num_workers,
-                                timeout_s=timeout_s, start_method=start_method, batch_timeout_s=batch_timeout_s)
+                                timeout_s=timeout_s, start_method=start_method, batch_timeout_s=batch_timeout_s,
+                                label=f"reward function {spec!r}", log_path=log_path)
         self.failures = 0  # responses of the last `score` call that failed (scored 0.0)
         self.failing_batches = 0  # batches in a row in which more than half of the responses failed
 
@@ -107,15 +109,16 @@ class FunctionReward(RewardFunction):
                 errors.append((error.splitlines() or [""])[0][:300])
             scores.append(0.0 if value is None else value)
         self.failures = len(errors)
+        where = f" (tracebacks and output: {self.log_path})" if self.log_path else ""
         self.failing_batches = failing_batches(
             errors, len(items), self.failing_batches,
-            lambda text: log.warning("reward function %s failed on %d of %d responses, scored 0.0: %s", self.spec,
-                                     len(errors), len(items), text))
+            lambda text: log.warning("reward function %s failed on %d of %d responses, scored 0.0%s: %s", self.spec,
+                                     len(errors), len(items), where, text))
         if self.failing_batches >= MAX_FAILING_BATCHES:
             raise RewardFailureError(
                 f"reward function {self.spec!r} failed on {len(errors)} of {len(items)} responses, and on more than "
                 f"half in each of the last {self.failing_batches} batches (last error: {errors[-1]}); stopping: fix "
-                f"the function, or raise reward.timeout_s / reward.num_workers")
+                f"the function{where}, or raise reward.timeout_s / reward.num_workers")
         return scores
 
     def close(self) -> None:

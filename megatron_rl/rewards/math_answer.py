@@ -39,7 +39,7 @@ class MathReward(RewardFunction):
     name = "math"
 
     def __init__(self, timeout_s: float = 5.0, num_workers: int = 1, symbolic: bool = True,
-                 start_method: Optional[str] = None, checker: str = SYMBOLIC_SPEC):
+                 start_method: Optional[str] = None, checker: str = SYMBOLIC_SPEC, log_path: Optional[str] = None):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         self.timeout_s = timeout_s
@@ -47,12 +47,13 @@ class MathReward(RewardFunction):
         self.symbolic = symbolic
         self.start_method = start_method
         self.checker = checker
+        self.log_path = log_path  # where the checker's workers write (`WorkerPool`)
         self._pool: Optional[WorkerPool] = None
 
     def _workers(self) -> WorkerPool:
         if self._pool is None:
             self._pool = WorkerPool(self.checker, num_workers=self.num_workers, timeout_s=self.timeout_s,
-                                    start_method=self.start_method)
+                                    start_method=self.start_method, log_path=self.log_path)
         return self._pool
 
     def equivalent(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:

@@ -32,11 +32,13 @@ def kind_for_dataset(dataset: Optional[str]) -> str:
 
 def get_reward_fn(kind: str, function: Optional[str] = None, timeout_s: float = 5.0, num_workers: int = 1,
                   dataset: Optional[str] = None, start_method: Optional[str] = None,
-                  model: Optional[str] = None, batch_timeout_s: Optional[float] = None) -> RewardFunction:
+                  model: Optional[str] = None, batch_timeout_s: Optional[float] = None,
+                  log_path: Optional[str] = None) -> RewardFunction:
     """A ready reward function. Call `close()` on it (or use `with`) to stop its worker processes, if any.
 
     kind: "gsm8k", "math", "synthetic", "function" (needs `function="module:function"`), "reward-model" (needs
-    `model`, a Hugging Face sequence-classification directory), "auto" (by `dataset`).
+    `model`, a Hugging Face sequence-classification directory), "auto" (by `dataset`). `log_path`: where the worker
+    processes of "function" and "math" write (`rewards.workers.WorkerPool`).
     """
     if kind not in REWARD_KINDS:
         close = difflib.get_close_matches(str(kind), REWARD_KINDS, n=1)
@@ -51,12 +53,12 @@ def get_reward_fn(kind: str, function: Optional[str] = None, timeout_s: float = 
     if kind == "synthetic":
         return SyntheticReward()
     if kind == "math":
-        return MathReward(timeout_s=timeout_s, num_workers=num_workers, start_method=start_method)
+        return MathReward(timeout_s=timeout_s, num_workers=num_workers, start_method=start_method, log_path=log_path)
     if kind == "function":
         if not function:
             raise ValueError("reward kind 'function' needs function='module:function'")
         return FunctionReward(function, timeout_s=timeout_s, num_workers=num_workers, start_method=start_method,
-                              batch_timeout_s=batch_timeout_s)
+                              batch_timeout_s=batch_timeout_s, log_path=log_path)
     if not model:
         raise ValueError("reward kind 'reward-model' needs model=DIR (a sequence-classification model)")
     from megatron_rl.rewards.reward_model import RewardModelReward

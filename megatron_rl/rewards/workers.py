@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -85,10 +86,37 @@ def resolve_function(spec: str) -> Callable:
     return obj
 
 
-def _worker_main(spec: str, conn) -> None:
-    """Worker loop: import once, then answer (call_id, args) messages until None or the pipe closes."""
+def write_to_log(path: str, label: str) -> None:
+    """Point this process's standard output and error (file descriptors 1 and 2, so the C libraries' writes too) at
+    `path`, appended, one line at a time, after a line naming the process: a worker's prints, warnings and
+    tracebacks go to the run's log, not the job's console."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for stream, target in ((sys.stdout, 1), (sys.stderr, 2)):
+        if stream is not None:
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os.dup2(fd, target)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)  # a line in one write: workers share it
+    print(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} worker {os.getpid()} of {label} started", flush=True)
+
+
+def _worker_main(spec: str, conn, log_path: Optional[str] = None, label: str = "") -> None:
+    """Worker loop: import once, then answer (call_id, args) messages until None or the pipe closes. With
+    `log_path`, what the worker writes goes there (`write_to_log`), and so does the traceback of every call that
+    raised (its one line goes to the pool)."""
     # Ctrl-C goes to the whole process group; the parent decides what happens to its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_path is not None:
+        try:
+            write_to_log(log_path, label or spec)
+        except OSError as e:
+            conn.send(("error", f"cannot write the workers' log {log_path}: {e}"))
+            return
     try:
         fn = resolve_function(spec)
     except BaseException as e:  # noqa: BLE001 - everything must be reported, nothing may escape
@@ -107,6 +135,8 @@ def _worker_main(spec: str, conn) -> None:
             value = fn(*args)
             conn.send((call_id, "ok", value))
         except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from user code included
+            if log_path is not None:  # in one write: the pool's workers share the file
+                sys.stderr.write(f"{label or spec} raised:\n{''.join(traceback.format_exception(e))}")
             try:
                 conn.send((call_id, "error", f"{type(e).__name__}: {e}"))
             except (OSError, EOFError):
@@ -197,13 +227,16 @@ class WorkerPool:
     """N worker processes running one function; `map` scores a batch with a per-call and a per-batch timeout
     (`batch_timeout_s`, None for `default_batch_timeout(timeout_s)`).
 
+    `log_path`: a file the workers' standard output and error are appended to (a job's `workers.log` in its run
+    directory), with the traceback of each call that raised; None leaves them where this process's go.
+
     Not thread-safe: one controller thread drives it. A pool is cheap to keep and costly to start (each worker
     imports the function's module), so keep one per run and `close()` it at the end (or use `with`).
     """
 
     def __init__(self, spec: str, num_workers: int = 1, timeout_s: float = 5.0, start_method: Optional[str] = None,
                  startup_timeout_s: float = 120.0, batch_timeout_s: Optional[float] = None,
-                 label: Optional[str] = None):
+                 label: Optional[str] = None, log_path: Optional[str] = None):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
         if not timeout_s > 0:
@@ -214,6 +247,8 @@ class WorkerPool:
         # What the log and the process names call the function ("reward function 'mod:f'" by default; the
         # environments' pool names its class rather than the runner it imports).
         self.label = label or f"reward function {spec!r}"
+        # Where the workers' standard output and error go (appended; None: where this process's go).
+        self.log_path = None if log_path is None else str(log_path)
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.batch_timeout_s = float(batch_timeout_s if batch_timeout_s is not None
@@ -237,7 +272,7 @@ class WorkerPool:
 
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(self.spec, child), daemon=True,
+        proc = self._ctx.Process(target=_worker_main, args=(self.spec, child, self.log_path, self.label), daemon=True,
                                  name=f"worker[{self.label}]")
         proc.start()
         child.close()  # keep only the worker's copy, so its death shows up as EOF on ours
