@@ -259,7 +259,6 @@ def _evaluate(ckpt: Path, s: EvalSettings, t0: float) -> dict:
     cfg, meta = read_checkpoint_meta(ckpt)
     spec = DATASETS[dataset_key(s.dataset)]
     env = _env_settings(s, spec)
-    records = load_problems(spec.name, s.data_dir, s.limit)
     for name, value in (("--max-new-tokens", s.max_new_tokens), ("--batch-size", s.batch_size), ("--tp", s.tp),
                         ("--pp", s.pp)):
         if value < 1:
@@ -274,6 +273,7 @@ def _evaluate(ckpt: Path, s: EvalSettings, t0: float) -> dict:
         verify_weights(ckpt, meta)  # the files read match their checksums
     except CheckpointError as e:
         raise EvalError(str(e)) from None
+    records = load_problems(spec.name, s.data_dir, s.limit)  # after the checkpoint's checks: they need no data
     tok = checkpoint_tokenizer(ckpt, s.tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise EvalError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}; "
