@@ -185,3 +185,30 @@ def test_eval_beside_a_job_saving_every_step_always_succeeds(shared_data, tmp_pa
     assert len({r["checkpoint"] for r in results}) >= 3, results  # several steps read, each while newer ones saved
     assert all(r["n"] == 1 for r in results)
     assert not list((run / READERS_DIR).iterdir())  # every lease released
+
+
+def test_without_flock_a_lease_is_its_readers_by_pid_and_start_time(tmp_path, monkeypatch):
+    """Where the file system has no flock, a lease is live while its reader runs; a lease naming a live pid with
+    another start time is a dead reader's whose pid was reused (issue 65): its step goes at the next prune."""
+    import psutil
+
+    from megatron_rl.checkpointing import leases
+    from megatron_rl.launch.runlock import RunLock
+
+    root = _run(tmp_path)
+    monkeypatch.setattr(leases, "try_flock", lambda fd, blocking=False: None)  # no flock on this file system
+    me = psutil.Process()
+    readers = root / READERS_DIR
+    readers.mkdir()
+    for step, started in ((2, me.create_time()), (3, me.create_time() - 100.0)):  # live; a reused pid
+        (readers / f"step_{step:08d}.x.{me.pid}.0").write_text(json.dumps(
+            {"step": f"step_{step:08d}", "host": os.uname().nodename, "pid": me.pid, "started": started}))
+    assert leases.leased_steps(root) == {"step_00000002"}
+    assert [p.name for p in readers.iterdir()] == [f"step_00000002.x.{me.pid}.0"]  # the stale one is removed
+    # The run lock names its holder the same way: a lock file whose pid runs under another start time is stale.
+    dead_holder = {"host": os.uname().nodename, "pid": me.pid, "started": "then",
+                   "process_started": me.create_time() - 100.0}
+    assert not RunLock._held_elsewhere({**dead_holder, "pid": os.getppid(),
+                                        "process_started": psutil.Process(os.getppid()).create_time() - 1})
+    assert RunLock._held_elsewhere({**dead_holder, "pid": os.getppid(),
+                                    "process_started": psutil.Process(os.getppid()).create_time()})

@@ -1,14 +1,15 @@
 """Readers of a run's checkpoints and its retention: a step is not removed while another process reads it.
 
 A reader (`eval`, `inspect`, `convert --to hf`, `plan --checkpoint`, a job whose `model.checkpoint` is another run's)
-takes a lease on the step it reads: a file `ROOT/.readers/<step>.<host>.<pid>.<random>` naming the step, its host and
-pid, on which it holds an exclusive `flock` for as long as it reads. Retention (`TrainCheckpointer._prune`) keeps a
+takes a lease on the step it reads: a file `ROOT/.readers/<step>.<host>.<pid>.<random>` naming the step, its host, pid
+and start time, on which it holds an exclusive `flock` for as long as it reads. Retention (`TrainCheckpointer._prune`) keeps a
 step with a live lease and removes it at a later prune, once the lease is gone.
 
 A lease is live while its flock is held. The kernel drops the flock when the reader ends in any way (SIGKILL
 included), so a lease whose flock retention can take is stale, and is removed. Where the file system has no `flock`
-(some network mounts), a lease is stale when its reader ran on this host under a pid that no longer exists; a reader
-on another host is then trusted to be alive (the rules of the run lock, `launch/runlock.py`).
+(some network mounts), a lease is stale when its reader ran on this host and no longer runs, by pid and start time (a
+reused pid does not pass for it: `launch/lifeline.py: Owner`); a reader on another host is then trusted to be alive
+(the rules and the process identity of the run lock, `launch/runlock.py`).
 
 A save that repeats a step (a resume from an older checkpoint) replaces that step's directory only when no lease
 holds it (`unread`): it waits for the reader, as retention does, but cannot go on without the replacement.
@@ -30,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from megatron_rl.launch.runlock import pid_alive, try_flock
+from megatron_rl.launch.lifeline import Owner
+from megatron_rl.launch.runlock import try_flock
 
 READERS_DIR = ".readers"
 READERS_LOCK = ".readers.lock"
@@ -80,7 +82,8 @@ def take(root: Path, resolve: Callable[[], Path]) -> Lease:
     root = Path(root)
     with readers_lock(root):
         step = Path(resolve())
-        me = {"step": step.name, "host": socket.gethostname(), "pid": os.getpid()}
+        owner = Owner.this_process()
+        me = {"step": step.name, "host": socket.gethostname(), "pid": owner.pid, "started": owner.started}
         file = root / READERS_DIR / f"{step.name}.{me['host']}.{me['pid']}.{secrets.token_hex(4)}"
         try:
             file.parent.mkdir(exist_ok=True)
@@ -102,7 +105,7 @@ def _stale(fd: int, holder: dict) -> bool:
         return locked  # we could take the flock: its reader has ended
     if holder.get("host") != socket.gethostname():
         return False
-    return not (isinstance(holder.get("pid"), int) and pid_alive(holder["pid"]))
+    return not Owner.recorded_alive(holder.get("pid"), holder.get("started"))
 
 
 def leased_steps(root: Path) -> set[str]:

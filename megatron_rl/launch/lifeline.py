@@ -63,6 +63,30 @@ class Owner:
         except psutil.Error:
             return False
 
+    @classmethod
+    def recorded_alive(cls, pid, started) -> bool:
+        """Whether the process a file on this host names (the run lock's holder and processes, a reader's lease)
+        still runs: by pid and start time, so that a reused pid does not pass for a dead process; a record written
+        without its start time (by an older version) by pid alone."""
+        if not isinstance(pid, int) or isinstance(pid, bool):
+            return False
+        try:
+            started = float(started)
+        except (TypeError, ValueError):
+            return pid_alive(pid)
+        return cls(pid, started).alive()
+
+
+def pid_alive(pid: int) -> bool:
+    """Does a process `pid` exist on this host (one we may not signal counts)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 
 def watch(owner: Owner, on_gone: Callable[[], None]) -> threading.Thread:
     """Call `on_gone()` from a daemon thread as soon as `owner` has ended (at once when it already has). Started

@@ -7,8 +7,8 @@ ends in any way (SIGKILL included), so a file left behind by a dead holder is st
 over, with a line saying what it checked, but only once no process the file names still runs on this host: ranks
 end with their launcher (`launch/lifeline.py`), and a rank that has not ended yet (frozen, or in an uninterruptible
 write) would otherwise write the same run directory as the new job. Where the file system has no `flock` (some
-network mounts), a file whose holder runs on this host under a pid that no longer exists is stale; a holder on
-another host is then trusted to be alive.
+network mounts), a file whose holder on this host no longer runs (by pid and start time, `lifeline.Owner`: a reused
+pid does not pass for it) is stale; a holder on another host is then trusted to be alive.
 """
 
 from __future__ import annotations
@@ -22,24 +22,14 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import psutil
+
+from megatron_rl.launch.lifeline import Owner
 
 LOCK_FILE = "megatron-rl.lock"
 
 
 class RunDirLocked(RuntimeError):
     """Another job holds the run directory (the message is the one line the user sees)."""
-
-
-def pid_alive(pid: int) -> bool:
-    """Does a process `pid` exist on this host (one we may not signal counts)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def try_flock(fd: int, blocking: bool = False) -> Optional[bool]:
@@ -59,15 +49,8 @@ def _still_running(holder: dict) -> list[int]:
     and start time so that a reused pid does not count (a zombie, ended but not reaped, does not either)."""
     if holder.get("host") != socket.gethostname():
         return []
-    running = []
-    for entry in holder.get("processes") or []:
-        try:
-            p = psutil.Process(int(entry["pid"]))
-            if p.create_time() == float(entry["started"]) and p.status() != psutil.STATUS_ZOMBIE:
-                running.append(p.pid)
-        except (psutil.Error, KeyError, TypeError, ValueError):
-            pass
-    return running
+    return [entry["pid"] for entry in holder.get("processes") or []
+            if isinstance(entry, dict) and "started" in entry and Owner.recorded_alive(entry.get("pid"), entry["started"])]
 
 
 def _describe(holder: dict) -> str:
@@ -110,21 +93,17 @@ class RunLock:
             break
         if holder:
             self.warn(f"taking over the stale lock of {_describe(holder)}: {self._checked(holder)}")
-        self._me = {"host": socket.gethostname(), "pid": os.getpid(),
-                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        me = Owner.this_process()
+        self._me = {"host": socket.gethostname(), "pid": me.pid, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "process_started": me.started}  # the process's identity with its pid (`Owner`)
         self._fd = fd
         self._write(self._me)
 
     def record(self, pids: Sequence[int]) -> None:
         """Name the job's processes (`pids`, on this host) in the lock file, beside its holder: a later job takes
         the lock over only once none of them runs. A process already gone is left out."""
-        processes = []
-        for pid in pids:
-            try:
-                processes.append({"pid": pid, "started": psutil.Process(pid).create_time()})
-            except psutil.Error:
-                pass
-        self._write({**self._me, "processes": processes})
+        owners = [Owner.of(pid) for pid in pids]
+        self._write({**self._me, "processes": [{"pid": o.pid, "started": o.started} for o in owners if o is not None]})
 
     def _write(self, holder: dict) -> None:
         assert self._fd is not None, "the lock is not held"
@@ -176,7 +155,8 @@ class RunLock:
             return False
         if holder.get("host") != socket.gethostname():
             return True
-        return isinstance(holder.get("pid"), int) and pid_alive(holder["pid"]) and holder["pid"] != os.getpid()
+        return holder.get("pid") != os.getpid() and Owner.recorded_alive(holder.get("pid"),
+                                                                          holder.get("process_started"))
 
     def _same_file(self, fd: int) -> bool:
         try:
