@@ -296,20 +296,26 @@ def cmd_resume_check(args) -> int:
     exactly, and what each reads: 0, 1 with one line when a rank cannot, 2 for a SOURCE it cannot use."""
     from megatron_rl.planning.resume_check import run
 
-    return run(args.source, config=args.config, overrides=args.overrides, as_json=args.json)
+    return run(args.source, config=args.config, overrides=args.overrides, as_json=args.json,
+               index_only=args.index_only, checksums=args.checksums)
 
 
 def _add_resume_check_parser(sub) -> None:
     p = sub.add_parser("resume-check", help="prove from metadata that a resume at a trainer layout finds every "
                                             "element it loads exactly once, and what each rank reads")
     p.add_argument("source", metavar="SOURCE",
-                   help="a checkpoint directory (or run root; .metadata files and megatron_rl.json suffice), or a "
-                        "job's config YAML (the checkpoint its job would write)")
+                   help="a checkpoint directory (or run root; with --index-only, .metadata files and "
+                        "megatron_rl.json suffice), or a job's config YAML (the checkpoint its job would write)")
     p.add_argument("--config", "-c", help="the target job, for a checkpoint SOURCE (default: the checkpoint's own "
                                           "trainer, with the trainer.* overrides)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="the target's settings, e.g. trainer.tp=4 trainer.pp=7 trainer.dp=8")
     p.add_argument("--json", action="store_true", help="one JSON object (every rank's bytes) instead of the report")
+    p.add_argument("--checksums", action="store_true",
+                   help="also read every file the load reads and compare it with its checksum (default: its size)")
+    p.add_argument("--index-only", action="store_true",
+                   help="check the index alone (a copy of just the .metadata files and megatron_rl.json), not the "
+                        "files it names")
     p.set_defaults(func=cmd_resume_check)
 
 

@@ -61,6 +61,8 @@ def test_a_resume_whose_index_misses_a_chunk_fails_in_one_line_before_loading(tm
     assert report["read_bytes"] == sum(r["read_bytes"] for r in report["per_rank"]) < report["needed_bytes"]
     assert report["max_rank_needed_bytes"] == max(r["needed_bytes"] for r in report["per_rank"])
     assert report["load_s"] > 0 and report["tensors"] > 0 and report["objects"] > 0
+    assert report["files"]["checked"] >= 6 and not report["files"]["checksums"]  # each present, with its size
+    _damaged_files_are_one_line(ckpt, tmp_path, target)
     # The run's config as a SOURCE: the save its job writes, rehearsed on the meta device, is the one it wrote
     # (its dtype pinned to the one the run resolved "auto" to: resume-check resolves it for the calibrated GPU).
     config = yaml.safe_load((tmp_path / "c" / "config.yaml").read_text())
@@ -91,7 +93,7 @@ def test_a_resume_whose_index_misses_a_chunk_fails_in_one_line_before_loading(tm
         (alone / sub).mkdir(parents=True)
         shutil.copy(ckpt / sub / ".metadata", alone / sub)
     shutil.copy(ckpt / META, alone)
-    for where, json_too in ((ckpt, []), (alone, ["--json"])):
+    for where, json_too in ((ckpt, []), (alone, ["--json", "--index-only"])):
         failed, lines = _resume_check([str(where), *target, *json_too], env, 1)
         line = f"{where / 'model' / '.metadata'}: {key}: elements [{rng}] of {list(entry.size)} are in no saved chunk"
         assert line in lines[0] and (failed is None or line in failed["error"] and not failed["ok"])
@@ -107,6 +109,40 @@ def test_a_resume_whose_index_misses_a_chunk_fails_in_one_line_before_loading(tm
     assert len(lines) == 1 and f"{index}: holds no object {gone}, which is loaded by the ranks tp 0, pp 0 of the " \
         f"trainer at tp=2,pp=1,dp=1" in lines[0], again.stderr[-3000:]  # at the layout it was written with first
     assert "resumed from" not in again.stderr
+
+
+def _damaged_files_are_one_line(ckpt, tmp_path, target):
+    """`resume-check` looks at what the load will read (issue 65: it said yes to a checkpoint whose shards were
+    deleted): a shard missing or cut short is one line naming it, exit 1, from the stat calls alone; one flipped
+    byte is found with --checksums."""
+    import contextlib
+    import io
+
+    from megatron_rl.planning import resume_check
+
+    def check(where, *flags):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = resume_check.run(str(where), overrides=target, as_json=True, index_only="--index-only" in flags,
+                                    checksums="--checksums" in flags)
+        return code, [line for line in err.getvalue().splitlines() if not line.endswith(" s]")]
+
+    rel = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*.distcp"))[-1]
+    size = (ckpt / rel).stat().st_size
+    prog = "megatron-rl resume-check"
+    for damage, flags, says in (
+            (lambda f: f.unlink(), [], "{ckpt}: corrupt checkpoint ({rel} missing), and the load reads it"),
+            (lambda f: os.truncate(f, size - 1), [],
+             f"{{ckpt}}: corrupt checkpoint ({{rel}} has {size - 1} bytes, {size} were written), and the load reads it"),
+            (lambda f: f.write_bytes(bytes([f.read_bytes()[0] ^ 1]) + f.read_bytes()[1:]), ["--checksums"],
+             "{ckpt}/{rel}: checksum mismatch (flipped bits or a partial copy), and the load reads it")):
+        copy = tmp_path / "damaged" / ckpt.name
+        shutil.rmtree(copy.parent, ignore_errors=True)
+        shutil.copytree(ckpt, copy)
+        damage(copy / rel)
+        assert check(copy, *flags) == (1, [f"{prog}: " + says.format(ckpt=copy, rel=rel)])
+    assert check(copy)[0] == 0  # a flipped byte keeps the size: found only by reading
+    assert check(copy, "--checksums", "--index-only")[0] == 2
 
 
 def _rewrite_index(ckpt, change):

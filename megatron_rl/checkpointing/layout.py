@@ -396,6 +396,25 @@ def record_files(ckpt: Path, meta: dict) -> dict:
     return {**meta, MANIFEST: files, CHECKSUMS: file_checksums(Path(ckpt), list(files))}
 
 
+def files_problem(ckpt: Path, meta: CheckpointMeta, files: list[str], checksums: bool = False) -> Optional[str]:
+    """What is wrong with `files` (relative paths) of checkpoint `ckpt` as a reader will read them, in one line, or
+    None: the first that is missing, or whose size differs from the manifest in `meta` (a stat each), and with
+    `checksums` the first whose content differs from its checksum (this reads them). A file the manifest does not
+    list must exist."""
+    ckpt, sizes = Path(ckpt), meta.files
+    missing = [rel for rel in files if rel not in sizes and not (ckpt / rel).is_file()]
+    if missing:
+        return f"{ckpt / missing[0]}: missing"
+    problems = manifest_problems(ckpt, {rel: sizes[rel] for rel in files if rel in sizes})
+    if problems:
+        return f"{ckpt}: corrupt checkpoint ({problems[0]})"
+    if checksums:
+        mismatches = checksum_mismatches(ckpt, meta, sorted(files))
+        if mismatches:
+            return mismatch_line(ckpt, mismatches)
+    return None
+
+
 def verify_weights(ckpt: Path, meta: CheckpointMeta, part: slice = slice(None)) -> None:
     """Check the files a reader of the weights reads (MODEL_DIR and TOKENIZER_DIR; `part` of them, by path: rank r
     of w checks `slice(r, None, w)`) against the manifest and the checksums in `meta` (a converted or a training

@@ -20,7 +20,9 @@ How, from the job's own pieces (none restated here):
    weights over the DP group and of its experts' over its expert-data-parallel group
    (`planning.meta.owned_expert_ranges`).
 2. The checkpoint's index: torch DCP's `Metadata` of `model/` and `optimizer/` (`safe_load.read_dcp_metadata`;
-   a copy of just the `.metadata` files and `megatron_rl.json` will do), or, for a job's config, the `Metadata` its
+   with `--index-only`, a copy of just the `.metadata` files and `megatron_rl.json` will do; otherwise every file
+   the index names must be there with its recorded size, and with `--checksums` its content: `check_files`), or,
+   for a job's config, the `Metadata` its
    save writes: every rank's tensors (1.) at the job's layout, each distinct chunk once, as DCP keeps one copy of
    replicated items.
 3. Exactly once: each tensor's chunks tile its global shape (`checkpointing.coverage`, the check every load runs),
@@ -54,7 +56,7 @@ import torch
 
 from megatron_rl.checkpointing.coverage import range_text, tensor_problem
 from megatron_rl.checkpointing.layout import (DCP_METADATA, META, MODEL_DIR, OPTIMIZER_DIR, RL_STATE, CheckpointError,
-                                              CheckpointMeta, first_line, read_meta)
+                                              CheckpointMeta, files_problem, first_line, read_meta)
 from megatron_rl.checkpointing.optimizer_state import PREFIX, STATE_KEYS, range_boxes
 from megatron_rl.checkpointing.reads import chunk_read_ranges, read_owners
 from megatron_rl.checkpointing.safe_load import COMMON, read_dcp_metadata
@@ -289,6 +291,14 @@ class Index:
                 return None
             got = self._saved[(d, key)] = _Saved(entry)
         return got
+
+    def read_files(self) -> list[str]:
+        """Every file a load of this checkpoint opens, whatever the layout: those every rank reads whole, and each
+        shard the index places a chunk or an object in."""
+        files = set(saved_files())
+        for d, md in self.metadata.items():
+            files |= {f"{d}/{info.relative_path}" for info in (md.storage_data or {}).values()}
+        return sorted(files)
 
     def tensors(self) -> Iterator[tuple[str, str, object]]:
         for d, md in self.metadata.items():
@@ -601,6 +611,9 @@ def check_resume(path: Path, target: TrainerSpec, group=None) -> Optional[str]:
     failures, notes = [], []
     try:
         index = read_index(path)
+        problem = files_problem(index.where, index.meta, index.read_files()) if rank == 0 else None
+        if problem:
+            raise ResumeCheckError(f"{problem}, and the load reads it")
         specs = [target] if index.layout in (None, target.layout) else \
             [dataclasses.replace(target, layout=index.layout), target]
         specs = [loading(s, index) for s in specs]
@@ -712,6 +725,11 @@ def format_text(r: dict) -> str:
         f"nodes reads {h(r['busiest_node_read_bytes'])} in {r['read_s']:.1f} s "
         f"({r['rates']['filesystem_read_gbps']:g} GB/s a node)",
     ]
+    if r["source_kind"] == "checkpoint":
+        f = r.get("files")
+        lines.insert(2, f"  files         {f['checked']} files the load reads ({h(f['bytes'])}), each present with "
+                        f"its recorded size{', content matching its checksum' if f['checksums'] else ''}"
+                     if f else "  files         not checked (--index-only): the index alone")
     if r["ranks"] <= 64:
         lines.append(f"  {'rank':<22}{'reads':>12}{'needs':>12}")
         lines += [f"  {'tp %d, pp %d, dp %d' % (x['tp'], x['pp'], x['dp']):<22}{h(x['read_bytes']):>12}"
@@ -726,11 +744,29 @@ def format_text(r: dict) -> str:
     return "\n".join(lines)
 
 
+def check_files(index: Index, checksums: bool, progress: Progress) -> dict:
+    """The files a load of `index`'s checkpoint opens (`Index.read_files`) are there with the sizes its manifest
+    recorded (a stat each) and, with `checksums`, hold what was written (each read once, several at a time):
+    ResumeCheckError naming the first that is not. Their count and bytes, for the report."""
+    files = index.read_files()
+    if checksums:
+        progress.begin(f"the checksums of the {len(files)} files the load reads", 1)
+    problem = files_problem(index.where, index.meta, files, checksums=checksums)
+    if problem:
+        raise ResumeCheckError(f"{problem}, and the load reads it")
+    sizes = index.meta.files
+    return {"checked": len(files), "bytes": sum(sizes.get(f, 0) for f in files), "checksums": checksums}
+
+
 def run(source: str, config: Optional[str] = None, overrides: Optional[list[str]] = None, as_json: bool = False,
-        prog: str = "megatron-rl resume-check") -> int:
+        prog: str = "megatron-rl resume-check", index_only: bool = False, checksums: bool = False) -> int:
     """`megatron-rl resume-check SOURCE [--config FILE] [overrides]`: 0 and the report when every rank of the target
     loads the checkpoint exactly; 1 and one line when one cannot; 2 and one line for a SOURCE or overrides it cannot
-    use."""
+    use.
+
+    A checkpoint SOURCE is checked as the load will read it: its index, and every file the index names present with
+    its recorded size (`check_files`; `checksums`: and its content). `index_only` checks the index alone, for a copy
+    of just its `.metadata` files and META (the report says the files were not checked)."""
     from megatron_rl.checkpointing.inspect import InspectError, reading
     from megatron_rl.config import ConfigError
     from megatron_rl.planning.calibration import CalibrationError, load_calibration
@@ -739,7 +775,10 @@ def run(source: str, config: Optional[str] = None, overrides: Optional[list[str]
     progress = Progress(prog)
     t0 = time.perf_counter()
     src = Path(source)
+    files = None
     try:
+        if index_only and checksums:
+            raise ConfigError("--checksums reads the files that --index-only leaves alone: give one of them")
         cal = load_calibration(None)
         if src.is_file() or src.suffix in (".yaml", ".yml"):
             if config is not None:
@@ -757,8 +796,11 @@ def run(source: str, config: Optional[str] = None, overrides: Optional[list[str]
                 index = read_index(ckpt)
                 target = loading(_job_trainer(config, overrides, cal) if config is not None else
                                  _trainer_of_checkpoint(index, overrides, cal), index)
+                if not index_only:
+                    files = check_files(index, checksums, progress)
                 ranks = _target(index, target, progress)
         out = report(index, target, ranks, cal)
+        out["files"] = files
     except ResumeCheckError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         if as_json:
