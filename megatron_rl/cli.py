@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import NoReturn, Optional
 
-from megatron_rl.config import CLUSTER_FILES, ConfigError, fit_to_devices, given_keys, load_config, validate
+from megatron_rl.config import CLUSTER_FILES, ConfigError, fit_episode_budget, fit_to_devices, given_keys, load_config, validate
 
 PROCESSES_PER_CORE = 4  # reshard-check: a layout pair needing more processes than this per core needs --force
 
@@ -33,9 +33,11 @@ def local_gpus() -> int:
 
 def _fitted(args, devices: int):
     """The configuration of `args`, its layout fitted to `devices` GPUs where the user set none
-    (`config.fit_to_devices`), and the reason ("" when nothing was fitted)."""
+    (`config.fit_to_devices`), and the reason ("" when nothing was fitted); an episode's token budget fitted to the
+    model where the user set none (`config.fit_episode_budget`)."""
     cfg = load_config(args.config, args.overrides)
-    return fit_to_devices(cfg, devices, given_keys(args.config, args.overrides))
+    given = given_keys(args.config, args.overrides)
+    return fit_to_devices(fit_episode_budget(cfg, given), devices, given)
 
 
 def _load(args, cluster_files: bool = True, devices: int = 0) -> tuple:

@@ -315,6 +315,22 @@ def fit_to_devices(cfg: JobConfig, devices: int, given: Collection[str] = ()) ->
     return cfg, ""
 
 
+def fit_episode_budget(cfg: JobConfig, given: Collection[str] = ()) -> JobConfig:
+    """An episode's token budget fitted to the model when nobody chose it: with `env.cls` and `env.max_tokens` not
+    in `given`, the budget is at most what the model's positions leave after `rollout.max_prompt_length` (the tiny
+    model's 512 positions hold no 512-token episode after a prompt). Pure; a model that does not resolve, or leaves
+    no room at all, is left to `validate` to name."""
+    if cfg.env.cls is None or "env.max_tokens" in given:
+        return cfg
+    try:
+        room = cfg.model.resolve().max_position_embeddings - cfg.rollout.max_prompt_length
+    except ValueError:
+        return cfg
+    if 1 <= room < cfg.env.max_tokens:
+        return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, max_tokens=room))
+    return cfg
+
+
 def _layout_problems(cfg: JobConfig, model: ModelConfig) -> list[str]:
     """Each executor's TP / PP / DP against the model's shape (`parallel.layout.layout_problems`)."""
     out = []
@@ -327,8 +343,9 @@ def _layout_problems(cfg: JobConfig, model: ModelConfig) -> list[str]:
             elif p.field == "dense":
                 out.append(f"{name}.{p}")
             elif p.field == "tp x dp":  # the expert grid: only a trainer's EP (over DP) can miss it
-                out.append(f"{name}.ep={sec.ep} does not divide {name}.dp={sec.dp} (expert parallelism splits the "
-                           f"experts over DP ranks)")
+                out.append(f"{name}.ep={sec.ep} does not divide {name}.dp={sec.dp} (a trainer splits its experts "
+                           f"over DP ranks, each expert over TP: set {name}.dp to a multiple of {sec.ep}, or "
+                           f"{name}.ep=1; README, Models, says why experts are not split over TP ranks)")
             elif shape_ok:
                 out.append(f"{name}.{p.dim}={p.size} does not divide model.{p.field}={p.count}")
     return out

@@ -465,3 +465,25 @@ def test_a_steps_prompts_split_over_generator_replicas_once_each(prompts, replic
     assert max(map(len, shares)) == len(shares[0]) == -(-prompts // replicas)
     assert r.samples_per_replica(replicas) == 3 * -(-prompts // replicas)
     assert r.context_length == r.max_prompt_length + r.max_new_tokens
+
+
+def test_an_episode_budget_nobody_set_fits_the_model():
+    """The tiny model's 512 positions hold no 512-token episode after a 48-token prompt: where env.max_tokens is
+    not set, it is fitted to what the positions leave (issue 65: the first try with env.cls stopped at a config
+    error); a budget the user sets is kept, and validated."""
+    from megatron_rl.config import fit_episode_budget, given_keys, load_config, problems
+
+    def fitted(*overrides):
+        cfg = load_config(overrides=list(overrides))
+        return fit_episode_budget(cfg, given_keys(None, list(overrides)))
+
+    base = ["data.dataset=guess-number", "env.cls=megatron_rl.environments.guess:GuessNumber"]
+    cfg = fitted(*base)
+    room = cfg.model.resolve().max_position_embeddings - cfg.rollout.max_prompt_length
+    assert cfg.env.max_tokens == room < 512 and problems(cfg, cluster_files=False)[1] == []
+    assert fitted(*base, "rollout.max_prompt_length=100").env.max_tokens == room - 52
+    assert fitted(*base, "model.preset=smollm2-135m").env.max_tokens == 512  # 8,192 positions: the default stands
+    chosen = fitted(*base, "env.max_tokens=512")
+    assert chosen.env.max_tokens == 512 and any("exceeds model.max_position_embeddings" in p
+                                                for p in problems(chosen, cluster_files=False)[1])
+    assert fitted("env.max_tokens=7").env.max_tokens == 7 and fitted().env.max_tokens == 512  # no episodes: as set
