@@ -72,7 +72,7 @@ def test_a_region_read_as_byte_ranges_equals_torchs_whole_read(tmp_path, dtype):
     path reads at the offset), a 0-d tensor, a transposed view (not contiguous: torch's whole read)."""
     import os
 
-    from megatron_rl.checkpointing.loader import _chunk_layout, _read_region, _Slice
+    from megatron_rl.checkpointing.loader import _chunk_layout, _fast_chunk_layout, _read_region, _Slice
 
     rng = random.Random(2)
     big = (torch.randn(40, 33, 7) * 100).to(dtype)  # larger than the two header windows, even as bool
@@ -89,6 +89,8 @@ def test_a_region_read_as_byte_ranges_equals_torchs_whole_read(tmp_path, dtype):
     try:
         for name, t in cases.items():
             layout = _chunk_layout(_Slice(fd, *spans[name]).with_headers())
+            # The headers parsed without torch.load give the same layout, or leave it to torch.load (None)
+            assert _fast_chunk_layout(_Slice(fd, *spans[name]).with_headers()) == layout, name
             if name == "transposed":
                 assert layout is None
                 continue
@@ -126,3 +128,35 @@ def test_a_dp2_checkpoint_resumes_at_dp2_and_tp2_bit_equal_reading_each_byte_onc
         assert after <= 1.05 * tensor_bytes, (layout, after, tensor_bytes)
         assert before > 1.05 * tensor_bytes, (layout, before, tensor_bytes)
     assert all(r["dp2"]["received"] > 0 for r in out)  # each DP rank got the weights the other read
+
+
+def test_a_tensor_pickle_names_nothing_but_a_tensor_or_the_fast_path_declines(tmp_path):
+    """`_TensorPickle` builds and calls nothing: a chunk whose pickle names any other global (here one that would
+    run a command) is left to torch.load's own checks, which refuse it (weights_only)."""
+    import io
+    import os
+    import pickle
+    import zipfile
+
+    from megatron_rl.checkpointing.loader import _chunk_layout, _fast_chunk_layout, _Slice
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(3), buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(blob := io.BytesIO(), "w") as dst:
+        for info in src.infolist():
+            data = pickle.dumps(Evil(), protocol=2) if info.filename.endswith("data.pkl") else src.read(info)
+            dst.writestr(info, data)
+    path = tmp_path / "chunk"
+    path.write_bytes(blob.getvalue())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _fast_chunk_layout(_Slice(fd, 0, path.stat().st_size).with_headers()) is None
+        with pytest.raises(pickle.UnpicklingError):
+            _chunk_layout(_Slice(fd, 0, path.stat().st_size).with_headers())
+    finally:
+        os.close(fd)
+    assert not (tmp_path / "ran").exists()

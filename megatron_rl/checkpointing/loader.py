@@ -5,7 +5,10 @@
    each tensor out), the region a rank needs is read as `chunk_read_ranges` of its data instead of the whole
    chunk. Objects, chunks with a stream transform and any other layout (a view saved with its strides, several
    storages, compression, another byte order) take torch's path: the chunk read whole, then narrowed. It counts
-   the bytes it reads (`ReadCount`).
+   the bytes it reads (`ReadCount`). The headers are parsed from two small reads without torch.load where they
+   are what torch.save writes (`_fast_chunk_layout`); each file is read forward, chunk by chunk, behind a thread
+   that asks the kernel to read ahead the chunks a rank needs most of (`_ReadAhead`), so a cold load overlaps the
+   disk with the parsing and copying.
 2. `RangeLoadStrategy`: Megatron-Core's torch_dist load strategy with that reader.
 3. `ParallelLoadStrategy`: the ShardedTensors that several ranks of a data-parallel group hold alike (model weights
    and the KL reference's on every rank; a mixture of experts' experts on each expert-data-parallel group's) are
@@ -20,14 +23,17 @@ Every rank ends with the values a plain `dist_checkpointing.load` gives it (the 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import io
 import math
 import os
+import pickle
 import re
 import struct
 import sys
+import threading
 import zipfile
 from typing import Optional
 
@@ -79,6 +85,17 @@ class _Slice(io.RawIOBase):
             self.windows.append((start, os.pread(self.fd, n, self.offset + start)))
             self.read_bytes += len(self.windows[-1][1])
         return self
+
+    def peek(self, start: int, n: int) -> Optional[bytes]:
+        """Bytes [start, start + n) of the slice where a header window holds them all, else None."""
+        for at, data in self.windows:
+            if at <= start and start + n <= at + len(data):
+                return data[start - at:start - at + n]
+        return None
+
+    def peek_end(self) -> bytes:
+        """The window at the slice's end (the whole slice when it is shorter than two windows)."""
+        return self.windows[-1][1] if self.windows else b""
 
     def readable(self) -> bool:
         return True
@@ -160,6 +177,128 @@ def _chunk_layout(chunk: _Slice) -> Optional[_ChunkLayout]:
     return _ChunkLayout(tuple(meta.shape), meta.dtype, start)
 
 
+# The storage classes a tensor's pickle names (`torch.save`), by name: the element type of the storage.
+_STORAGE_DTYPES = {f"{name}Storage": dtype for name, dtype in (
+    ("Float", torch.float32), ("BFloat16", torch.bfloat16), ("Half", torch.float16), ("Double", torch.float64),
+    ("Long", torch.int64), ("Int", torch.int32), ("Short", torch.int16), ("Char", torch.int8),
+    ("Byte", torch.uint8), ("Bool", torch.bool))}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rebuilt:
+    """What a tensor's pickle would rebuild (`torch._utils._rebuild_tensor_v2`'s arguments), as a description."""
+
+    storage: tuple
+    storage_offset: int
+    size: tuple
+    stride: tuple
+    requires_grad: bool = False
+    hooks: object = None
+    metadata: object = None
+
+
+class _TensorPickle(pickle.Unpickler):
+    """The pickle of one saved tensor (torch.save's `data.pkl`) read as a description: the only names it may use are
+    torch's tensor-rebuild function (replaced by `_Rebuilt`), the storage classes (replaced by their element type)
+    and OrderedDict; nothing is built or called, and any other name refuses the pickle (the caller then takes
+    torch's own path)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _Rebuilt
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid
+
+
+def _zip_records(headers: _Slice) -> Optional[dict[str, tuple[int, int, int]]]:
+    """A chunk's zip directory from its header windows: record name -> (compression, size, local header offset);
+    None where the directory is not in the tail window or is a zip64 one."""
+    tail = headers.peek_end()
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        return None
+    count, size, offset = struct.unpack("<HII", tail[at + 10:at + 20])
+    base = headers.length - len(tail)
+    if offset == 0xFFFFFFFF or count == 0xFFFF or offset < base or offset + size > base + at:
+        return None
+    records, pos = {}, offset - base
+    for _ in range(count):
+        if tail[pos:pos + 4] != b"PK\x01\x02":
+            return None
+        method, = struct.unpack("<H", tail[pos + 10:pos + 12])
+        csize, usize, n, e, c = struct.unpack("<IIHHH", tail[pos + 20:pos + 34])
+        local, = struct.unpack("<I", tail[pos + 42:pos + 46])
+        if csize != usize or 0xFFFFFFFF in (csize, local):
+            return None
+        records[tail[pos + 46:pos + 46 + n].decode("utf-8", "replace")] = (method, usize, local)
+        pos += 46 + n + e + c
+    return records
+
+
+def _record_data(headers: _Slice, local: int, size: int) -> Optional[tuple[int, Optional[bytes]]]:
+    """Where a stored record's data starts in the chunk (after its local header), and its bytes where they are in
+    the header windows (None otherwise); None where its local header is not."""
+    header = headers.peek(local, 30)
+    if header is None or header[:4] != b"PK\x03\x04":
+        return None
+    n, e = struct.unpack("<HH", header[26:30])
+    start = local + 30 + n + e
+    return start, headers.peek(start, size)
+
+
+def _fast_chunk_layout(headers: _Slice) -> Optional[_ChunkLayout]:
+    """`_chunk_layout` from the header windows alone, without torch.load and zipfile (a fifth of the cost, which a
+    checkpoint of thousands of chunks pays once per chunk): the zip directory and the tensor's pickle parsed here
+    (`_TensorPickle`: nothing is built). None where anything differs from what a plain torch.save of one contiguous
+    tensor writes; the caller then asks `_chunk_layout`, which decides."""
+    records = _zip_records(headers)
+    pickles = [name for name in records or () if name.endswith("/data.pkl")]
+    if not records or len(pickles) != 1:
+        return None
+    prefix = pickles[0][:-len("data.pkl")]
+    method, size, local = records[pickles[0]]
+    found = _record_data(headers, local, size) if method == zipfile.ZIP_STORED else None
+    if found is None or found[1] is None:
+        return None
+    try:
+        rebuilt = _TensorPickle(io.BytesIO(found[1])).load()
+    except Exception:  # noqa: BLE001 - anything unexpected: torch's path decides
+        return None
+    if not isinstance(rebuilt, _Rebuilt) or rebuilt.hooks or rebuilt.metadata is not None:
+        return None
+    storage, shape, stride = rebuilt.storage, rebuilt.size, rebuilt.stride
+    if not (isinstance(storage, tuple) and len(storage) == 5 and storage[0] == "storage"
+            and isinstance(storage[1], torch.dtype) and isinstance(storage[2], str)):
+        return None
+    if not all(isinstance(x, int) and x >= 0 for x in (*shape, *stride, rebuilt.storage_offset)):
+        return None
+    if any(d > 1 and s != math.prod(shape[k + 1:]) for k, (d, s) in enumerate(zip(shape, stride))) \
+            or len(stride) != len(shape):
+        return None  # not contiguous row-major
+    data = [name for name in records if _STORAGE_RECORD.fullmatch(name)]
+    order = records.get(f"{prefix}byteorder")
+    if data != [f"{prefix}data/{storage[2]}"] or records[data[0]][0] != zipfile.ZIP_STORED:
+        return None
+    if order is not None:
+        got = _record_data(headers, order[2], order[1]) if order[0] == zipfile.ZIP_STORED else None
+        if got is None or got[1] is None or got[1].decode(errors="replace") != sys.byteorder:
+            return None
+    dtype, (_, data_size, data_local) = storage[1], records[data[0]]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if (rebuilt.storage_offset + math.prod(shape)) * itemsize > data_size:
+        return None
+    where = _record_data(headers, data_local, 0)
+    if where is None:
+        return None
+    return _ChunkLayout(tuple(shape), dtype, where[0] + rebuilt.storage_offset * itemsize)
+
+
 def _read_region(chunk: _Slice, layout: _ChunkLayout, offsets: tuple[int, ...], lengths: tuple[int, ...],
                  into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
     """The region [offsets, offsets + lengths) of the chunk, read as `chunk_read_ranges` says: a range of one run
@@ -196,6 +335,56 @@ def _read_region(chunk: _Slice, layout: _ChunkLayout, offsets: tuple[int, ...], 
     return out.view(layout.dtype).reshape(lengths), read
 
 
+PREFETCH_STEP = 16 << 20  # bytes the read-ahead asks the kernel for at a time
+
+
+class _ReadAhead:
+    """A thread that asks the kernel to read `extents` ((path, offset, length), in the order they will be read)
+    into the page cache ahead of the loader (POSIX_FADV_WILLNEED, `PREFETCH_STEP` at a time; the call releases the
+    GIL), so that the disk streams while this thread's caller parses chunk headers and copies regions: a cold load
+    costs about the larger of the two, not their sum. Where the platform has no posix_fadvise it does nothing; the
+    loader's own reads read as before. `stop()` ends it early (the load is over)."""
+
+    def __init__(self, extents: list[tuple[str, int, int]]):
+        self._extents, self._stop = extents, threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megatron-rl-read-ahead", daemon=True)
+        if extents and hasattr(os, "posix_fadvise"):
+            self._thread.start()
+
+    def _run(self) -> None:
+        fds: dict[str, int] = {}
+        try:
+            for path, offset, length in self._extents:
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                for at in range(offset, offset + length, PREFETCH_STEP):
+                    if self._stop.is_set():
+                        return
+                    os.posix_fadvise(fds[path], at, min(PREFETCH_STEP, offset + length - at), os.POSIX_FADV_WILLNEED)
+        except OSError:  # a hint only: the loader's reads report what is wrong with the file
+            return
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def _chunk_numel(req, planner) -> int:
+    """The elements of the saved chunk `req` reads from (from the index; 0 where it cannot be found, which reads
+    it ahead)."""
+    index = req.storage_index
+    entry = planner.metadata.state_dict_metadata.get(index.fqn)
+    chunks = getattr(entry, "chunks", None) or []
+    if index.index is not None and index.index < len(chunks) and tuple(chunks[index.index].offsets) == \
+            tuple(index.offset):
+        return math.prod(chunks[index.index].sizes)
+    return next((math.prod(c.sizes) for c in chunks if tuple(c.offsets) == tuple(index.offset)), 0)
+
+
 class RangeReader(CachedMetadataFileSystemReader):
     """torch's `FileSystemReader` (Megatron-Core's, which caches the metadata) reading only the byte ranges of each
     chunk that the load needs, adding the bytes it reads to `count`. With `whole_chunks`, every tensor is read as
@@ -218,30 +407,48 @@ class RangeReader(CachedMetadataFileSystemReader):
                     self.count.data += md.length
             else:
                 per_file.setdefault(md.relative_path, []).append(req)
-        if torch_path:
-            super().read_data(dataclasses.replace(plan, items=torch_path), planner).wait()
-        for relative_path, reqs in per_file.items():
-            fd = os.open(self.fs.concat_path(self.path, relative_path), os.O_RDONLY)
-            try:
-                self._read_tensors(fd, reqs, planner)
-            finally:
-                os.close(fd)
+        for reqs in per_file.values():
+            reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+        ahead = _ReadAhead([] if self.whole_chunks else self._read_ahead(per_file, planner))
+        try:
+            if torch_path:
+                super().read_data(dataclasses.replace(plan, items=torch_path), planner).wait()
+            for relative_path, reqs in per_file.items():
+                fd = os.open(self.fs.concat_path(self.path, relative_path), os.O_RDONLY)
+                try:
+                    self._read_tensors(fd, reqs, planner)
+                finally:
+                    os.close(fd)
+        finally:
+            ahead.stop()
         done: Future = Future()
         done.set_result(None)
         return done
 
+    def _read_ahead(self, per_file: dict, planner) -> list[tuple[str, int, int]]:
+        """The extents of the chunks of which the load needs at least half (what a rank reads at its own layout:
+        every chunk whole), in the order `_read_tensors` reads them; a chunk needed in small part is left to the
+        loader's own range reads, so a resharded load does not read ahead what it skips."""
+        extents, seen = [], set()
+        for relative_path, reqs in per_file.items():
+            path = self.fs.concat_path(self.path, relative_path)
+            for req in reqs:
+                md = self.storage_data[req.storage_index]
+                if (relative_path, md.offset) not in seen and 2 * math.prod(req.lengths) >= _chunk_numel(req, planner):
+                    seen.add((relative_path, md.offset))
+                    extents.append((str(path), md.offset, md.length))
+        return extents
+
     def _read_tensors(self, fd: int, reqs: list, planner) -> None:
-        """The file's chunk headers first, then the data, both in file order (reads that only move forward)."""
-        reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)
+        """The file's chunks in file order (reads that only move forward, behind the read-ahead): each chunk's
+        headers, then the regions the load needs of it."""
         layouts: dict[int, Optional[_ChunkLayout]] = {}  # by the chunk's offset in the file
-        for req in reqs if not self.whole_chunks else []:
-            md = self.storage_data[req.storage_index]
-            if md.offset not in layouts:
-                chunk = _Slice(fd, md.offset, md.length).with_headers()
-                layouts[md.offset] = _chunk_layout(chunk)
-                self.count.header += chunk.read_bytes
         for req in reqs:
             md = self.storage_data[req.storage_index]
+            if not self.whole_chunks and md.offset not in layouts:
+                headers = _Slice(fd, md.offset, md.length).with_headers()
+                layouts[md.offset] = _fast_chunk_layout(headers) or _chunk_layout(headers)
+                self.count.header += headers.read_bytes
             chunk = _Slice(fd, md.offset, md.length)
             layout = layouts.get(md.offset)
             target = planner.resolve_tensor(req).detach()
