@@ -93,10 +93,6 @@ class HostStaging:
                 self._free.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
         self._lent = []
 
-    @property
-    def pooled_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for bufs in self._free.values() for b in bufs)
-
 
 def _capturing_strategy(thread_count: int):
     """Megatron-Core's torch_dist save strategy, stopped after its planning: `async_save` returns our request

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_rl.models.families import family
-from megatron_rl.models.param_spec import ParamSpec, find_param, layer_params, model_params
+from megatron_rl.models.param_spec import ParamSpec, find_param, model_params
 from megatron_rl.models.presets import ModelConfig
 
 
@@ -80,19 +80,9 @@ def _to_hf(p: ParamSpec, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(x.reshape(-1, *rest) for x in t.reshape(p.groups, -1, *rest).split(p.pieces, dim=1))
 
 
-def layer_hf(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
-    """Megatron layer parameter -> its HF layer tensors, for this model's family (`param_spec.layer_params`)."""
-    return {p.name: p.hf for p in layer_params(cfg)}
-
-
 def megatron_names(cfg: ModelConfig) -> list[str]:
     """Logical Megatron tensor names (TP=1, PP=1, global layer index), in model order."""
     return [p.name for p in model_params(cfg)]
-
-
-def to_megatron_tensor(name: str, tensors: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    """One logical Megatron tensor from its HF tensors (in the order of its `param_spec` entry's `hf`)."""
-    return _from_hf(find_param(name, cfg), tensors)
 
 
 def hf_row_blocks(name: str, cfg: ModelConfig) -> list[tuple[int, str, int, int]]:

@@ -85,10 +85,6 @@ class ExecutorGroups:
         return self.layout.expert_coords(self.tp_rank, self.dp_rank)
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.layout.pp - 1
 
