@@ -9,7 +9,8 @@ the host buffers a run keeps, and is reported beside), then loads the last back 
 checksum, then `load`). The page cache is emptied of the checkpoint's files before the load (posix_fadvise
 DONTNEED after fsync), so the load reads the disk. In the same run it times the references on the same
 filesystem: a durable raw write of the checkpoint's bytes (64 MiB writes, fsync) and a raw read of them after the
-same eviction, and reports every time as a ratio to its reference.
+same eviction, before and after the checkpoints, and a raw read of the checkpoint's own files just before the load
+(evicted again after it): the load's reference. Every time is reported as a ratio to its reference.
 
 Host memory: a thread samples each rank's proportional set size (PSS, its own pages plus its share of pages shared
 with its forked writer processes, which are counted too) every 10 ms; `host_peak_bytes` is the largest rank's
@@ -129,16 +130,30 @@ def rank_main(rank, world_size, preset, root, sync):
     t0 = time.perf_counter()
     fresh.verify(path)
     verify_s = time.perf_counter() - t0
-    if rank == 0:
+    own_read_s = None
+    if rank == 0:  # the reference beside the load: its own files read raw from the disk, in the disk's state now
+        evict(files_under(path))
+        own_read_s = read_raw(files_under(path))
         evict(files_under(path))
     dist.barrier()
     t0 = time.perf_counter()
     fresh.load(path, engine)
     load_s = time.perf_counter() - t0
     return {"path": str(path), "save_s": total, "save_blocking_s": blocking, "verify_s": verify_s,
-            "load_s": load_s, "host_peak_bytes": mem.peak - mem.base, "shard_bytes": own,
+            "load_s": load_s, "own_raw_read_s": own_read_s, "host_peak_bytes": mem.peak - mem.base, "shard_bytes": own,
             "first_save_s": first_total, "first_save_blocking_s": first_blocking,
             "first_host_peak_bytes": first_mem.peak - first_mem.base}
+
+
+def read_raw(paths) -> float:
+    """Seconds to read `paths` whole, one after another, 64 MiB at a time (after `evict`: from the disk)."""
+    buf = bytearray(CHUNK)
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    return time.perf_counter() - t0
 
 
 def raw_write_read(directory: Path, nbytes: int) -> tuple[float, float]:
@@ -208,12 +223,18 @@ def main(argv=None) -> int:
     out["save_vs_raw_write"] = out["save_s"] / raw_write_s
     out["blocking_share"] = out["save_blocking_s"] / out["save_s"]
     out["load_vs_raw_read"] = out["load_s"] / raw_read_s
+    # The load's own reference: its files read raw just before it, in the same state of the disk (this VM's disk
+    # moves 3x within minutes, so the before/after file above can be in another phase than the load).
+    out["own_raw_read_s"] = ranks[0]["own_raw_read_s"]
+    out["load_vs_own_raw_read"] = out["load_s"] / out["own_raw_read_s"]
     out["host_peak_vs_shard"] = out["host_peak_bytes"] / max(out["shard_bytes"], 1)
     print(f"checkpoint {nbytes / 1e9:.2f} GB at DP{args.dp} ({args.preset}): save {out['save_s']:.2f} s "
           f"({out['save_vs_raw_write']:.2f}x a durable raw write, {raw_write_s:.2f} s: {before[0]:.2f} s before, "
           f"{after[0]:.2f} s after), blocking "
           f"{out['save_blocking_s']:.2f} s ({out['blocking_share']:.0%}); load {out['load_s']:.2f} s "
-          f"({out['load_vs_raw_read']:.2f}x a raw read, {raw_read_s:.2f} s) after checksums {out['verify_s']:.2f} s; "
+          f"({out['load_vs_own_raw_read']:.2f}x a raw read of its files just before, {out['own_raw_read_s']:.2f} s; "
+          f"{out['load_vs_raw_read']:.2f}x the before/after file's, {raw_read_s:.2f} s) after checksums "
+          f"{out['verify_s']:.2f} s; "
           f"host peak during the save {out['host_peak_bytes'] / 1e9:.2f} GB "
           f"({out['host_peak_vs_shard']:.2f}x the rank's shard, {out['shard_bytes'] / 1e9:.2f} GB); the first save "
           f"(host buffers allocated): {out['first_save_s']:.2f} s, blocking {out['first_save_blocking_s']:.2f} s, "

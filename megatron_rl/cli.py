@@ -9,7 +9,8 @@ import signal
 import sys
 from typing import NoReturn, Optional
 
-from megatron_rl.config import CLUSTER_FILES, ConfigError, fit_episode_budget, fit_to_devices, given_keys, load_config, validate
+from megatron_rl.config import (CLUSTER_FILES, ConfigError, fit_episode_budget, fit_to_devices, given_keys, load_config,
+                                validate)
 
 PROCESSES_PER_CORE = 4  # reshard-check: a layout pair needing more processes than this per core needs --force
 

@@ -133,7 +133,8 @@ def _damaged_files_are_one_line(ckpt, tmp_path, target):
     for damage, flags, says in (
             (lambda f: f.unlink(), [], "{ckpt}: corrupt checkpoint ({rel} missing), and the load reads it"),
             (lambda f: os.truncate(f, size - 1), [],
-             f"{{ckpt}}: corrupt checkpoint ({{rel}} has {size - 1} bytes, {size} were written), and the load reads it"),
+             f"{{ckpt}}: corrupt checkpoint ({{rel}} has {size - 1} bytes, {size} were written), and the load "
+             "reads it"),
             (lambda f: f.write_bytes(bytes([f.read_bytes()[0] ^ 1]) + f.read_bytes()[1:]), ["--checksums"],
              "{ckpt}/{rel}: checksum mismatch (flipped bits or a partial copy), and the load reads it")):
         copy = tmp_path / "damaged" / ckpt.name

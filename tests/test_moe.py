@@ -43,7 +43,8 @@ def test_trainer_ep_is_checked_in_one_line_each():
     assert load_config(None, moe + ["trainer.dp=2", "trainer.ep=2"]).trainer.layout.ep == 2
     for overrides, message in [
             (["trainer.dp=2", "trainer.ep=2"], r"trainer.ep=2 needs a mixture-of-experts model \(this one is dense"),
-            (moe + ["trainer.dp=1", "trainer.ep=2"], r"trainer.ep=2 does not divide trainer.dp=1 \(expert"),
+            (moe + ["trainer.dp=1", "trainer.ep=2"], r"trainer.ep=2 does not divide trainer.dp=1 \(a trainer splits "
+             r"its experts over DP ranks, each expert over TP: set trainer.dp to a multiple of 2, or trainer.ep=1; README"),
             (moe + ["trainer.dp=3", "trainer.ep=3"], "trainer.ep=3 does not divide model.num_moe_experts=4"),
             (moe + ["trainer.ep=0"], "trainer.ep=0 must be >= 1")]:
         with pytest.raises(ConfigError, match=message):

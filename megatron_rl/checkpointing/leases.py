@@ -2,8 +2,8 @@
 
 A reader (`eval`, `inspect`, `convert --to hf`, `plan --checkpoint`, a job whose `model.checkpoint` is another run's)
 takes a lease on the step it reads: a file `ROOT/.readers/<step>.<host>.<pid>.<random>` naming the step, its host, pid
-and start time, on which it holds an exclusive `flock` for as long as it reads. Retention (`TrainCheckpointer._prune`) keeps a
-step with a live lease and removes it at a later prune, once the lease is gone.
+and start time, on which it holds an exclusive `flock` for as long as it reads. Retention
+(`TrainCheckpointer._prune`) keeps a step with a live lease and removes it at a later prune, once the lease is gone.
 
 A lease is live while its flock is held. The kernel drops the flock when the reader ends in any way (SIGKILL
 included), so a lease whose flock retention can take is stale, and is removed. Where the file system has no `flock`

@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import hashlib
 import io
+import itertools
 import math
 import os
 import pickle
@@ -35,6 +36,7 @@ import struct
 import sys
 import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -78,13 +80,26 @@ class _Slice(io.RawIOBase):
         self.windows: list[tuple[int, bytes]] = []
 
     def with_headers(self) -> "_Slice":
-        spans = [(0, min(HEADER_WINDOW, self.length))]
-        tail = max(self.length - HEADER_WINDOW, 0)
-        spans = [(0, self.length)] if tail <= spans[0][1] else spans + [(tail, self.length - tail)]
-        for start, n in spans:
-            self.windows.append((start, os.pread(self.fd, n, self.offset + start)))
-            self.read_bytes += len(self.windows[-1][1])
+        return self.with_head().with_tail()
+
+    def with_head(self) -> "_Slice":
+        """The window at the slice's start (the zip's first records: the tensor's pickle, the data's local header)."""
+        if not self.windows:
+            self._window(0, min(HEADER_WINDOW, self.length))
         return self
+
+    def with_tail(self) -> "_Slice":
+        """The window at the slice's end (the zip's directory), where the head's window does not reach it."""
+        self.with_head()
+        head_end = len(self.windows[0][1])
+        tail = max(self.length - HEADER_WINDOW, head_end)
+        if tail < self.length and all(start != tail for start, _ in self.windows):
+            self._window(tail, self.length - tail)
+        return self
+
+    def _window(self, start: int, n: int) -> None:
+        self.windows.append((start, os.pread(self.fd, n, self.offset + start)))
+        self.read_bytes += len(self.windows[-1][1])
 
     def peek(self, start: int, n: int) -> Optional[bytes]:
         """Bytes [start, start + n) of the slice where a header window holds them all, else None."""
@@ -93,9 +108,9 @@ class _Slice(io.RawIOBase):
                 return data[start - at:start - at + n]
         return None
 
-    def peek_end(self) -> bytes:
-        """The window at the slice's end (the whole slice when it is shorter than two windows)."""
-        return self.windows[-1][1] if self.windows else b""
+    def peek_end(self) -> tuple[int, bytes]:
+        """The last window and where it starts (the head's, for a slice no longer than it)."""
+        return self.windows[-1] if self.windows else (0, b"")
 
     def readable(self) -> bool:
         return True
@@ -217,14 +232,13 @@ class _TensorPickle(pickle.Unpickler):
 
 
 def _zip_records(headers: _Slice) -> Optional[dict[str, tuple[int, int, int]]]:
-    """A chunk's zip directory from its header windows: record name -> (compression, size, local header offset);
-    None where the directory is not in the tail window or is a zip64 one."""
-    tail = headers.peek_end()
+    """A chunk's zip directory from its last header window: record name -> (compression, size, local header
+    offset); None where the directory is not in the window or is a zip64 one."""
+    base, tail = headers.peek_end()
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or len(tail) - at < 22:
         return None
     count, size, offset = struct.unpack("<HII", tail[at + 10:at + 20])
-    base = headers.length - len(tail)
     if offset == 0xFFFFFFFF or count == 0xFFFF or offset < base or offset + size > base + at:
         return None
     records, pos = {}, offset - base
@@ -241,34 +255,45 @@ def _zip_records(headers: _Slice) -> Optional[dict[str, tuple[int, int, int]]]:
     return records
 
 
-def _record_data(headers: _Slice, local: int, size: int) -> Optional[tuple[int, Optional[bytes]]]:
-    """Where a stored record's data starts in the chunk (after its local header), and its bytes where they are in
-    the header windows (None otherwise); None where its local header is not."""
+def _local_record(headers: _Slice, local: int) -> Optional[tuple[str, int]]:
+    """The name of the zip record whose local header is at `local` and where its data starts; None where the
+    header is not in a window."""
     header = headers.peek(local, 30)
     if header is None or header[:4] != b"PK\x03\x04":
         return None
     n, e = struct.unpack("<HH", header[26:30])
-    start = local + 30 + n + e
-    return start, headers.peek(start, size)
+    name = headers.peek(local + 30, n)
+    return None if name is None else (name.decode("utf-8", "replace"), local + 30 + n + e)
 
 
-def _fast_chunk_layout(headers: _Slice) -> Optional[_ChunkLayout]:
-    """`_chunk_layout` from the header windows alone, without torch.load and zipfile (a fifth of the cost, which a
-    checkpoint of thousands of chunks pays once per chunk): the zip directory and the tensor's pickle parsed here
-    (`_TensorPickle`: nothing is built). None where anything differs from what a plain torch.save of one contiguous
-    tensor writes; the caller then asks `_chunk_layout`, which decides."""
-    records = _zip_records(headers)
-    pickles = [name for name in records or () if name.endswith("/data.pkl")]
-    if not records or len(pickles) != 1:
+@dataclasses.dataclass(frozen=True)
+class _Guess:
+    """A chunk's layout read from its first window (`_head_layout`), and what its zip directory must then say for
+    the layout to stand (`_confirmed`)."""
+
+    layout: _ChunkLayout
+    prefix: str  # the records' folder ("archive/")
+    pickle_bytes: int  # the tensor's pickle, as far as its STOP
+    data_record: str
+    data_local: int  # the data record's local header
+    data_bytes: int  # the bytes of the record the tensor needs
+
+
+def _head_layout(headers: _Slice) -> Optional[_Guess]:
+    """The layout of a chunk from its first window alone: the tensor's pickle (the zip's first record, read by
+    `_TensorPickle`: nothing is built) and its data record's local header, found by name. A guess: torch.save's local
+    headers carry no sizes, so the zip's directory at the chunk's end confirms it (`_confirmed`), read after the
+    data so that a chunk is read front to back. None where anything differs from a plain torch.save of one
+    contiguous tensor."""
+    first = _local_record(headers, 0)
+    if first is None or not first[0].endswith("/data.pkl"):
         return None
-    prefix = pickles[0][:-len("data.pkl")]
-    method, size, local = records[pickles[0]]
-    found = _record_data(headers, local, size) if method == zipfile.ZIP_STORED else None
-    if found is None or found[1] is None:
-        return None
+    prefix, body = first[0][:-len("data.pkl")], first[1]
+    window = headers.windows[0][1]
+    stream = io.BytesIO(window[body:])
     try:
-        rebuilt = _TensorPickle(io.BytesIO(found[1])).load()
-    except Exception:  # noqa: BLE001 - anything unexpected: torch's path decides
+        rebuilt = _TensorPickle(stream).load()
+    except Exception:  # noqa: BLE001 - cut off by the window, or anything unexpected: torch's path decides
         return None
     if not isinstance(rebuilt, _Rebuilt) or rebuilt.hooks or rebuilt.metadata is not None:
         return None
@@ -276,27 +301,51 @@ def _fast_chunk_layout(headers: _Slice) -> Optional[_ChunkLayout]:
     if not (isinstance(storage, tuple) and len(storage) == 5 and storage[0] == "storage"
             and isinstance(storage[1], torch.dtype) and isinstance(storage[2], str)):
         return None
-    if not all(isinstance(x, int) and x >= 0 for x in (*shape, *stride, rebuilt.storage_offset)):
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+               for x in (*shape, *stride, rebuilt.storage_offset)) or len(stride) != len(shape):
         return None
-    if any(d > 1 and s != math.prod(shape[k + 1:]) for k, (d, s) in enumerate(zip(shape, stride))) \
-            or len(stride) != len(shape):
+    if any(d > 1 and st != math.prod(shape[k + 1:]) for k, (d, st) in enumerate(zip(shape, stride))):
         return None  # not contiguous row-major
-    data = [name for name in records if _STORAGE_RECORD.fullmatch(name)]
-    order = records.get(f"{prefix}byteorder")
-    if data != [f"{prefix}data/{storage[2]}"] or records[data[0]][0] != zipfile.ZIP_STORED:
-        return None
+    name = f"{prefix}data/{storage[2]}"
+    at = window.find(name.encode(), body + stream.tell())
+    while at >= 30:
+        found = _local_record(headers, at - 30)  # a local header whose name is this one
+        if found is not None and found[0] == name:
+            itemsize = torch.empty((), dtype=storage[1]).element_size()
+            layout = _ChunkLayout(tuple(shape), storage[1], found[1] + rebuilt.storage_offset * itemsize)
+            return _Guess(layout, prefix, stream.tell(), name, at - 30,
+                          (rebuilt.storage_offset + math.prod(shape)) * itemsize)
+        at = window.find(name.encode(), at + 1)
+    return None
+
+
+def _confirmed(headers: _Slice, guess: _Guess) -> bool:
+    """Does the chunk's zip directory (its tail window, `with_tail`) say what `guess` assumed: one tensor pickle,
+    stored, first and of the length the pickle read; the data record stored where its local header was found,
+    holding the bytes the tensor needs; this machine's byte order?"""
+    records = _zip_records(headers.with_tail())
+    if not records:
+        return False
+    pickles = [r for r in records if r.endswith("/data.pkl")]
+    if pickles != [f"{guess.prefix}data.pkl"] or records[pickles[0]] != (zipfile.ZIP_STORED, guess.pickle_bytes, 0):
+        return False
+    method, size, local = records.get(guess.data_record, (None, 0, -1))
+    if method != zipfile.ZIP_STORED or local != guess.data_local or size < guess.data_bytes:
+        return False
+    order = records.get(f"{guess.prefix}byteorder")
     if order is not None:
-        got = _record_data(headers, order[2], order[1]) if order[0] == zipfile.ZIP_STORED else None
-        if got is None or got[1] is None or got[1].decode(errors="replace") != sys.byteorder:
-            return None
-    dtype, (_, data_size, data_local) = storage[1], records[data[0]]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if (rebuilt.storage_offset + math.prod(shape)) * itemsize > data_size:
-        return None
-    where = _record_data(headers, data_local, 0)
-    if where is None:
-        return None
-    return _ChunkLayout(tuple(shape), dtype, where[0] + rebuilt.storage_offset * itemsize)
+        where = _local_record(headers, order[2])
+        text = headers.peek(where[1], order[1]) if where is not None and order[0] == zipfile.ZIP_STORED else None
+        if text is None or text.decode(errors="replace") != sys.byteorder:
+            return False
+    return True
+
+
+def _fast_chunk_layout(headers: _Slice) -> Optional[_ChunkLayout]:
+    """`_chunk_layout` without torch.load and zipfile: `_head_layout`, `_confirmed` by the directory. None where
+    anything differs from what a plain torch.save of one contiguous tensor writes (`_chunk_layout` then decides)."""
+    guess = _head_layout(headers.with_head())
+    return guess.layout if guess is not None and _confirmed(headers, guess) else None
 
 
 def _read_region(chunk: _Slice, layout: _ChunkLayout, offsets: tuple[int, ...], lengths: tuple[int, ...],
@@ -336,6 +385,7 @@ def _read_region(chunk: _Slice, layout: _ChunkLayout, offsets: tuple[int, ...], 
 
 
 PREFETCH_STEP = 16 << 20  # bytes the read-ahead asks the kernel for at a time
+READ_THREADS = 2  # threads that read a file's regions into place
 
 
 class _ReadAhead:
@@ -440,28 +490,53 @@ class RangeReader(CachedMetadataFileSystemReader):
         return extents
 
     def _read_tensors(self, fd: int, reqs: list, planner) -> None:
-        """The file's chunks in file order (reads that only move forward, behind the read-ahead): each chunk's
-        headers, then the regions the load needs of it."""
-        layouts: dict[int, Optional[_ChunkLayout]] = {}  # by the chunk's offset in the file
-        for req in reqs:
-            md = self.storage_data[req.storage_index]
-            if not self.whole_chunks and md.offset not in layouts:
-                headers = _Slice(fd, md.offset, md.length).with_headers()
-                layouts[md.offset] = _fast_chunk_layout(headers) or _chunk_layout(headers)
+        """The file's chunks in file order, each front to back (behind the read-ahead): its first window, the
+        regions the load needs of it (where the window shows the layout, `_head_layout`), its last window (the zip's
+        directory, which must confirm the layout, else the chunk is read again through `_chunk_layout`'s path).
+        The regions are read by `READ_THREADS` threads (the copies out of the page cache release the GIL) while
+        this one parses the next chunk's headers."""
+        pending: list = []  # (the chunk's reads, its requests and targets)
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megatron-rl-read") as pool:
+            for _, group in itertools.groupby(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                group = list(group)
+                md = self.storage_data[group[0].storage_index]
+                headers = _Slice(fd, md.offset, md.length)
+                targets = [planner.resolve_tensor(req).detach() for req in group]
+                guess = None if self.whole_chunks else _head_layout(headers.with_head())
+                reads = []
+                if guess is not None:
+                    reads = [pool.submit(self._region, fd, md, guess.layout, req, target)
+                             for req, target in zip(group, targets)]
+                    if not _confirmed(headers, guess):  # read again below; the bytes read so far count too
+                        self.count.data += sum(f.result() for f in reads)
+                        guess, reads = None, []
+                if guess is None:
+                    layout = None if self.whole_chunks else _chunk_layout(headers.with_headers())
+                    for req, target in zip(group, targets):
+                        if layout is None:
+                            self._place(self._whole(_Slice(fd, md.offset, md.length), req), target, req)
+                        else:
+                            self.count.data += self._region(fd, md, layout, req, target)
                 self.count.header += headers.read_bytes
-            chunk = _Slice(fd, md.offset, md.length)
-            layout = layouts.get(md.offset)
-            target = planner.resolve_tensor(req).detach()
-            if layout is None:
-                tensor = self._whole(chunk, req)
-            else:
-                tensor, n = _read_region(chunk, layout, tuple(req.storage_offsets), tuple(req.lengths), into=target)
-                self.count.data += n
-            if target.size() != tensor.size():
-                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
-            if tensor.data_ptr() != target.data_ptr():  # not read into place
-                target.copy_(tensor)
-            planner.commit_tensor(req, target)
+                pending.append((reads, group, targets))
+            for reads, group, targets in pending:
+                self.count.data += sum(f.result() for f in reads)
+                for req, target in zip(group, targets):
+                    planner.commit_tensor(req, target)
+
+    def _region(self, fd: int, md, layout: _ChunkLayout, req, target: torch.Tensor) -> int:
+        """Read `req`'s region of the chunk at `md` into `target`; the bytes read."""
+        tensor, n = _read_region(_Slice(fd, md.offset, md.length), layout, tuple(req.storage_offsets),
+                                 tuple(req.lengths), into=target)
+        self._place(tensor, target, req)
+        return n
+
+    @staticmethod
+    def _place(tensor: torch.Tensor, target: torch.Tensor, req) -> None:
+        if target.size() != tensor.size():
+            raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+        if tensor.data_ptr() != target.data_ptr():  # not read into place
+            target.copy_(tensor)
 
     def _whole(self, chunk: _Slice, req) -> torch.Tensor:
         """torch's path: the chunk loaded whole, then narrowed to the region."""

@@ -49,8 +49,8 @@ def _still_running(holder: dict) -> list[int]:
     and start time so that a reused pid does not count (a zombie, ended but not reaped, does not either)."""
     if holder.get("host") != socket.gethostname():
         return []
-    return [entry["pid"] for entry in holder.get("processes") or []
-            if isinstance(entry, dict) and "started" in entry and Owner.recorded_alive(entry.get("pid"), entry["started"])]
+    return [entry["pid"] for entry in holder.get("processes") or [] if isinstance(entry, dict) and "started" in entry
+            and Owner.recorded_alive(entry.get("pid"), entry["started"])]
 
 
 def _describe(holder: dict) -> str:
