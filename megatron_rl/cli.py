@@ -52,8 +52,9 @@ def cmd_train(args) -> int:
     one path for both). This process prints the summary where it speaks for the job; every rank exits with the
     job's code: 0, 128 + a stop signal, 1 for a failure, 2 for a configuration that cannot run."""
     from megatron_rl.controller.summary import exit_code, stopped_line
-    from megatron_rl.controller.train import below_bar, report_config_error, train, world_from
+    from megatron_rl.controller.train import report_config_error, train, world_from
     from megatron_rl.launch import console
+    from megatron_rl.launch.console import below_bar
     from megatron_rl.launch.failures import JobFailed
     from megatron_rl.launch.runlock import RunDirLocked
     from megatron_rl.launch.world import LocalWorld

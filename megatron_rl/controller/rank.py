@@ -19,6 +19,7 @@ from typing import Optional
 
 from megatron_rl.config import JobConfig
 from megatron_rl.launch import signals
+from megatron_rl.launch.console import below_bar, job_log_lines
 from megatron_rl.parallel.liveness import Heartbeat
 
 # What every rank of a job imports (`rank_main`): the local launcher's fork server imports it once for all of them.
@@ -43,6 +44,11 @@ def freeze_startup_objects() -> None:
     by startup, or that become unreachable later) is never freed, a small amount of memory for the rank's life.
     """
     gc.freeze()
+
+
+def _own_line(line: str) -> None:
+    """A line of a rank without the progress bar, started on a line of its own (rank 0's bar may stand unfinished)."""
+    print(below_bar(line), file=sys.stderr, flush=True)
 
 
 def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: str,
@@ -74,12 +80,7 @@ def rank_main(rank: int, world_size: int, cfg: JobConfig, model_cfg, run_dir: st
         if bar is not None:
             bar.write(text, file=sys.stderr)
 
-    from megatron_rl.controller.train import below_bar
-    from megatron_rl.launch.console import job_log_lines
-
-    # Warnings of the package (a reward function or environment failing on part of a batch) in the job's form; rank
-    # 0's above its progress bar, the others' on a line of their own.
-    job_log_lines(echo if bar is not None else lambda line: print(below_bar(line), file=sys.stderr, flush=True))
+    job_log_lines(echo if bar is not None else _own_line)  # the package's warnings, in the job's form
 
     watches = (GapWatch(cfg.rollout.effective_staleness, echo), StuckWatch(model_cfg.vocab_size, echo))
 

@@ -51,6 +51,7 @@ from megatron_rl.controller.rank import RANK_MODULES, rank_main, rank_role
 from megatron_rl.controller.rundir import check_run_dir, prepare_run_dir, run_dir_of
 from megatron_rl.controller.summary import write_summary
 from megatron_rl.launch import lifeline, signals
+from megatron_rl.launch.console import below_bar
 from megatron_rl.launch.failures import (JobFailed, RankFailure, RanksFailed, cause_of, rank_failed, ranks_failed,
                                          write_failure_log)
 from megatron_rl.launch.runlock import RunLock
@@ -189,12 +190,6 @@ def report_config_error(world: World, line: str, wait_s: float = 60.0) -> int:
 
 def _say(text: str) -> None:
     print(f"megatron-rl: {text}", file=sys.stderr, flush=True)
-
-
-def below_bar(line: str) -> str:
-    """A line printed while rank 0's progress bar may stand unfinished on the console: it replaces the bar on a
-    terminal (the bar is drawn again below it) and starts a line of its own in a log."""
-    return ("\r\033[K" if sys.stderr.isatty() else "\n") + line
 
 
 # ---- the local world: this process starts the ranks on this machine ------------------------------------------------

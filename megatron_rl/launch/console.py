@@ -8,7 +8,8 @@ in a rank. `survive_hangup()` wraps this process's `sys.stdout` and `sys.stderr`
 fails that way points the stream's file descriptor at /dev/null, and from then on what is written, by Python or by
 the libraries' C code, is dropped instead of failing. Any other error is raised as before.
 
-`job_log_lines` shows the package's log records in the job's own form (`megatron-rl: ...`).
+`job_log_lines` shows the package's log records in the job's own form (`megatron-rl: ...`); `below_bar` starts a line
+where rank 0's progress bar may stand unfinished.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def survive_hangup() -> None:
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, _Survivor):
             setattr(sys, name, _Survivor(stream))
+
+
+def below_bar(line: str) -> str:
+    """A line printed while rank 0's progress bar may stand unfinished on the console: it replaces the bar on a
+    terminal (the bar is drawn again below it) and starts a line of its own in a log."""
+    return ("\r\033[K" if sys.stderr.isatty() else "\n") + line
 
 
 class _JobLines(logging.Handler):
