@@ -492,3 +492,22 @@ def test_a_reward_function_that_takes_the_record_gets_every_field_of_it(tmp_path
     with FunctionReward("reward_fns:says_mat", num_workers=1) as fn:
         assert fn.score([("p", "the mat", None, {}), ("p", "no", None)]) == [1.0, 0.0]
     assert takes_record(lambda p, r, ref, record: 0) and not takes_record(lambda p, r, ref: 0)
+
+
+def test_a_workers_log_holds_their_prints_and_stays_bounded(tmp_path):
+    """What a reward function prints goes to the pool's log, not the caller's console, and a log past its bound is
+    emptied before the next batch (a function printing on every call would fill the run's disk)."""
+    from megatron_rl.rewards.workers import WorkerPool
+
+    log = tmp_path / "workers.log"
+    with WorkerPool("reward_fns:always_raises", num_workers=1, timeout_s=5.0, log_path=str(log),
+                    log_max_bytes=5_000) as pool:
+        outcomes = pool.map([("p", "r", None)])
+        assert not outcomes[0].ok and outcomes[0].error == "ValueError: cannot score 'r'"
+        first = log.read_text()
+        assert "reward noise 199 on stdout\n" in first and "Traceback (most recent call last)" in first
+        assert log.stat().st_size > 5_000
+        pool.map([("p", "again", None)])
+    text = log.read_text()
+    assert text.startswith("---- ") and "emptied: over 5000 bytes" in text.splitlines()[0]
+    assert "cannot score 'again'" in text and "cannot score 'r'" not in text

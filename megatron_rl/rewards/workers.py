@@ -144,6 +144,24 @@ def _worker_main(spec: str, conn, log_path: Optional[str] = None, label: str = "
 
 
 MAX_FAILING_BATCHES = 3  # batches in a row with more than half of their calls failing stop the run
+LOG_MAX_BYTES = 256 << 20  # a workers' log past this is emptied before the next batch (`WorkerPool.log_max_bytes`)
+
+
+def bound_log(path: Optional[str], max_bytes: int) -> None:
+    """Keep a workers' log (appended to by every worker of every pool that shares it) under about `max_bytes` plus a
+    batch's output: past it, the file is emptied, and a line says so. Its writers append (O_APPEND), so they go on
+    at the new end. A function that prints on every call would otherwise fill the run's disk."""
+    if path is None:
+        return
+    try:
+        if os.path.getsize(path) <= max_bytes:
+            return
+        with open(path, "r+") as f:
+            f.truncate(0)
+            f.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} emptied: over {max_bytes} bytes of the workers' "
+                    f"output (the newest follows)\n")
+    except OSError:
+        return
 
 
 def failing_batches(errors: list[str], calls: int, streak: int, warn: Callable[[str], None]) -> int:
@@ -228,7 +246,8 @@ class WorkerPool:
     (`batch_timeout_s`, None for `default_batch_timeout(timeout_s)`).
 
     `log_path`: a file the workers' standard output and error are appended to (a job's `workers.log` in its run
-    directory), with the traceback of each call that raised; None leaves them where this process's go.
+    directory), with the traceback of each call that raised; None leaves them where this process's go. Before each
+    batch it is emptied once past `log_max_bytes` (`bound_log`).
 
     Not thread-safe: one controller thread drives it. A pool is cheap to keep and costly to start (each worker
     imports the function's module), so keep one per run and `close()` it at the end (or use `with`).
@@ -236,7 +255,7 @@ class WorkerPool:
 
     def __init__(self, spec: str, num_workers: int = 1, timeout_s: float = 5.0, start_method: Optional[str] = None,
                  startup_timeout_s: float = 120.0, batch_timeout_s: Optional[float] = None,
-                 label: Optional[str] = None, log_path: Optional[str] = None):
+                 label: Optional[str] = None, log_path: Optional[str] = None, log_max_bytes: int = LOG_MAX_BYTES):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
         if not timeout_s > 0:
@@ -249,6 +268,7 @@ class WorkerPool:
         self.label = label or f"reward function {spec!r}"
         # Where the workers' standard output and error go (appended; None: where this process's go).
         self.log_path = None if log_path is None else str(log_path)
+        self.log_max_bytes = log_max_bytes
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.batch_timeout_s = float(batch_timeout_s if batch_timeout_s is not None
@@ -347,6 +367,7 @@ class WorkerPool:
             raise RuntimeError("WorkerPool is closed")
         if prefer is not None and len(prefer) != len(calls):
             raise ValueError(f"prefer has {len(prefer)} entries for {len(calls)} calls")
+        bound_log(self.log_path, self.log_max_bytes)
         results: list[Optional[Outcome]] = [None] * len(calls)
         pending = _Queue(prefer if prefer is not None else [None] * len(calls), self.num_workers)
         batch_deadline = time.monotonic() + self.batch_timeout_s
