@@ -72,7 +72,8 @@ def test_a_region_read_as_byte_ranges_equals_torchs_whole_read(tmp_path, dtype):
     path reads at the offset), a 0-d tensor, a transposed view (not contiguous: torch's whole read)."""
     import os
 
-    from megatron_rl.checkpointing.loader import _chunk_layout, _fast_chunk_layout, _read_region, _Slice
+    from megatron_rl.checkpointing.chunk_reads import Slice as _Slice, chunk_layout as _chunk_layout
+    from megatron_rl.checkpointing.chunk_reads import fast_chunk_layout as _fast_chunk_layout, read_region as _read_region
 
     rng = random.Random(2)
     big = (torch.randn(40, 33, 7) * 100).to(dtype)  # larger than the two header windows, even as bool
@@ -138,7 +139,8 @@ def test_a_tensor_pickle_names_nothing_but_a_tensor_or_the_fast_path_declines(tm
     import pickle
     import zipfile
 
-    from megatron_rl.checkpointing.loader import _chunk_layout, _fast_chunk_layout, _Slice
+    from megatron_rl.checkpointing.chunk_reads import Slice as _Slice, chunk_layout as _chunk_layout
+    from megatron_rl.checkpointing.chunk_reads import fast_chunk_layout as _fast_chunk_layout
 
     class Evil:
         def __reduce__(self):

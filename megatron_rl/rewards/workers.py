@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_rl.rewards.worker_log import LOG_MAX_BYTES, bound_log, write_to_log
+
 log = logging.getLogger(__name__)
 
 
@@ -86,25 +88,6 @@ def resolve_function(spec: str) -> Callable:
     return obj
 
 
-def write_to_log(path: str, label: str) -> None:
-    """Point this process's standard output and error (file descriptors 1 and 2, so the C libraries' writes too) at
-    `path`, appended, one line at a time, after a line naming the process: a worker's prints, warnings and
-    tracebacks go to the run's log, not the job's console."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    for stream, target in ((sys.stdout, 1), (sys.stderr, 2)):
-        if stream is not None:
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os.dup2(fd, target)
-    os.close(fd)
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None and hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True, write_through=False)  # a line in one write: workers share it
-    print(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} worker {os.getpid()} of {label} started", flush=True)
-
-
 def _worker_main(spec: str, conn, log_path: Optional[str] = None, label: str = "") -> None:
     """Worker loop: import once, then answer (call_id, args) messages until None or the pipe closes. With
     `log_path`, what the worker writes goes there (`write_to_log`), and so does the traceback of every call that
@@ -144,24 +127,6 @@ def _worker_main(spec: str, conn, log_path: Optional[str] = None, label: str = "
 
 
 MAX_FAILING_BATCHES = 3  # batches in a row with more than half of their calls failing stop the run
-LOG_MAX_BYTES = 256 << 20  # a workers' log past this is emptied before the next batch (`WorkerPool.log_max_bytes`)
-
-
-def bound_log(path: Optional[str], max_bytes: int) -> None:
-    """Keep a workers' log (appended to by every worker of every pool that shares it) under about `max_bytes` plus a
-    batch's output: past it, the file is emptied, and a line says so. Its writers append (O_APPEND), so they go on
-    at the new end. A function that prints on every call would otherwise fill the run's disk."""
-    if path is None:
-        return
-    try:
-        if os.path.getsize(path) <= max_bytes:
-            return
-        with open(path, "r+") as f:
-            f.truncate(0)
-            f.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} emptied: over {max_bytes} bytes of the workers' "
-                    f"output (the newest follows)\n")
-    except OSError:
-        return
 
 
 def failing_batches(errors: list[str], calls: int, streak: int, warn: Callable[[str], None]) -> int:
