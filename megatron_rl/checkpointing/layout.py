@@ -420,16 +420,11 @@ def verify_weights(ckpt: Path, meta: CheckpointMeta, part: slice = slice(None)) 
     of w checks `slice(r, None, w)`) against the manifest and the checksums in `meta` (a converted or a training
     checkpoint; one written without them has nothing to check): CheckpointError in one line naming the first file
     that is missing, truncated or changed (`mismatch_line`)."""
-    ckpt = Path(ckpt)
     read = (MODEL_DIR + "/", TOKENIZER_DIR + "/")
-    sizes = meta.files
-    files = sorted(rel for rel in {*sizes, *meta.checksums} if rel.startswith(read))[part]
-    problems = manifest_problems(ckpt, {rel: sizes[rel] for rel in files if rel in sizes})
-    if problems:
-        raise CheckpointError(f"{ckpt}: corrupt checkpoint ({problems[0]})")
-    mismatches = checksum_mismatches(ckpt, meta, files)
-    if mismatches:
-        raise CheckpointError(mismatch_line(ckpt, mismatches))
+    files = sorted(rel for rel in {*meta.files, *meta.checksums} if rel.startswith(read))[part]
+    problem = files_problem(Path(ckpt), meta, files, checksums=True)
+    if problem:
+        raise CheckpointError(problem)
 
 
 def verify(path: Path, checksums: bool = False) -> CheckpointMeta:

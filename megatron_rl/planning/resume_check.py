@@ -611,9 +611,8 @@ def check_resume(path: Path, target: TrainerSpec, group=None) -> Optional[str]:
     failures, notes = [], []
     try:
         index = read_index(path)
-        problem = files_problem(index.where, index.meta, index.read_files()) if rank == 0 else None
-        if problem:
-            raise ResumeCheckError(f"{problem}, and the load reads it")
+        if rank == 0:
+            check_files(index, checksums=False)
         specs = [target] if index.layout in (None, target.layout) else \
             [dataclasses.replace(target, layout=index.layout), target]
         specs = [loading(s, index) for s in specs]
@@ -744,12 +743,12 @@ def format_text(r: dict) -> str:
     return "\n".join(lines)
 
 
-def check_files(index: Index, checksums: bool, progress: Progress) -> dict:
+def check_files(index: Index, checksums: bool, progress: Optional[Progress] = None) -> dict:
     """The files a load of `index`'s checkpoint opens (`Index.read_files`) are there with the sizes its manifest
     recorded (a stat each) and, with `checksums`, hold what was written (each read once, several at a time):
     ResumeCheckError naming the first that is not. Their count and bytes, for the report."""
     files = index.read_files()
-    if checksums:
+    if checksums and progress is not None:
         progress.begin(f"the checksums of the {len(files)} files the load reads", 1)
     problem = files_problem(index.where, index.meta, files, checksums=checksums)
     if problem:
