@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+from megatron_rl.inference.engine import Engine
 from megatron_rl.inference.episodes import EndedTurn, Turns
 from gen_workers import _setup
 
@@ -46,16 +47,18 @@ def episodes_worker(rank, world_size, cfg, full, tp, requests, max_batch, max_tu
     gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=max_batch, max_len=128, lookahead=lookahead,
                     kv_cache_tokens=kv_cache_tokens)
     filled = []
+    prefill = Engine.prefill
     if count_prefill:  # the positions each prefill fills, per admitted sequence: [cached, last token)
-        prefill = gen._prefill
-
-        def counting(admitted, cache, device):
+        def counting(engine, admitted):
             filled.append([(s.req, s.cached, len(s.history) - 1) for s in admitted])
-            return prefill(admitted, cache, device)
+            return prefill(engine, admitted)
 
-        gen._prefill = counting
+        Engine.prefill = counting
     turns = ScriptedTurns(max_turns, max_tokens)
-    outs = gen.generate(requests, turns=turns)
+    try:
+        outs = gen.generate(requests, turns=turns)
+    finally:
+        Engine.prefill = prefill
     return [(o.token_ids, o.logprobs, o.policy_mask, o.finish_reason, o.turns) for o in outs], filled
 
 

@@ -145,7 +145,7 @@ def test_a_route_log_keeps_what_concatenating_the_chunks_keeps():
     """A sequence's routes on the host (`RouteLog`): prefill chunks, one position per decode step, truncations (a
     preempted sequence recorded again from where its cache ends), as one buffer; each state equals the chunks
     concatenated and cut, and a reused step buffer appended is copied, not aliased."""
-    from megatron_rl.inference.generator import RouteLog
+    from megatron_rl.inference.routes import RouteLog
 
     g = torch.Generator().manual_seed(0)
     log, want = RouteLog(), torch.zeros(0, 3, 2, dtype=torch.uint8)

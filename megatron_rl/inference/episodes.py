@@ -55,3 +55,26 @@ class Turns(ABC):
         """The observations of the turns of the last `start`, in its order: each one's token ids to append, or None
         when its episode is over (the environment said done, or failed). Every rank of the replica gets the same
         answer (a collective where the replica has several ranks)."""
+
+
+class EpisodeLoop:
+    """Episodes as a client of the one-stage engine (`inference/engine.py`), keeping `Turns`' timing contract: after
+    each engine step, the observations of the turns handed to `start` at the last step are taken (`finish`: this
+    step's decode has been launched meanwhile) and applied, each episode resumed in its slot at the next step or
+    released, and then the turns that ended at this step are started."""
+
+    def __init__(self, turns: Turns, max_len: int):
+        self.turns, self.max_len = turns, max_len
+        self.answering: list = []  # the sequences of the outstanding `start`, in its order
+
+    def after_step(self, engine, ended: list) -> None:
+        """Between two engine steps: `ended` are the sequences whose turns ended at the step just run."""
+        if self.answering:
+            for seq, obs in zip(self.answering, self.turns.finish()):
+                if seq.observe(obs, self.turns.max_turns, self.max_len):
+                    engine.resume(seq)
+                else:
+                    engine.release(seq)
+        self.answering = [s for s in ended if s.episode]
+        if self.answering:
+            self.turns.start([s.ended_turn() for s in self.answering])

@@ -38,7 +38,6 @@ outstanding.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -49,47 +48,7 @@ from megatron_rl.compat import cuda_rules
 from megatron_rl.inference.episodes import Turns
 from megatron_rl.inference.kv_forward import IncrementalForward, KVCache
 from megatron_rl.inference.sampling import sample
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """What newly admitted sequences write into their cache slots before their first decode there: each one's
-    history from position `cached` up to its last token, exclusive (that one is the decode's input), in one
-    right-padded chunk. For a new sequence, its prompt but the last token; for an episode resuming its turn, its last
-    reply token (sampled, never fed) and the observation but its last token. The one-stage generator and every
-    pipeline stage build their prefills with this one rule."""
-
-    tokens: torch.Tensor  # [n, width]
-    positions: torch.Tensor  # [n, width]: row j from its sequence's `cached` on (padding clamped to the cache)
-    slots: torch.Tensor  # [n]
-    kv_len: int  # the cache prefix the chunk's attention reads
-
-    @property
-    def width(self) -> int:
-        return self.tokens.shape[1]
-
-    @classmethod
-    def of(cls, admitted: list, max_len: int) -> Optional["Prefill"]:
-        """The prefill of `admitted` (the generator's sequences) into a cache of `max_len` positions, on the host;
-        None when none has anything to prefill (a one-token prompt)."""
-        rows = [q for q in admitted if len(q.prompt) + len(q.tokens) - 1 > q.cached]
-        if not rows:
-            return None
-        width = max(len(q.prompt) + len(q.tokens) - 1 - q.cached for q in rows)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        for j, q in enumerate(rows):
-            chunk = q.history[q.cached:-1]
-            tokens[j, : len(chunk)] = torch.tensor(chunk)
-        # Padding sits at positions past its own row's tokens: decoding overwrites those cache entries before any
-        # query attends to them (clamped to the cache: an episode resuming near its end pads at its last position).
-        start = torch.tensor([q.cached for q in rows])
-        positions = (start[:, None] + torch.arange(width)[None, :]).clamp_(max=max_len - 1)
-        return cls(tokens, positions, torch.tensor([q.slot for q in rows]), min(int(start.max()) + width, max_len))
-
-    def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "Prefill":
-        """The same prefill with its tensors moved by `move` (to the device)."""
-        return dataclasses.replace(self, tokens=move(self.tokens), positions=move(self.positions),
-                                   slots=move(self.slots))
+from megatron_rl.inference.sequence import Prefill, StopRule
 
 
 @dataclass(frozen=True)
@@ -133,11 +92,9 @@ class PipelinedDecode:
     """The decode loop of a pipeline stage; every rank of the replica runs `run` with the same sequences."""
 
     def __init__(self, forward: IncrementalForward, pp_group, full_logits: Callable[[torch.Tensor], torch.Tensor],
-                 append: Callable, observe: Callable):
+                 stops: StopRule):
         self.forward, self.pp_group, self.full_logits = forward, pp_group, full_logits  # full_logits: the TP gather
-        # The generator's bookkeeping: a sampled token appended to a sequence (True: its turn or itself ended), and
-        # observations applied to the episodes whose turns ended (returns those that resume).
-        self.append, self.observe = append, observe
+        self.stops = stops  # what ends a sequence or a turn: the one-stage engine's rule (`inference/sequence.py`)
         self.stage, self.stages = pp_group.rank(), pp_group.size()
         self.last = forward.model.post_process
         self.hidden_size = forward.model.config.hidden_size
@@ -224,7 +181,11 @@ class PipelinedDecode:
         then start these. Returns the start now outstanding."""
         if asked is not None and (ended or asked[0] == m):
             lane, episodes = lanes[asked[0]], asked[1]
-            lane.resumed += self.observe(episodes, turns.finish(), turns, lane.free)
+            for seq, obs in zip(episodes, turns.finish()):
+                if seq.observe(obs, turns.max_turns, self.stops.max_len):
+                    lane.resumed.append(seq)
+                else:
+                    lane.free.append(seq.slot)
             for seq in episodes:
                 if seq.finish is not None:  # over: its slot is free again
                     del lane.held[seq.slot]
@@ -304,7 +265,7 @@ class PipelinedDecode:
         are returned (their turn has ended)."""
         ended = []
         for slot, seq in lane.work.seqs.items():
-            if self.append(seq, tokens[slot], logprobs[slot]):
+            if seq.append(tokens[slot], logprobs[slot], self.stops):
                 del lane.running[slot]
                 if episodes:
                     lane.held[slot] = seq
