@@ -183,3 +183,106 @@ def pipeline_worker(rank, world_size, cfg, full, tp, pp, batches):
         gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=max_batch, max_len=64, pp_group=g.pgs.pp)
         out.append([(o.token_ids, o.logprobs, o.finish_reason) for o in gen.generate(requests)])
     return (g.tp_rank, g.pp_rank), out
+
+
+def live_worker(rank, world_size, cfg, full, tp, kv_cache_tokens=None, cuda_rules_on=False, recompute=True):
+    """The live engine (`inference/live.py`) over two batches: batch A run, then new weights switched in while batch
+    B's sequences (queued beside A) are mid-flight, then B run; again with the state snapshotted after A and restored
+    into a fresh generator. Returns the outputs, each output's log-probs re-scored teacher-forced under the weights of
+    each version (0: `full`, 1: `live_weights(full)`), and an abort's effect on the slots and blocks. The switch
+    recomputes the running sequences' caches, or with `recompute=False` keeps them: each output's log-probs are then
+    also scored by `kept_cache_logprobs`. (The restore's own first switch always recomputes: its caches are empty.) With
+    `cuda_rules_on`, under CUDA's rules (`compat/cuda_rules.py`): pinned non-blocking copies, the decode step captured,
+    each step launched before the last is read (lookahead), which a switch and the end of a run read first."""
+    import os
+
+    from megatron_rl.compat import cuda_rules
+    from megatron_rl.inference.live import LiveGeneration
+
+    if cuda_rules_on:
+        os.environ[cuda_rules.ENV] = "1"
+        cuda_rules.install_nccl_rules()
+
+    spread = lambda i, new: GenerationRequest(list(range(3 + i, 8 + i)), SamplingParams(  # noqa: E731
+        temperature=1.0, top_p=0.95, max_new_tokens=new, seed=i))
+    batch_a = [spread(i, 4 + 8 * (i % 3)) for i in range(5)]
+    batch_b = [spread(10 + i, 20 + 4 * i) for i in range(4)]
+
+    def play(restore_after_a: bool):
+        g, model = _setup(cfg, full, tp)
+        gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=64, kv_cache_tokens=kv_cache_tokens)
+        live = LiveGeneration(gen, 64, filtering=True, noise=True, version=0)
+        a, b = live.add(batch_a), live.add(batch_b)
+        out_a = live.run(a)
+        occupancy = gen.stats["occupancy"]
+        if restore_after_a:
+            state = live.snapshot({"b": b})
+            g, model = _setup(cfg, full, tp)
+            gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=64,
+                            kv_cache_tokens=kv_cache_tokens)
+            live = LiveGeneration(gen, 64, filtering=True, noise=True, version=0)
+            b = live.restore(state)["b"]
+        load_full_state_dict(model, live_weights(full), cfg, g.pgs)
+        live.switch(1, recompute or restore_after_a)
+        return out_a + live.run(b), occupancy, (g, model)
+
+    outs, occupancy, (g, model) = play(False)
+    restored, _, _ = play(True)
+    scored = {}
+    for version, weights in ((0, full), (1, live_weights(full))):
+        load_full_state_dict(model, weights, cfg, g.pgs)
+        scored[version] = []
+        for o in outs:
+            seq = torch.tensor([o.prompt_ids + o.token_ids])
+            with torch.no_grad():
+                lp = target_logprobs(model_forward(model, seq, False), seq, g.pgs.tp, cfg.vocab_size, 1.0)
+            scored[version].append(lp[0, len(o.prompt_ids):].tolist())
+    kept = [kept_cache_logprobs(model, cfg, g, full, o) for o in outs] if not recompute else None
+    # An abort: a running sequence's slot and blocks are free at once.
+    gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=64, kv_cache_tokens=kv_cache_tokens)
+    live = LiveGeneration(gen, 64, filtering=True, noise=True, version=0)
+    handles = live.add(batch_b)
+    with gen.decoding(live.cache):
+        live.engine.step()
+        victim = live.engine.running[0]
+        blocks = len(live.engine.pool.held[0]) if live.engine.pool is not None else 0
+        free_before = (len(live.engine.free), len(live.engine.pool.free) if live.engine.pool is not None else 0)
+        live.engine.abort(victim)
+        free_after = (len(live.engine.free), len(live.engine.pool.free) if live.engine.pool is not None else 0)
+    rest = live.run([h for h in handles if h is not victim])
+    as_tuples = lambda xs: [(o.token_ids, o.logprobs, o.versions, o.finish_reason) for o in xs]  # noqa: E731
+    return {"outs": as_tuples(outs), "restored": as_tuples(restored), "scored": scored, "occupancy": occupancy,
+            "lookahead": gen.lookahead, "kept": kept,
+            "abort": (victim.finish, blocks, free_before, free_after), "rest": [o.finish_reason for o in rest]}
+
+
+def live_weights(full: dict) -> dict:
+    """Version 1 of the live-engine test: every matrix scaled by 0.8 (a different policy, as confident)."""
+    return {k: v * 0.8 if v.dim() == 2 else v for k, v in full.items()}
+
+
+def kept_cache_logprobs(model, cfg, g, full, out) -> list[float]:
+    """The log-probs (temperature 1) of `out`'s tokens as a kept cache makes them: every position fed before the
+    switch cached by version 0's weights, and the rest fed under version 1's, attending to that cache; one chunk
+    each, on a cache of its own (`IncrementalForward`)."""
+    from megatron_rl.inference.kv_forward import IncrementalForward
+
+    history = out.prompt_ids + out.token_ids
+    # Positions fed under version 0: none for a sequence admitted after the switch (a prefill and the first decode
+    # run in one step), else the prompt and the version-0 tokens but the last.
+    sampled_before = sum(v == 0 for v in out.versions)
+    before = len(out.prompt_ids) + sampled_before - 1 if sampled_before else 0
+    fwd = IncrementalForward(model, g.pgs.tp, False)
+    cache = fwd.allocate_cache(1, 64)
+    fwd.prepare(64)
+    chunks = []
+    with torch.no_grad():
+        for weights, lo, hi in ((full, 0, before), (live_weights(full), before, len(history) - 1)):
+            load_full_state_dict(model, weights, cfg, g.pgs)
+            if hi > lo:
+                logits = fwd(torch.tensor([history[lo:hi]]), torch.arange(lo, hi)[None], torch.tensor([0]), cache,
+                             kv_len=hi)
+                chunks.append(torch.log_softmax(logits[0, :, : cfg.vocab_size].float(), -1))
+    lp = torch.cat(chunks)  # row j predicts history[j + 1]
+    targets = torch.tensor(history[1:])
+    return lp.gather(1, targets[:, None])[:, 0][len(out.prompt_ids) - 1:].tolist()

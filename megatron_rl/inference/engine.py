@@ -18,13 +18,34 @@ step:
 
 A client answers episodes between steps (`inference/episodes.py: EpisodeLoop`): `resume` an episode whose
 observation it appended, `release` one that is over. `abort` ends a sequence wherever it is and frees what it
-holds. With a paged cache the host decides between steps which sequence holds which block, so nothing runs ahead
-(no lookahead). A pipelined generator (pp > 1) has its own loop of lanes (`inference/pipeline.py`) over the same
+holds.
+
+With a paged cache the host decides between steps which sequence holds which block, so nothing runs ahead (no
+lookahead). A pipelined generator (pp > 1) has its own loop of lanes (`inference/pipeline.py`) over the same
 `Sequence` and its rules.
+
+Weights that change under running sequences (`rollout.in_flight`): with `version` set, every sampled token records
+the weight version that sampled it (`Sequence.versions`). `switch(version, recompute)` lands new weights between two
+steps; every sequence holding a slot keeps its slot, blocks and sampling stream, and either
+
+- keeps its cache (the default, as PipelineRL and the others do): the positions fed before the switch hold keys and
+  values the old weights wrote, and the tokens after it are sampled by the new weights attending to them. Each
+  token's behaviour log-prob is that of the distribution it was drawn from, which the trainer's correction needs;
+  a token after the switch is tagged with the new version, but its log-prob is the new weights' over a prefix
+  cached by the old ones, which a trainer forward under either version does not reproduce exactly; or
+- has its cache recomputed under the new weights (`recompute`: one prefill of each one's history), so from the
+  switch on it decodes as a sequence prefilled under them: every token's log-prob is exactly its version's.
+
+`snapshot` / `restore` carry the engine's sequences and decisions over a checkpoint as plain containers, not the
+caches (a 405B replica's would be hundreds of GB): a restored engine's caches are filled by the next `switch`, which
+must recompute; the job recomputes at the push right after every checkpoint (`Job.push_weights`), so the resumed
+run's first push does exactly what the uninterrupted run's did there.
 """
 
 from __future__ import annotations
 
+
+from typing import Optional
 
 import torch
 
@@ -58,6 +79,9 @@ class Engine:
         self._host = [(torch.empty(cache.slots, dtype=torch.long, pin_memory=self._pin),
                        torch.empty(cache.slots, dtype=torch.float32, pin_memory=self._pin)) for _ in range(2)]
         self._in_flight = None  # a launched step not read yet (lookahead): `_launch`'s tuple
+        self.version: Optional[int] = None  # the weights' version, recorded with every sampled token when set
+        self.switched_tokens = 0  # cache positions recomputed at switches (`switch(recompute=True)`)
+        self._cold = False  # restored: the caches are empty until the next `switch`
 
     @property
     def busy(self) -> bool:
@@ -70,6 +94,8 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """One engine step (module docstring); returns the sequences that ended in the step read here."""
+        if self._cold:
+            raise RuntimeError("a restored engine steps before a switch() recomputed its caches")
         admitted, self.resumed = self.resumed, []
         for seq in admitted:
             del self.held[seq.slot]
@@ -120,9 +146,80 @@ class Engine:
             self.release(seq)
         seq.finish = "abort"
 
+    def drain(self) -> list[Sequence]:
+        """Read the step launched ahead (lookahead), if any: the sequences it ended. Afterwards every running
+        sequence's tokens are on the host."""
+        done, self._in_flight = self._in_flight, None
+        return self._take(done) if done is not None else []
+
+    def switch(self, version: int, recompute: bool = False) -> list[Sequence]:
+        """New weights are in the model (module docstring): the step launched ahead is read first; with `recompute`,
+        the cache of every sequence in a slot is then recomputed under them, in slot order. Returns the sequences
+        the read ended."""
+        ended = self.drain()
+        if self._cold and not recompute:
+            raise RuntimeError("a restored engine's caches are empty: its first switch() must recompute them")
+        self.version, self._cold = version, False
+        if not recompute:
+            return ended
+        seqs = [q for _, q in sorted({**self.running, **self.held}.items())]
+        for q in seqs:
+            q.cached = 0
+        chunk = Prefill.of(seqs, self.cache.max_len)
+        if chunk is not None:
+            c = chunk.to(lambda t: to_device(t, self.device, self.cuda_rules_on))
+            # Routes are not recorded again: each position keeps the experts of the forward that sampled after it.
+            self.forward(c.tokens, c.positions, c.slots, self.cache, kv_len=c.kv_len, logits=False)
+            self.switched_tokens += sum(q.length - 1 for q in seqs)
+        self.decode.admit([q for q in seqs if self.running.get(q.slot) is q])
+        return ended
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence the engine holds (waiting, in a slot, or about to resume)."""
+        return [*self.waiting, *self.running.values(), *self.held.values()]
+
+    def snapshot(self, index: dict) -> dict:
+        """The engine's scheduling state as plain containers, after `drain`, each sequence named by its number in
+        `index` (id(sequence) -> int; the caller stores the sequences themselves, `Sequence.state`): what `restore`
+        needs to go on exactly where this engine is."""
+        assert self._in_flight is None, "drain() before snapshot()"
+        pool = None
+        if self.pool is not None:
+            pool = {"free": list(self.pool.free), "held": {int(k): list(v) for k, v in self.pool.held.items()},
+                    "peak": self.pool.peak}
+        return {"waiting": [index[id(q)] for q in self.waiting],
+                "running": [[slot, index[id(q)]] for slot, q in self.running.items()],
+                "held": [[slot, index[id(q)]] for slot, q in self.held.items()],
+                "resumed": [index[id(q)] for q in self.resumed], "free": list(self.free), "pool": pool,
+                "version": self.version, "steps": self.steps, "batched": self.batched, "preempted": self.preempted}
+
+    def restore(self, state: dict, seqs: list[Sequence]) -> None:
+        """Go on from a `snapshot` (of an engine over a cache of the same shape), its sequences numbered as in
+        `seqs`, with every cache empty until the next `switch` recomputes it."""
+        if self.busy:
+            raise RuntimeError("restore() into an engine that holds sequences")
+        slots = len(state["free"]) + len(state["running"]) + len(state["held"])
+        if slots != self.cache.slots or (self.pool is None) != (state["pool"] is None):
+            raise ValueError("the saved generator state is of another cache (generator.max_batch_size or "
+                             "generator.kv_cache_tokens changed): resume with the settings it was saved with")
+        self.waiting = [seqs[i] for i in state["waiting"]]
+        self.running = {int(slot): seqs[i] for slot, i in state["running"]}
+        self.held = {int(slot): seqs[i] for slot, i in state["held"]}
+        self.resumed = [seqs[i] for i in state["resumed"]]
+        self.free = list(state["free"])
+        self.version, self.steps = state["version"], state["steps"]
+        self.batched, self.preempted = state["batched"], state["preempted"]
+        if self.pool is not None:
+            self.pool.restore(state["pool"])
+        for q in (*self.running.values(), *self.held.values()):
+            q.cached = 0
+        self._cold = True
+
     def stats(self) -> dict:
-        """The decode batch size over this engine's steps; with a paged cache, its blocks' use and preemptions."""
-        out = {"mean_batch": self.batched / max(self.steps, 1)}
+        """The decode batch size over this engine's steps and the fraction of slot-steps it occupied; with a paged
+        cache, its blocks' use and preemptions."""
+        out = {"mean_batch": self.batched / max(self.steps, 1),
+               "occupancy": self.batched / max(self.steps * self.cache.slots, 1)}  # occupied slot-steps
         if self.pool is not None:
             out.update(kv_blocks_peak=self.pool.peak, kv_blocks=self.cache.blocks, preempted=self.preempted)
         return out
@@ -142,7 +239,7 @@ class Engine:
 
     def _launch(self):
         """Launch one decode step for the running slots and start copying its results to the host: (tokens,
-        log-probs, ready event or None, {slot: sequence} at launch, routes or None)."""
+        log-probs, ready event or None, {slot: sequence} at launch, routes or None, the weights' version)."""
         self.batched += len(self.running)
         tokens, logprobs, routes = self.decode(sorted(self.running))
         parity = self.steps % 2
@@ -155,12 +252,12 @@ class Engine:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return toks_h, lps_h, ready, dict(self.running), routes_h
+        return toks_h, lps_h, ready, dict(self.running), routes_h, self.version
 
     def _take(self, done) -> list[Sequence]:
         """Append a finished step's tokens to its sequences; a sequence that stops frees its slot (and its cache
         blocks), or, an episode, holds it. Returns the sequences that ended."""
-        toks_h, lps_h, ready, slots, routes_h = done
+        toks_h, lps_h, ready, slots, routes_h, version = done
         if ready is not None:
             ready.synchronize()
         tokens, logprobs = toks_h.tolist(), lps_h.tolist()
@@ -170,7 +267,7 @@ class Engine:
                 continue
             if routes_h is not None:  # the routes of the token this step fed (its last, at len(history) - 1)
                 s.routes.append(routes_h[slot][None])
-            if s.append(tokens[slot], logprobs[slot], self.stops):
+            if s.append(tokens[slot], logprobs[slot], self.stops, version):
                 del self.running[slot]
                 if s.episode:
                     self.held[slot] = s

@@ -25,6 +25,7 @@ chose for each token it fed, and each output carries them as `routes` (`inferenc
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Optional
 
@@ -97,6 +98,7 @@ class Generator:
         self._steps: dict = {}
         self._paging_stats: dict = {}  # the last batch's decode batch size, and its paged cache's use
         self.routes = RouteRecorder(model, self._check_routes(record_routes))
+        self.live = None  # the engine kept across calls, once `inference/live.py` opened one
 
     def _check_routes(self, record: bool) -> bool:
         """Whether to record routes (module docstring): only a one-stage generator of a mixture-of-experts model."""
@@ -137,60 +139,84 @@ class Generator:
     def generate(self, requests: list[GenerationRequest], turns: Optional[Turns] = None) -> list[SampledResponse]:
         """Outputs in request order, n per request; a bad request gets finish_reason "error", the rest run. With
         `turns`, each sequence is an episode (`inference/episodes.py`)."""
+        if self.live is not None and self.live.engine.busy:
+            raise RuntimeError("generate() while the live engine holds sequences in the cache (inference/live.py)")
         t0 = time.perf_counter()
         self._paging_stats = {}
-        self.model.eval()
-        device = next(self.model.parameters()).device
-        outputs: list[Optional[SampledResponse]] = []
-        pending: list[Sequence] = []
+        outputs = self.sequences(requests, turns)
+        pending = [s for s in outputs if isinstance(s, Sequence)]
+        if pending:
+            longest = max(len(s.prompt) + (s.params.max_new_tokens if turns is None else turns.max_tokens)
+                          for s in pending)
+            cache = self._cache_for(min(self.max_batch_size, len(pending)), self.cache_length(longest))
+            with self.decoding(cache):
+                self._run(pending, cache, turns)
+        outputs = [self.response(s) if isinstance(s, Sequence) else s for s in outputs]
+        n_tokens = sum(len(s.tokens) if turns is None else s.sampled for s in pending)
+        self.stats = self.run_stats(n_tokens, time.perf_counter() - t0, self._paging_stats)
+        return outputs
+
+    def sequences(self, requests: list[GenerationRequest], turns: Optional[Turns] = None) -> list:
+        """Each request's n samples, in order: a `Sequence` to run, or a bad request's "error" response."""
+        out: list = []
         for r in requests:
             err = self._validate(r)
             base = r.params.seed if r.params.seed is not None else int(torch.randint(0, 2**31, (1,)))
             for k in range(max(r.params.n, 1)):
                 if err is not None:
-                    outputs.append(SampledResponse(r.request_id, k, list(r.prompt_ids), [], [], "error",
-                                                    error=err))
+                    out.append(SampledResponse(r.request_id, k, list(r.prompt_ids), [], [], "error", error=err))
                     continue
-                outputs.append(None)
-                pending.append(Sequence(len(outputs) - 1, k, list(r.prompt_ids), r.params, stream_seed(base, k),
-                                        r.request_id, episode=turns is not None,
-                                        budget=turns.max_tokens if turns is not None else None))
-        if pending:
-            from megatron_rl.compat import suspended
+                out.append(Sequence(len(out), k, list(r.prompt_ids), r.params, stream_seed(base, k), r.request_id,
+                                    episode=turns is not None, budget=turns.max_tokens if turns is not None else None))
+        return out
 
-            longest = max(len(s.prompt) + (s.params.max_new_tokens if turns is None else turns.max_tokens)
-                          for s in pending)
-            # Round the cache length up so that consecutive batches reuse the cache and its captured graphs.
-            max_len = min(-(-longest // 128) * 128, self.max_len)
-            cache = self._cache_for(min(self.max_batch_size, len(pending)), max_len)
-            self.forward.prepare(cache.max_len)  # Megatron-Core's RoPE table names the CUDA device: build it here
-            record_routes(self.model, self.routes.on)
-            try:
-                with suspended():  # the decode loop allocates only on the model's device
-                    self._run(pending, cache, device, turns)
-            finally:
-                record_routes(self.model, False)
-        for s in pending:
-            text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
-            outputs[s.req] = SampledResponse(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish,
-                                              text=text, policy_mask=s.policy if turns is not None else None,
-                                              turns=max(s.turns, 1), routes=self.routes.output(s))
-        n_tokens = sum(len(s.tokens) if turns is None else s.sampled for s in pending)
-        elapsed = time.perf_counter() - t0
-        self.stats = {"generated_tokens": n_tokens, "time_s": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9),
-                      "cuda_graph": any(step.graph is not None for step in self._steps.values()),
-                      **self._paging_stats}
-        return outputs  # type: ignore[return-value]
+    def response(self, s: Sequence) -> SampledResponse:
+        """A finished sequence's output."""
+        text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
+        return SampledResponse(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish, text=text,
+                               policy_mask=s.policy if s.episode else None, turns=max(s.turns, 1),
+                               versions=list(s.versions) if s.versions else None, routes=self.routes.output(s))
 
-    def _run(self, pending: list[Sequence], cache, device, turns: Optional[Turns] = None) -> None:
+    def cache_length(self, longest: int) -> int:
+        """The cache's length for sequences of up to `longest` tokens: rounded up, so that consecutive batches reuse
+        the cache and its captured graphs."""
+        return min(-(-longest // 128) * 128, self.max_len)
+
+    @contextlib.contextmanager
+    def decoding(self, cache):
+        """Around engine steps: no autograd, the model in eval mode with its RoPE table built for the cache (it names
+        the CUDA device: built here, not inside a captured step), routes recorded where asked, and allocations only
+        on the model's device."""
+        from megatron_rl.compat import suspended
+
+        self.model.eval()
+        self.forward.prepare(cache.max_len)
+        record_routes(self.model, self.routes.on)
+        try:
+            with torch.no_grad(), suspended():
+                yield
+        finally:
+            record_routes(self.model, False)
+
+    def run_stats(self, n_tokens: int, elapsed: float, engine_stats: dict) -> dict:
+        return {"generated_tokens": n_tokens, "time_s": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9),
+                "cuda_graph": any(step.graph is not None for step in self._steps.values()), **engine_stats}
+
+    def engine(self, cache, filtering: bool, noise: bool) -> Engine:
+        """An engine over `cache` for sequences of these sampling features (one stage only)."""
+        device = next(self.model.parameters()).device
+        return Engine(self.forward, self._decode_step(cache, device, filtering, noise), cache, self.routes,
+                      self.stops, device, self.lookahead, self.cuda_rules_on)
+
+    def _run(self, pending: list[Sequence], cache, turns: Optional[Turns] = None) -> None:
         """Decode `pending` to the end: the pipelined loop, or the engine stepped until it is idle (its episodes
         answered between steps)."""
         filtering = any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in pending)
         noise = any(s.params.temperature > 0 for s in pending)
         if self.pipeline is not None:
+            device = next(self.model.parameters()).device
             return self.pipeline.run(pending, cache, device, filtering, noise, turns)
-        engine = Engine(self.forward, self._decode_step(cache, device, filtering, noise), cache, self.routes,
-                        self.stops, device, self.lookahead, self.cuda_rules_on)
+        engine = self.engine(cache, filtering, noise)
         for seq in pending:
             engine.add(seq)
         episodes = EpisodeLoop(turns, self.max_len) if turns is not None else None

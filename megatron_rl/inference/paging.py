@@ -69,3 +69,13 @@ class BlockPool:
             self.free.extend(reversed(blocks))
             self.cache.table[slot, :len(blocks)] = 0
 
+
+    def restore(self, state: dict) -> None:
+        """Hold the blocks a saved engine's pool held (`Engine.snapshot`), the table written to match."""
+        self.cache.table.zero_()
+        self.free, self.held, self.peak = list(state["free"]), {}, int(state["peak"])
+        for slot, blocks in state["held"].items():
+            self.held[int(slot)] = list(blocks)
+            if blocks:
+                self.cache.table[int(slot), :len(blocks)] = torch.tensor(blocks, dtype=torch.long,
+                                                                        device=self.cache.table.device)

@@ -11,6 +11,7 @@ episode (`Sequence.observe`) are decided here, for the one-stage engine and the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -41,6 +42,8 @@ class SampledResponse:
     error: Optional[str] = None
     policy_mask: Optional[list[bool]] = None  # an episode's: True at sampled tokens, False at observations
     turns: int = 1  # an episode's model turns
+    # With the weights' version known (`rollout.in_flight`): the version that sampled each of `token_ids`.
+    versions: Optional[list[int]] = None
     # With `Generator(record_routes=True)`: each token's experts [len(prompt_ids + token_ids), layers, k]
     # (`inference/routes.py`); None otherwise.
     routes: Optional[torch.Tensor] = None
@@ -72,6 +75,7 @@ class Sequence:
     cached: int = 0
     admitted_at: int = 0  # the engine step at which it last got a slot (a paged cache preempts the latest first)
     routes: RouteLog = field(default_factory=RouteLog)  # recorded routes of positions 0, 1, ...
+    versions: list[int] = field(default_factory=list)  # each token's weight version, where the engine knows it
 
     @property
     def history(self) -> list[int]:
@@ -91,12 +95,14 @@ class Sequence:
         """The turn that has just ended, for `Turns.start`."""
         return EndedTurn(self.req, self.sample, tuple(self.tokens[self.turn_start:]), self.finish)
 
-    def append(self, token: int, logprob: float, stops: "StopRule") -> bool:
-        """Append a token this sequence sampled; True when it ends the sequence or, in an episode, its turn
-        (`finish` then says why)."""
+    def append(self, token: int, logprob: float, stops: "StopRule", version: Optional[int] = None) -> bool:
+        """Append a token this sequence sampled (with weights `version`, when known); True when it ends the sequence
+        or, in an episode, its turn (`finish` then says why)."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.policy.append(True)
+        if version is not None:
+            self.versions.append(version)
         self.sampled += 1
         self.finish = stops(self, token)
         if self.finish is None:
@@ -120,10 +126,32 @@ class Sequence:
             self.tokens += obs
             self.logprobs += [0.0] * len(obs)
             self.policy += [False] * len(obs)
+            if self.versions:  # an observation is tagged with the version of the reply before it
+                self.versions += [self.versions[-1]] * len(obs)
             self.turn_start = len(self.tokens)
             self.finish = None
             return True
         return False
+
+    def state(self) -> dict:
+        """Everything this sequence is, as plain containers (what a checkpoint stores; `from_state` reads it)."""
+        out = {f.name: copy.copy(getattr(self, f.name)) for f in dataclasses.fields(self)
+               if f.name not in ("params", "routes")}
+        out["params"] = dataclasses.asdict(self.params)
+        routes = self.routes.recorded()
+        out["routes"] = None if routes is None else routes.clone()
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Sequence":
+        fields = dict(state)
+        params = fields.pop("params")
+        routes = fields.pop("routes")
+        seq = cls(params=SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}),
+                  **fields)
+        if routes is not None:
+            seq.routes.append(routes)
+        return seq
 
 
 @dataclass(frozen=True)

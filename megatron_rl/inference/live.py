@@ -1,0 +1,98 @@
+"""A generator replica's engine kept across batches, with weights that change under its running sequences
+(`rollout.in_flight`).
+
+`Generator.generate` builds an engine, runs one batch to its last sequence and drops it: slots idle while the batch
+drains to its longest sequence, and new weights wait for the batch's end. `LiveGeneration` keeps one engine over one
+cache for the whole run: a client `add`s requests whenever it has them (the next batch's prompts while the current
+batch drains: its sequences take the slots that free up), `run`s until the sequences it names have finished (the
+others go on running, and stay in their slots), and `switch`es to new weights between two steps, each running
+sequence's cache kept or recomputed under them (`Engine.switch`). Every token records the weight version that
+sampled it (`SampledResponse.versions`).
+
+`snapshot` / `restore` carry the whole state across a checkpoint: every sequence a client still holds (running,
+waiting, or finished but not yet taken), the engine's slots, blocks and counters, as plain containers that
+`torch.load(weights_only=True)` reads. A restored engine has empty caches; the next `switch` (the resumed run's
+first weight push) recomputes them, as the uninterrupted engine's `switch` at the same point did (the job recomputes
+at the push after every checkpoint), so a killed run resumes to the same tokens.
+
+Single responses only, on a generator of one pipeline stage: episodes (`env.cls`) and pipelined decoding run batch by
+batch (`Generator.generate`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from megatron_rl.inference.generator import Generator
+from megatron_rl.inference.sequence import GenerationRequest, SampledResponse, Sequence
+
+
+class LiveGeneration:
+    """One replica's live engine (module docstring). Every rank of the replica makes the same calls."""
+
+    def __init__(self, gen: Generator, max_len: int, *, filtering: bool, noise: bool, version: int):
+        if gen.pipeline is not None:
+            raise ValueError("a live generator (rollout.in_flight) needs generator.pp=1")
+        self.gen = gen
+        self.cache = gen._cache_for(gen.max_batch_size, gen.cache_length(max_len))
+        self.engine = gen.engine(self.cache, filtering, noise)
+        self.engine.version = version
+        gen.live = self
+        self._n = 0  # sequences added so far (their `req`: unique over the run)
+
+    def add(self, requests: list[GenerationRequest]) -> list:
+        """Queue the requests' samples; returns their handles (n per request), for `run`."""
+        handles = self.gen.sequences(requests)
+        for h in handles:
+            if isinstance(h, Sequence):
+                h.req, self._n = self._n, self._n + 1
+                self.engine.add(h)
+        return handles
+
+    def run(self, handles: list) -> list[SampledResponse]:
+        """Step the engine until every sequence of `handles` has finished (other sequences step with them and may
+        stay in the engine); their outputs, in order. Nothing is left launched ahead when it returns."""
+        t0, steps, batched = time.perf_counter(), self.engine.steps, self.engine.batched
+        mine = [h for h in handles if isinstance(h, Sequence)]
+        with self.gen.decoding(self.cache):
+            while any(s.finish is None for s in mine):
+                self.engine.step()
+            self.engine.drain()
+        steps = self.engine.steps - steps
+        # (None over no step: every sequence of `handles` had finished while an earlier batch ran.)
+        stats = {"mean_batch": (self.engine.batched - batched) / max(steps, 1),
+                 "occupancy": (self.engine.batched - batched) / (steps * self.cache.slots) if steps else None}
+        self.gen.stats = self.gen.run_stats(sum(len(s.tokens) for s in mine), time.perf_counter() - t0, stats)
+        return [self.gen.response(h) if isinstance(h, Sequence) else h for h in handles]
+
+    def switch(self, version: int, recompute: bool = False) -> None:
+        """New weights are in the model: the running sequences go on under them, their caches kept or recomputed
+        (`Engine.switch`)."""
+        with self.gen.decoding(self.cache):
+            self.engine.switch(version, recompute)
+
+    def snapshot(self, groups: dict) -> dict:
+        """Plain containers for `restore`: `groups` (the client's name -> handles, say a batch's) and the engine."""
+        seqs: list[Sequence] = []
+        index: dict = {}
+        for q in [h for hs in groups.values() for h in hs if isinstance(h, Sequence)] + self.engine.sequences():
+            if id(q) not in index:
+                index[id(q)] = len(seqs)
+                seqs.append(q)
+        encode = lambda h: index[id(h)] if isinstance(h, Sequence) else _response_state(h)  # noqa: E731
+        return {"sequences": [q.state() for q in seqs], "added": self._n, "engine": self.engine.snapshot(index),
+                "groups": {k: [encode(h) for h in hs] for k, hs in groups.items()}}
+
+    def restore(self, state: dict) -> dict:
+        """Go on from a `snapshot`: returns its groups, with handles to the restored sequences."""
+        seqs = [Sequence.from_state(d) for d in state["sequences"]]
+        self.engine.restore(state["engine"], seqs)
+        self._n = state["added"]
+        decode = lambda h: seqs[h] if isinstance(h, int) else SampledResponse(**h)  # noqa: E731
+        return {k: [decode(h) for h in hs] for k, hs in state["groups"].items()}
+
+
+def _response_state(r: SampledResponse) -> dict:
+    """A bad request's "error" response as plain containers."""
+    return {"request_id": r.request_id, "sample_index": r.sample_index, "prompt_ids": list(r.prompt_ids),
+            "token_ids": [], "logprobs": [], "finish_reason": r.finish_reason, "error": r.error}

@@ -1,0 +1,55 @@
+"""The live engine (`inference/live.py`, `rollout.in_flight`): weights switched under running sequences, every token
+tagged with the version that sampled it and scored by that version's weights exactly, a snapshot restored into a
+fresh generator going on bit for bit, an abort freeing its slot and blocks; on a slot and a paged cache, and under
+CUDA's rules."""
+
+import pytest
+
+from megatron_rl.launch.spawn import run_local
+from gen_workers import live_worker
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("kv_cache_tokens, rules", [(None, False), (160, False), (None, True)],
+                         ids=["slots", "paged", "slots-cuda-rules"])
+def test_switched_weights_score_every_token_by_its_own_version(tiny_hf, kv_cache_tokens, rules):
+    """With the caches recomputed at the switch (`rollout.recompute_cache`)."""
+    _, cfg, full = tiny_hf
+    got = run_local(live_worker, 1, cfg, full, 1, kv_cache_tokens, rules)[0]
+    assert got["lookahead"] == rules  # under CUDA's rules a step is launched before the last one is read
+    outs, scored = got["outs"], got["scored"]
+    mixed = 0
+    for i, (tokens, logprobs, versions, _) in enumerate(outs):
+        assert len(versions) == len(tokens) and versions == sorted(versions), i  # versions only move forward
+        for j, v in enumerate(versions):
+            assert abs(logprobs[j] - scored[v][i][j]) < 1e-5, (i, j, v, logprobs[j], scored[v][i][j])
+        mixed += len(set(versions)) == 2
+    assert all(set(v) == {0} for _, _, v, _ in outs[:5])  # batch A ran before the switch
+    assert mixed >= 1  # some of batch B started under version 0 and finished under version 1
+    # The other version's weights give the tokens after the switch other log-probs: the check above can fail.
+    assert max(abs(lp - scored[0][i][j]) for i, (_, lps, vs, _) in enumerate(outs)
+               for j, (lp, v) in enumerate(zip(lps, vs)) if v == 1) > 1e-2
+    assert got["restored"] == outs  # snapshot after A, restore into a fresh generator: the same B, bit for bit
+    assert got["occupancy"] > 0.8  # B's sequences filled the slots A's short ones freed
+    finish, blocks, (slots_before, blocks_before), (slots_after, blocks_after) = got["abort"]
+    assert finish == "abort" and slots_after == slots_before + 1 and blocks_after == blocks_before + blocks
+    assert got["rest"] == ["length"] * 3
+
+
+def test_a_kept_cache_makes_the_tokens_after_a_switch_the_new_weights_over_the_old_cache(tiny_hf):
+    """The default switch keeps the caches: a token after it has the log-prob of version 1's weights attending to the
+    keys and values version 0 wrote for the positions before it (as the docs say), not version 1's teacher-forced one;
+    a token before it, version 0's. The restore (whose first switch recomputes) still goes on bit for bit."""
+    _, cfg, full = tiny_hf
+    got = run_local(live_worker, 1, cfg, full, 1, None, False, False)[0]
+    outs, scored, kept = got["outs"], got["scored"], got["kept"]
+    gap_to_v1 = 0.0
+    for i, (tokens, logprobs, versions, _) in enumerate(outs):
+        for j, v in enumerate(versions):
+            assert abs(logprobs[j] - kept[i][j]) < 1e-5, (i, j, v, logprobs[j], kept[i][j])
+            if v == 0:
+                assert abs(logprobs[j] - scored[0][i][j]) < 1e-5, (i, j)
+            elif len(set(versions)) == 2:  # a token after the switch, in a sequence that spans it
+                gap_to_v1 = max(gap_to_v1, abs(logprobs[j] - scored[1][i][j]))
+    assert gap_to_v1 > 1e-3  # the old cache shows: version 1's teacher-forced log-probs differ
