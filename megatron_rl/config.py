@@ -405,6 +405,9 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
         out.append(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step can hold "
                    f"({cfg.episode_length} tokens: rollout.max_prompt_length + {longest}); each micro-batch holds "
                    f"whole sequences")
+    if cfg.rollout.in_flight and (cfg.env.cls is not None or cfg.generator.pp > 1):
+        out.append("rollout.in_flight=true runs single responses on a generator of one pipeline stage: episodes "
+                   "(env.cls) and generator.pp > 1 generate batch by batch (set rollout.in_flight=false)")
     if cfg.generator.colocated and cfg.generator.layout.size != cfg.trainer.layout.size:
         out.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp (both executors span "
                    "the same ranks)")

@@ -140,11 +140,23 @@ def documented_metrics() -> set:
 
 def test_every_field_of_a_metrics_row_is_documented_and_every_documented_field_exists():
     """A row with every optional part (held-out reward, reward-model executor, KL reference, a mixture of experts'
-    load-balancing loss) plus the two fields the loop adds equals docs/metrics.md's list; test_controller checks that
-    a real job's rows hold no other."""
-    parts = [dataclasses.replace(_rollouts(0, 0, [1.0, 0.0], [0, 0]), eval_reward=0.5, reward_model_s=0.1)]
+    load-balancing loss, in-flight updates' token versions and the generator's occupancy) plus the two fields the
+    loop adds equals docs/metrics.md's list; test_controller checks that a real job's rows hold no other."""
+    parts = [dataclasses.replace(_rollouts(0, 0, [1.0, 0.0], [0, 0]), eval_reward=0.5, reward_model_s=0.1,
+                                 token_versions=[[0], [0, 1]], occupancy=0.9)]
     row = metrics_row(0, parts, pack(parts, pad_id=0), {"moe_aux_loss": 1.0}, train_s=1.0, recv_s=0.0, kl_ref=True)
     assert set(row) | {"time/total_s", "warm_start_s"} == documented_metrics()
+
+
+def test_in_flight_rows_measure_each_tokens_staleness_and_pack_each_samples_oldest_version():
+    """With token versions (rollout.in_flight): a sample's version is its oldest token's; the row's staleness is the
+    step's oldest token's, its token mean and the share of tokens older than the newest, by hand."""
+    parts = [dataclasses.replace(_rollouts(5, 3, [1.0, 0.0], [0, 0]), token_versions=[[3], [4, 4]])]
+    b = pack(parts, pad_id=0)
+    assert b.weight_versions.tolist() == [3, 4]
+    row = metrics_row(5, parts, b, {}, train_s=1.0, recv_s=0.0)
+    assert row["staleness"] == 2 and row["staleness/token_mean"] == 5 - 11 / 3
+    assert row["staleness/older_tokens"] == 1 / 3
 
 
 def test_pack_matches_a_hand_built_batch():

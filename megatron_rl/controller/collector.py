@@ -37,7 +37,8 @@ def pack(rollouts: list[ScoredRollouts], pad_id: int) -> RolloutBatch:
                          for p, t, lp in zip(prompts, tokens, lps)], dtype=torch.float32)
     rewards = torch.tensor([x for r in rollouts for x in r.rewards])
     groups = torch.tensor([x for r in rollouts for x in r.group_ids])
-    versions = torch.tensor([r.version for r in rollouts for _ in r.rewards])
+    versions = torch.tensor([min(v, default=r.version) for r in rollouts  # a sample's oldest token's version
+                             for v in (r.token_versions or [[]] * len(r.rewards))])
     policy = None
     if any(r.policy_masks is not None for r in rollouts):  # episodes: observations inside the responses
         masks = [m if m is not None else [True] * len(t)  # (a request the generator refused has none)
@@ -139,7 +140,7 @@ def metrics_row(k: int, parts: list[ScoredRollouts], batch: RolloutBatch, stats:
                 recv_s: float, kl_ref: bool = False) -> dict:
     """The metrics.jsonl row of trainer step k (the caller adds the step's total time). `kl_ref`: the run has a
     KL reference, so the row reports the policy's KL to it."""
-    version = parts[0].version
+    version = min(p.version for p in parts)
     row = {"step": k, "version_trained": k, "generated_with_version": version, "staleness": k - version,
            "reward": float(batch.rewards.mean()),
            "time/generation_s": max(p.gen_s for p in parts), "time/reward_s": max(p.reward_s for p in parts),
@@ -148,6 +149,7 @@ def metrics_row(k: int, parts: list[ScoredRollouts], batch: RolloutBatch, stats:
            **({"time/reward_model_s": max(p.reward_model_s for p in parts)}
               if all(p.reward_model_s is not None for p in parts) else {}),
            "reward_failures": sum(p.reward_failures for p in parts),
+           **in_flight_metrics(k, parts),
            **episode_metrics(parts),
            "samples": [t for p in parts for t in p.texts][:4]}
     evals = [p.eval_reward for p in parts if p.eval_reward is not None]
@@ -158,6 +160,22 @@ def metrics_row(k: int, parts: list[ScoredRollouts], batch: RolloutBatch, stats:
         v = stats.get(key)
         row[key] = float(v) if isinstance(v, (int, float, bool)) else v
     return row
+
+
+def in_flight_metrics(k: int, parts: list[ScoredRollouts]) -> dict:
+    """The generator's slot occupancy (the lowest replica's; none where every sample had been generated while the
+    batch before ran, `LiveGeneration.run`), and with rollout.in_flight the staleness
+    of the step's sampled tokens: their mean, and the share older than the newest version any token has."""
+    out = {}
+    occupancy = [p.occupancy for p in parts if p.occupancy is not None]
+    if occupancy:
+        out["generator/occupancy"] = min(occupancy)
+    versions = [v for p in parts for vs in (p.token_versions or []) for v in vs]
+    if versions:
+        newest = max(versions)
+        out["staleness/token_mean"] = k - sum(versions) / len(versions)
+        out["staleness/older_tokens"] = sum(v < newest for v in versions) / len(versions)
+    return out
 
 
 def episode_metrics(parts: list[ScoredRollouts]) -> dict:

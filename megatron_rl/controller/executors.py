@@ -176,6 +176,11 @@ class GeneratorExecutor:
                                    kv_cache_tokens=cfg.generator.kv_cache_tokens or None,
                                    record_routes=model_cfg.is_moe and cfg.trainer.routing_replay)
         self.episodes = None  # with env.cls: the replica's environments (`environments/play.py`)
+        self.version = 0  # of the weights the generator holds
+        # With rollout.in_flight: the live engine (`inference/live.py`, opened at the first batch) and the batches
+        # queued in it (batch -> its handles).
+        self.live = None
+        self.live_batches: Optional[dict] = {} if cfg.rollout.in_flight else None
         if cfg.env.cls is not None:
             from megatron_rl.environments.play import Episodes
 
@@ -205,30 +210,79 @@ class GeneratorExecutor:
 
     def generate(self, batch: int, version: int) -> Optional[UnscoredRollouts]:
         """This replica's samples of training batch `batch` (episodes with env.cls); None on ranks other than the
-        leader."""
+        leader. With `rollout.in_flight`, from the live engine (`_generate_live`); the batch's version is then its
+        oldest token's."""
         r = self.cfg.rollout
-        per, n = r.prompts_per_step, r.samples_per_prompt
-        problems = self.task.train_batch(batch, per)
+        problems = self.task.train_batch(batch, r.prompts_per_step)
         mine = r.replica_prompts(self.groups.dp_rank, self.groups.layout.dp)
         t0 = time.perf_counter()
-        seeds = [rollout_seed(self.cfg.run.seed, batch, i) for i in mine]
         turns = None
         if self.episodes is not None:
-            reqs, turns = self.episodes.requests([problems[i] for i in mine], seeds, n)
+            seeds = [rollout_seed(self.cfg.run.seed, batch, i) for i in mine]
+            reqs, turns = self.episodes.requests([problems[i] for i in mine], seeds, r.samples_per_prompt)
+            outs = self.generator.generate(reqs, turns=turns)
+        elif self.live_batches is not None:
+            outs = self._generate_live(batch)
+            version = min((min(o.versions) for o in outs if o.versions), default=version)
         else:
-            reqs = [GenerationRequest(self.encode(self.task.prompt_text(problems[i])), self._sampling(seed, n))
-                    for i, seed in zip(mine, seeds)]
-        outs = self.generator.generate(reqs, turns=turns)
+            outs = self.generator.generate(self._requests(batch))
         gen_s = time.perf_counter() - t0
         if not self.is_leader:
             return None
+        n = r.samples_per_prompt
         if turns is not None:
             self.episodes.end_batch(turns)
         groups = [mine[j // n] for j in range(len(outs))]
         episodes = dict(returns=turns.returns(), episodes=turns.statistics(outs),
                         prompts=self._prompt_texts(outs)) if turns is not None else {}
         return UnscoredRollouts(batch, version, [problems[i] for i in groups], groups, outs,
-                                [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes)
+                                [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes,
+                                occupancy=self.generator.stats.get("occupancy"))
+
+    def _requests(self, batch: int) -> list[GenerationRequest]:
+        """This replica's requests of training batch `batch` (single responses)."""
+        r = self.cfg.rollout
+        problems = self.task.train_batch(batch, r.prompts_per_step)
+        return [GenerationRequest(self.encode(self.task.prompt_text(problems[i])),
+                                  self._sampling(rollout_seed(self.cfg.run.seed, batch, i), r.samples_per_prompt))
+                for i in r.replica_prompts(self.groups.dp_rank, self.groups.layout.dp)]
+
+    def _generate_live(self, batch: int) -> list:
+        """Batch `batch` from the live engine: queued now (or while the batch before it drained), with the next
+        batch queued behind it so that its sequences take the slots this one frees; run until its last sequence
+        ends (the next batch's go on in their slots, and see the next weight push land)."""
+        live = self._live()
+        for b in (batch, batch + 1):
+            if b < self.cfg.run.steps and b not in self.live_batches:
+                self.live_batches[b] = live.add(self._requests(b))
+        return live.run(self.live_batches.pop(batch))
+
+    def _live(self):
+        if self.live is None:
+            from megatron_rl.inference.live import LiveGeneration
+
+            r = self.cfg.rollout
+            self.live = LiveGeneration(self.generator, self.cfg.episode_length, filtering=r.top_p < 1 or r.top_k > 0,
+                                       noise=True, version=self.version)
+        return self.live
+
+    def weights_changed(self, version: int, recompute: bool) -> None:
+        """A push wrote weights `version`: the live engine's running sequences go on under them, their caches kept
+        or recomputed (`Engine.switch`)."""
+        self.version = version
+        if self.live is not None:
+            self.live.switch(version, recompute)
+
+    def live_state(self) -> Optional[dict]:
+        """With `rollout.in_flight`: the live engine's sequences (the batches queued, partly sampled) as plain
+        containers, for the checkpoint; None before the first batch."""
+        return self.live.snapshot(self.live_batches) if self.live is not None else None
+
+    def restore_live(self, state: Optional[dict]) -> None:
+        """Go on from `live_state` (a resume; its caches are recomputed at the first weight push)."""
+        if state is not None:
+            self.version = state["engine"]["version"]
+            self.live_batches = {int(b): hs for b, hs in self._live().restore(state).items()}
 
     def evaluate(self) -> Optional[Evaluated]:
         """Responses to the held-out problems, sampled as in training (every replica sees the same set and holds
@@ -241,7 +295,10 @@ class GeneratorExecutor:
         else:
             reqs = [GenerationRequest(self.encode(self.task.prompt_text(p)), self._sampling(eval_seed(i), n))
                     for i, p in enumerate(problems)]
-        outs = self.generator.generate(reqs, turns=turns)
+        if self.live_batches is not None:
+            outs = self._live().run(self._live().add(reqs))
+        else:
+            outs = self.generator.generate(reqs, turns=turns)
         if not self.is_leader:
             return None
         return Evaluated([problems[j // n] for j in range(len(outs))], [self.tok.decode(o.token_ids) for o in outs],

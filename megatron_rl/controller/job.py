@@ -11,6 +11,7 @@ pieces.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -68,7 +69,7 @@ class Job:
         self.cfg, self.model_cfg, self.run_dir = cfg, model_cfg, run_dir
         self.echo = echo or (lambda text: None)
         self.rank = dist.get_rank()
-        self.staleness = cfg.rollout.effective_staleness
+        self.staleness = cfg.rollout.schedule_staleness  # the schedule's: one less with rollout.in_flight
         topo = build_topology(placements(cfg))
         self.trainer_groups, self.generator_groups = topo["trainer"], topo["generator"]
         self.reward_groups = topo.get("reward")
@@ -139,7 +140,14 @@ class Job:
         """DDMA of version `version` (trainer and generator ranks); the seconds it took here."""
         if self.trainer is None and self.generator is None:
             return 0.0
-        return self.push(version, self.trainer, self.generator)
+        seconds = self.push(version, self.trainer, self.generator)
+        if self.generator is not None:  # the live engine's running sequences go on under the new weights
+            t0 = time.perf_counter()
+            # Their caches are recomputed at the push right after a checkpoint, which holds no cache: a run resumed
+            # from it recomputes them there too, and goes on exactly as this one (`inference/engine.py`).
+            self.generator.weights_changed(version, self.cfg.rollout.recompute_cache or self.saved_version == version)
+            seconds += time.perf_counter() - t0
+        return seconds
 
     # ---- scoring and advantages (`controller/scoring.py`, `controller/collector.py`) -----------------------------
     def score(self, generated: UnscoredRollouts, evaluated: Optional[Evaluated], *, push_s: float) -> ScoredRollouts:
@@ -225,15 +233,34 @@ class Job:
             rl_state = {"step": version, "weight_version": version,
                         "pending": self.collector.pending(version, self.staleness, self.cfg.run.steps),
                         "nonfinite_total": engine.nonfinite_total if engine is not None else 0}
+        live = self._live_states()
+        if rl_state is not None and live is not None:
+            rl_state["in_flight"] = live
         reference = self.trainer.reference if self.trainer is not None else None
         self._checkpoint_done()  # the previous save first
         self.ckpt.save(version, engine, reference=reference, layout=self.trainer_groups.layout,
                        model_cfg=self.model_cfg, rl_state=rl_state,
                        tokenizer=initial.tokenizer_entry(self.cfg, self.tok, self.initial),
-                       extra={"run": self.cfg.run.name, "mode": self.cfg.rollout.mode, "staleness": self.staleness})
+                       extra={"run": self.cfg.run.name, "mode": self.cfg.rollout.mode,
+                              "staleness": self.cfg.rollout.effective_staleness,
+                              "in_flight": self.cfg.rollout.in_flight})
         self.saved_version = version
         if self.rank == 0 and not self.cfg.checkpoint.async_save:
             self.echo(f"checkpoint {step_dir_name(version)} saved ({self.ckpt.last_save_s:.1f} s)")
+
+    def _live_states(self) -> Optional[dict]:
+        """With rollout.in_flight, on the controller: each generator replica's live engine (`live_state`: the
+        batches queued and partly sampled, which no other copy holds), sent by its leader after the rollouts it sent
+        before (the order of the leader's messages); None elsewhere and without in-flight updates."""
+        if not self.cfg.rollout.in_flight:
+            return None
+        mine = self.generator.live_state() if self.generator is not None and self.generator.is_leader else None
+        if self.rank != 0:
+            if self.rank in self.leaders:
+                self.outbox.send(mine)
+            return None
+        return {d: mine if leader == 0 else recv_object(leader, self.control_group)
+                for d, leader in enumerate(self.leaders)}
 
     def _check_space(self) -> None:
         """Warn once, before the first save, when the checkpoint directory cannot hold the checkpoints it must."""
@@ -244,6 +271,17 @@ class Job:
                                         self.cfg.checkpoint.keep_last, len(list_checkpoints(self.ckpt.root)))
         if warning is not None:
             self.echo(f"megatron-rl: warning: {warning}")
+
+    def _restore_live(self, path: Path, saved: Optional[dict]) -> None:
+        """Every generator rank: its replica's live engine as the checkpoint holds it (rollout.in_flight)."""
+        if (saved is not None) != self.cfg.rollout.in_flight or (
+                saved is not None and len(saved) != self.generator_groups.layout.dp):
+            had = f"rollout.in_flight={'true' if saved is not None else 'false'}" + (
+                f" and generator.dp={len(saved)}" if saved is not None else "")
+            raise CheckpointError(f"{path}: written with {had}: its batches in flight resume only so (set them, or "
+                                  f"start a new run)")
+        if saved is not None and self.generator is not None:
+            self.generator.restore_live(saved[self.generator_groups.dp_rank])
 
     def resume(self) -> Optional[tuple[int, set[int]]]:
         """Restore the newest checkpoint, if the run has one: (trainer steps already done, batches restored with
@@ -276,6 +314,7 @@ class Job:
             reference = self.trainer.reference
         rl = self.ckpt.load(path, self.trainer.engine if self.trainer is not None else None, reference=reference)
         pending = rl.get("pending", {})
+        self._restore_live(path, rl.get("in_flight"))
         if self.collector is not None:
             self.collector.restore(pending)
             self.echo(f"resumed from {path} (step {rl['step']}, {len(pending)} rollout batches restored)")

@@ -12,6 +12,9 @@ send it (`controller/scoring.py`). A colocated rank does everything, one action 
 executors the generator runs up to `rollout.staleness` batches ahead of the trainer, held back only by the weight
 pushes it needs, and AIPO corrects for the lag.
 
+With `rollout.in_flight` a Generate also queues the next batch, which takes the slots this one frees, and a push
+lands under its running sequences (`inference/live.py`); the list is the same, at `schedule_staleness`.
+
 A SIGTERM or SIGINT ends the run at the next weight push, where every rank is: all save the state there (the
 trainer has taken `version` steps; the generator has produced exactly the batches the checkpoint keeps as pending)
 and leave the loop (`launch/signals.py`). `heartbeat.doing(label)` names each action, so that a rank that hangs is

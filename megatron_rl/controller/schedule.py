@@ -6,6 +6,10 @@ k while the trainer trains on batch k - 1, and AIPO corrects for the one-version
 on-policy baseline (generate, then train). Because the version of every batch is fixed in advance, runs are
 reproducible and a resumed run regenerates exactly the batches that were in flight.
 
+With in-flight updates (`rollout.in_flight`) the job runs this schedule at s - 1 (`RolloutSettings.schedule_staleness`):
+each batch's first sequences start while the batch before it drains, under that batch's version, so a sample's
+oldest token is still at most s versions old.
+
 Weight syncs: the generator needs version v before generating batch v + s, so after trainer step v - 1 the trainer
 pushes version v if some later batch needs it (v + s <= last batch).
 """

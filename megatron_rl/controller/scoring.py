@@ -40,6 +40,7 @@ class UnscoredRollouts:
     returns: Optional[list[float]] = None  # episodes: each one's return (the sum of its turns' rewards)
     episodes: Optional[dict] = None  # episodes: their statistics (`ScoredRollouts.episodes`)
     prompts: Optional[list[str]] = None  # episodes: each one's first message as rendered (the reward model's prompt)
+    occupancy: Optional[float] = None  # the generator's occupied slot-steps over all its slot-steps for the batch
 
 
 @dataclass
@@ -83,6 +84,10 @@ class ScoredRollouts:
     # [prompt + response tokens, layers, k] (`inference.SampledResponse.routes`; None for a refused request); None
     # when not recorded. Kept in checkpoints with the pending batches: the trainer replays them.
     routes: Optional[list] = None
+    # With rollout.in_flight: the weight version of each sample's every token (`SampledResponse.versions`; `version`
+    # is then the oldest of them); None otherwise.
+    token_versions: Optional[list[list[int]]] = None
+    occupancy: Optional[float] = None  # `UnscoredRollouts.occupancy`
 
 
 @dataclass
@@ -125,7 +130,10 @@ def score(task: Task, gen: UnscoredRollouts, evaluated: Optional[Evaluated], *, 
                           [o.token_ids for o in gen.outputs], [o.logprobs for o in gen.outputs], rewards, gen.groups,
                           gen.texts[:4], gen.gen_s, reward_s, wait_s, eval_reward, reward_failures=failures,
                           policy_masks=[o.policy_mask for o in gen.outputs] if episodes else None,
-                          episodes=gen.episodes, routes=_routes(gen.outputs))
+                          episodes=gen.episodes, routes=_routes(gen.outputs),
+                          token_versions=[o.versions or [] for o in gen.outputs]
+                          if any(getattr(o, "versions", None) for o in gen.outputs) else None,
+                          occupancy=gen.occupancy)
 
 
 def _routes(outputs: list) -> Optional[list]:

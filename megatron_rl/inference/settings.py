@@ -87,6 +87,13 @@ class RolloutSettings(Section):
     temperature: float = ranged(1.0, "> 0", "(use top_k=1 for greedy)")
     top_p: float = ranged(1.0, "in (0, 1]")
     top_k: int = ranged(0, ">= 0", "(0 disables it)")
+    # The generator as a live engine (`inference/live.py`): the next batch's prompts take the slots the current
+    # batch's finished sequences free, and pushed weights land under running sequences, which keep their caches;
+    # `staleness` then bounds each sample's oldest token (`schedule_staleness`). `recompute_cache`: recompute the
+    # running sequences' caches under the new weights at every push (one prefill of each), so that every token's
+    # log-prob is exactly its version's (without it, only at the push after a checkpoint: `Engine.switch`).
+    in_flight: bool = False
+    recompute_cache: bool = False
 
     @property
     def context_length(self) -> int:
@@ -109,3 +116,20 @@ class RolloutSettings(Section):
         async mode, 0 in sync mode, whatever `staleness` is set to there (the setting counts only when async). The
         job (its schedule, the batches a checkpoint keeps, its banner and summary) reads this, never `staleness`."""
         return self.staleness if self.mode == "async" else 0
+
+    @property
+    def schedule_staleness(self) -> int:
+        """The versions a batch's generation starts behind the trainer (`controller/schedule.py`): with `in_flight`,
+        one less than `effective_staleness`, because each batch's first sequences start while the batch before it
+        drains, one version earlier; so no token of a sample is more than `effective_staleness` versions old."""
+        return self.effective_staleness - 1 if self.in_flight else self.effective_staleness
+
+    def rules(self, path: str) -> list[str]:
+        out = []
+        if self.in_flight and self.effective_staleness < 1:
+            out.append(f"{path}.in_flight=true starts each batch under the weights before its own, one version older: "
+                       f"it needs {path}.mode=async with {path}.staleness >= 1 (the bound on a sample's oldest token)")
+        if self.recompute_cache and not self.in_flight:
+            out.append(f"{path}.recompute_cache=true recomputes caches at weight pushes under running sequences: it "
+                       f"needs {path}.in_flight=true")
+        return out
