@@ -1,6 +1,7 @@
 """The staleness study: synchronous on-policy training against asynchronous training at staleness 1, 2, 4 and 8,
 each with AIPO's importance weights, without them (the behaviour policy ignored), and with the peers' corrections
-(`algorithm.correction`: mask, decoupled, sequence), over seeds.
+(`algorithm.correction`: mask, decoupled, sequence), and with in-flight weight updates (`async<s>-inflight`:
+`rollout.in_flight`, the bound on each sample's oldest token), over seeds.
 
     python benchmarks/staleness.py                          # the default task (tiny model), 400 RL steps each
     python benchmarks/staleness.py --settings sync,async1,async4-uncorrected run.steps=200
@@ -50,13 +51,18 @@ SETTINGS = {
        for s in (1, 2, 4, 8)},
     **{f"async{s}-{c}": ["rollout.mode=async", f"rollout.staleness={s}", f"algorithm.correction={c}"]
        for s in (1, 2, 4, 8) for c in ("mask", "decoupled", "sequence")},
+    # In-flight weight updates (`rollout.in_flight`): the bound is on each sample's oldest token.
+    **{f"async{s}-inflight": ["rollout.mode=async", f"rollout.staleness={s}", "rollout.in_flight=true"]
+       for s in (1, 2, 4)},
 }
 FIRST_SEED = 1234  # run.seed's default: seed 0 of a study is the run a study without --seeds makes
 # The claims the study tests, as (setting, against it): the paper's (async AIPO as good as sync), AReaL's (a
 # correction beats none at staleness 4), and the goal (a correction at staleness 4 as good as sync).
 PAIRS = [("async1", "sync"), ("async1", "async1-uncorrected"), ("async4", "async4-uncorrected"),
          *((f"async4-{c}", "async4-uncorrected") for c in ("mask", "decoupled", "sequence")),
-         *((f"async4{c}", "sync") for c in ("", "-mask", "-decoupled", "-sequence"))]
+         *((f"async4{c}", "sync") for c in ("", "-mask", "-decoupled", "-sequence")),
+         # In-flight updates against batch mode at the same bound, and at the same overlap with the trainer.
+         ("async1-inflight", "async1"), ("async2-inflight", "async1")]
 
 
 COLORS = {"sync": "black", "async1": "tab:blue", "async2": "tab:orange", "async4": "tab:green", "async8": "tab:red"}
