@@ -111,7 +111,7 @@ def _cost(costs: dict[tuple[int, int], float], n: int, context: int) -> float:
     return at_n(lo) + (at_n(hi) - at_n(lo)) * (context - lo) / (hi - lo)
 
 
-def _modes(make, model, work: list, max_len: int, sizes: _StepSizes, admit_batch: int) -> dict:
+def _modes(make, model, work: list, max_len: int, sizes: _StepSizes) -> dict:
     """The three modes over the workload, batch by batch in turn (so that the machine's drift hits each alike):
     `Generator.generate` on the batch; the live engine keeping its caches at each switch; and one recomputing them.
     The live engines queue the next batch behind each and switch weights after it (the weights reloaded as they were,
@@ -123,7 +123,7 @@ def _modes(make, model, work: list, max_len: int, sizes: _StepSizes, admit_batch
     batch_gen.generate(work[0][:2])  # warm
     lives = {}
     for mode in ("live", "recompute"):
-        lives[mode] = LiveGeneration(make(), max_len, filtering=False, noise=True, version=0, admit_batch=admit_batch)
+        lives[mode] = LiveGeneration(make(), max_len, filtering=False, noise=True, version=0)
         lives[mode].run(lives[mode].add(work[0][:2]))  # warm
     sizes.take()
     state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -170,12 +170,11 @@ def run_case(name: str, args) -> dict:
     work = _workload(cfg, args.batches, args.prompts, args.samples, args.base, args.prompt_len, args.seed)
     n_samples = args.batches * args.prompts * args.samples
     sizes = _StepSizes()
-    admit = args.admit_batch if args.admit_batch is not None else max(1, slots // 8)  # LiveGeneration's default
     # Rounds of every measurement in turn, each mode's fastest kept: this VM's speed drifts by 20% within minutes.
     best: dict = {}
     for _ in range(args.rounds):
         round_costs = _step_costs(make(), slots, (args.prompt_len + NEW // 2, max_len - NEW // 2))
-        modes = _modes(make, model, work, max_len, sizes, admit)
+        modes = _modes(make, model, work, max_len, sizes)
         assert modes["live"]["tokens"] == modes["batch"]["tokens"] == modes["recompute"]["tokens"]
         for key, run in modes.items():
             if key not in best or run["s"] < best[key]["s"]:
@@ -204,8 +203,7 @@ def run_case(name: str, args) -> dict:
          f"{name}_recompute_vs_kept_ratio": round(live_s / recomputed["s"], 3),
          f"{name}_switch_recomputed_tokens": recomputed_tokens,
          f"{name}_step_cost_ms": {f"{n}x{length}": round(c * 1e3, 2) for (n, length), c in costs.items()},
-         "rounds": args.rounds,
-         f"{name}_admit_batch": admit}
+         "rounds": args.rounds}
     print(f"{name}: occupancy {occ(batch_sizes):.2f} batch, {occ(live_sizes):.2f} live ({occ(steady):.2f} before the "
           f"last batch); samples/s "
           f"{n_samples / batch_s:.2f} batch, {n_samples / live_s:.2f} live ({measured:.2f}x; the step costs predict "
@@ -227,8 +225,6 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2, help="each measurement's rounds (the fastest is kept)")
-    p.add_argument("--admit-batch", type=int, default=None,
-                   help="the live engine's least admissions per prefill (default: LiveGeneration's)")
     args = p.parse_args(argv)
     import torch.distributed as dist
 

@@ -8,8 +8,7 @@ step:
 
 1. resumed episodes run again; with a paged cache every running sequence gets the blocks for its next position, the
    one admitted last preempted where the cache runs out (back to the front of `waiting`, nothing cached);
-2. waiting sequences take free slots (with a paged cache, where blocks remain for their history), once
-   `admit_batch` of them can start together;
+2. waiting sequences take free slots (with a paged cache, where blocks remain for their history);
 3. the sequences just admitted are prefilled (one right-padded chunk, `sequence.Prefill`), and one decode step runs
    for every running sequence (`decode_step.DecodeStep`, a CUDA graph where captured);
 4. a decode step's tokens are appended (this step's, or with lookahead the previous step's, so the host reads step t
@@ -81,10 +80,6 @@ class Engine:
                        torch.empty(cache.slots, dtype=torch.float32, pin_memory=self._pin)) for _ in range(2)]
         self._in_flight = None  # a launched step not read yet (lookahead): `_launch`'s tuple
         self.version: Optional[int] = None  # the weights' version, recorded with every sampled token when set
-        # Sequences admitted together at the least: each admission's prefill is a forward of its own, which costs
-        # about a decode step where the weights' read dominates, so a sequence admitted each step could double the
-        # steps' cost; 1 admits into every slot as it frees (`Generator.generate`'s batches).
-        self.admit_batch = 1
         self.switched_tokens = 0  # cache positions recomputed at switches (`switch(recompute=True)`)
         self._cold = False  # restored: the caches are empty until the next `switch`
 
@@ -107,9 +102,7 @@ class Engine:
             self.running[seq.slot] = seq
         if self.pool is not None:
             self._grow(admitted)
-        # Admissions wait until `admit_batch` of them can share one prefill (or until nothing else runs).
-        gathered = len(self.free) >= min(self.admit_batch, len(self.waiting)) or not (self.running or self.held)
-        while (gathered and self.waiting and self.free
+        while (self.waiting and self.free
                and (self.pool is None or self.pool.admits(self.waiting[0].length, len(self.running)))):
             seq = self.waiting.pop(0)
             seq.slot = self.free.pop(0)

@@ -22,7 +22,6 @@ batch (`Generator.generate`).
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from megatron_rl.inference.generator import Generator
 from megatron_rl.inference.sequence import GenerationRequest, SampledResponse, Sequence
@@ -31,16 +30,13 @@ from megatron_rl.inference.sequence import GenerationRequest, SampledResponse, S
 class LiveGeneration:
     """One replica's live engine (module docstring). Every rank of the replica makes the same calls."""
 
-    def __init__(self, gen: Generator, max_len: int, *, filtering: bool, noise: bool, version: int,
-                 admit_batch: Optional[int] = None):
+    def __init__(self, gen: Generator, max_len: int, *, filtering: bool, noise: bool, version: int):
         if gen.pipeline is not None:
             raise ValueError("a live generator (rollout.in_flight) needs generator.pp=1")
         self.gen = gen
         self.cache = gen._cache_for(gen.max_batch_size, gen.cache_length(max_len))
         self.engine = gen.engine(self.cache, filtering, noise)
         self.engine.version = version
-        # Admissions gathered into one prefill (`Engine.admit_batch`): an eighth of the slots by default.
-        self.engine.admit_batch = admit_batch if admit_batch is not None else max(1, self.cache.slots // 8)
         gen.live = self
         self._n = 0  # sequences added so far (their `req`: unique over the run)
 
