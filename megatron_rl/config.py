@@ -70,7 +70,7 @@ class JobConfig:
     def episode_length(self) -> int:
         """The generator's context: a prompt and its response, or, with episodes (`env.cls`), a prompt and the
         episode's token budget."""
-        if self.env.cls is None:
+        if not self.env.episodic:
             return self.rollout.context_length
         return self.rollout.max_prompt_length + self.env.max_tokens
 
@@ -320,7 +320,7 @@ def fit_episode_budget(cfg: JobConfig, given: Collection[str] = ()) -> JobConfig
     in `given`, the budget is at most what the model's positions leave after `rollout.max_prompt_length` (the tiny
     model's 512 positions hold no 512-token episode after a prompt). Pure; a model that does not resolve, or leaves
     no room at all, is left to `validate` to name."""
-    if cfg.env.cls is None or "env.max_tokens" in given:
+    if not cfg.env.episodic or "env.max_tokens" in given:
         return cfg
     try:
         room = cfg.model.resolve().max_position_embeddings - cfg.rollout.max_prompt_length
@@ -381,9 +381,9 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
                    f"{cfg.data.dataset!r} (start from trained weights with model.checkpoint)")
     if cluster_files:
         out += cfg.data.file_problems() + cfg.model.tokenizer_problems()
-    if cfg.env.cls is None and spec is not None and spec.env is not None:
+    if not cfg.env.episodic and spec is not None and spec.env is not None:
         out.append(f"data.dataset={cfg.data.dataset!r} is played in episodes: set env.cls={spec.env}")
-    elif cfg.env.cls is None:
+    elif not cfg.env.episodic:
         out += cfg.reward.job_problems(dataset, cfg.generator.dp, import_function=cluster_files)
     else:
         out += _episode_problems(cfg, model, dataset, cluster_files)
@@ -401,13 +401,13 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
                    f"tokens)")
     budget = cfg.trainer.max_tokens_per_micro_batch
     if cfg.trainer.packing and budget and budget < cfg.episode_length:
-        longest = "env.max_tokens" if cfg.env.cls else "rollout.max_new_tokens"
+        longest = "env.max_tokens" if cfg.env.episodic else "rollout.max_new_tokens"
         out.append(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step can hold "
                    f"({cfg.episode_length} tokens: rollout.max_prompt_length + {longest}); each micro-batch holds "
                    f"whole sequences")
-    if cfg.rollout.in_flight and (cfg.env.cls is not None or cfg.generator.pp > 1):
+    if cfg.rollout.in_flight and (cfg.env.episodic or cfg.generator.pp > 1):
         out.append("rollout.in_flight=true runs single responses on a generator of one pipeline stage: episodes "
-                   "(env.cls) and generator.pp > 1 generate batch by batch (set rollout.in_flight=false)")
+                   "(env.cls, env.agent) and generator.pp > 1 generate batch by batch (set rollout.in_flight=false)")
     if cfg.generator.colocated and cfg.generator.layout.size != cfg.trainer.layout.size:
         out.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp (both executors span "
                    "the same ranks)")
@@ -420,15 +420,16 @@ def _episode_problems(cfg: JobConfig, model: Optional[ModelConfig], dataset: Opt
     here, as its workers will."""
     out = []
     if dataset is None:
-        out.append("env.cls needs prompt records for its episodes: set data.dataset (jsonl, gsm8k, ... or "
+        out.append(f"{cfg.env.field} needs prompt records for its episodes: set data.dataset (jsonl, gsm8k, ... or "
                    "guess-number, the built-in multi-turn task)")
     if cfg.reward.kind != "auto" or cfg.reward.function:
-        out.append(f"env.cls: an episode's reward is the sum of its environment's rewards; reward.kind="
-                   f"{cfg.reward.kind!r} and reward.function do nothing with it (leave them unset; a reward model on "
-                   f"ranks of its own, reward.model with reward.executor.dp >= 1, adds its score of the episode)")
+        out.append(f"{cfg.env.field}: an episode's reward is the sum of its environment's rewards (an agent's "
+                   f"return); reward.kind={cfg.reward.kind!r} and reward.function do nothing with it (leave them "
+                   f"unset; a reward model on ranks of its own, reward.model with reward.executor.dp >= 1, adds its "
+                   f"score of the episode)")
     elif cfg.reward.model and not cfg.reward.model_executor:
-        out.append("env.cls: a reward model scores episodes on ranks of its own: set reward.executor.dp >= 1 (its "
-                   "score of the whole episode, times reward.model_coef, is added to the return)")
+        out.append(f"{cfg.env.field}: a reward model scores episodes on ranks of its own: set reward.executor.dp >= 1 "
+                   "(its score of the whole episode, times reward.model_coef, is added to the return)")
     if model is not None and cfg.episode_length > model.max_position_embeddings:
         out.append(f"rollout.max_prompt_length + env.max_tokens = {cfg.episode_length} exceeds "
                    f"model.max_position_embeddings={model.max_position_embeddings}")

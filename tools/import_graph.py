@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("settings", "run_settings", "quiet", "failpoints", "compat", "rollout"),  # foundations
     ("parallel", "launch"),  # process groups and layouts; starting and stopping processes
     ("models", "checkpointing", "tokenizers", "data", "rewards", "environments", "algorithms", "training",
-     "inference", "ddma", "evaluation"),  # the components
+     "inference", "ddma", "evaluation", "serving", "agents"),  # the components
     ("config",),  # the job's configuration: the components' sections composed
     ("planning",),  # what a configuration needs
     ("controller",),  # the executors, the RL loop, the launcher

@@ -181,7 +181,7 @@ def in_flight_metrics(k: int, parts: list[ScoredRollouts]) -> dict:
 def episode_metrics(parts: list[ScoredRollouts]) -> dict:
     """A step's episode statistics (multi-turn rollouts; none for single responses): model turns per episode, the
     model's and the environments' tokens per episode, the environments' time (the slowest replica's) and their
-    failed calls."""
+    failed calls; with agents, the requests refused for rewriting their conversation."""
     stats = [p.episodes for p in parts if p.episodes is not None]
     if not stats:
         return {}
@@ -190,4 +190,7 @@ def episode_metrics(parts: list[ScoredRollouts]) -> dict:
             "episode/policy_tokens": sum(s["policy_tokens"] for s in stats) / n,
             "episode/env_tokens": sum(s["env_tokens"] for s in stats) / n,
             "time/env_s": max(s["env_s"] for s in stats),
-            "env_failures": sum(s["failures"] for s in stats)}
+            "env_failures": sum(s["failures"] for s in stats),
+            # agents (env.agent): requests refused for rewriting their episode's conversation
+            **({"episode/rewritten": sum(s["rewritten"] for s in stats)} if any("rewritten" in s for s in stats)
+               else {})}

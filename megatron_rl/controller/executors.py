@@ -175,17 +175,20 @@ class GeneratorExecutor:
                                    tokenizer=tokenizer, pp_group=groups.pgs.pp,
                                    kv_cache_tokens=cfg.generator.kv_cache_tokens or None,
                                    record_routes=model_cfg.is_moe and cfg.trainer.routing_replay)
-        self.episodes = None  # with env.cls: the replica's environments (`environments/play.py`)
+        self.episodes = None  # with env.cls: the replica's environments (`environments/play.py`); env.agent: agents
         self.version = 0  # of the weights the generator holds
         # With rollout.in_flight: the live engine (`inference/live.py`, opened at the first batch) and the batches
         # queued in it (batch -> its handles).
         self.live = None
         self.live_batches: Optional[dict] = {} if cfg.rollout.in_flight else None
-        if cfg.env.cls is not None:
-            from megatron_rl.environments.play import Episodes
+        if cfg.env.episodic:
+            if cfg.env.agent is not None:  # the user's agents, through the replica leader's OpenAI endpoint
+                from megatron_rl.agents.play import Agents as Play
+            else:
+                from megatron_rl.environments.play import Episodes as Play
 
             chat = tokenizer.has_chat_template if cfg.data.chat is None else cfg.data.chat
-            self.episodes = Episodes(cfg.env, tokenizer, chat, groups.pgs.mp, self.is_leader, self._sampling(0, 1),
+            self.episodes = Play(cfg.env, tokenizer, chat, groups.pgs.mp, self.is_leader, self._sampling(0, 1),
                                      log_path=str(worker_log(cfg)))
 
     @property

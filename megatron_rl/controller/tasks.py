@@ -362,7 +362,7 @@ def _dataset_task(cfg, tokenizer, key: str, instruction: str, train: list[Prompt
     r = cfg.reward
     if with_reward and r.kind == "reward-model" and r.model_executor:
         reward = _ModelOnly()  # the reward model's ranks score the responses; the controller adds their scores
-    elif with_reward and cfg.env.cls is None:  # episodes: their environment scores them
+    elif with_reward and not cfg.env.episodic:  # episodes: their environment (or agent) scores them
         reward = get_reward_fn(r.kind, r.function, timeout_s=r.timeout_s, num_workers=r.num_workers, dataset=key,
                                model=r.model, log_path=str(worker_log(cfg)))
     chat = tokenizer.has_chat_template if data.chat is None else data.chat

@@ -30,57 +30,7 @@ import torch.distributed as dist
 from megatron_rl.inference import GenerationRequest, SamplingParams
 from megatron_rl.inference.episodes import EndedTurn, Turns
 from megatron_rl.inference.sampling import stream_seed
-
-# What an episode's observation looks like with a tokenizer that has no chat template (the tiny model's bytes):
-# the message on a line of its own after the reply's stop token.
-PLAIN_SEPARATOR = "\n"
-
-
-class TurnTemplate:
-    """The token ids of one turn of a conversation, rendered alone: the first user message (the prompt, as the chat
-    template wraps prompts), and each later message (a user's or a tool's) as the template renders a new turn after
-    the assistant's reply, from the reply's stop token on. Without a chat template (`chat=False`), plain text: the
-    first message as it is, each later one after PLAIN_SEPARATOR."""
-
-    def __init__(self, tokenizer, chat: bool):
-        self.tok, self.chat = tokenizer, chat
-        self._turn_start: Optional[tuple[list, str, int]] = None  # (the conversation before, its text, the cut)
-
-    def prompt(self, message: dict) -> list[int]:
-        if self.chat:
-            return self.tok.encode(self.tok.apply_chat_template([message], add_generation_prompt=True),
-                                   add_bos=False)
-        return self.tok.encode(message["content"], add_bos=self.tok.bos_id is not None)
-
-    def observation(self, message: dict) -> list[int]:
-        return self.tok.encode(self._observation_text(message), add_bos=False)
-
-    def _observation_text(self, message: dict) -> str:
-        if not self.chat:
-            return PLAIN_SEPARATOR + message["content"]
-        # The template's text for the new turn: a conversation with and without it, cut after the assistant's
-        # end-of-turn marker (the reply's stop token, which the generator has already sampled).
-        before, base, cut = self._turn_start or self._find_turn_start()
-        full = self.tok.apply_chat_template(before + [message], add_generation_prompt=True)
-        if not full.startswith(base):
-            raise ValueError("the chat template renders an earlier turn differently once a turn follows it: its "
-                             "turns cannot be rendered one at a time")
-        return full[cut:]
-
-    def _find_turn_start(self) -> tuple[list, str, int]:
-        """A conversation of one exchange, its text, and where in it a following turn's text starts (after the
-        assistant's end-of-turn marker): found once per template."""
-        before = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-        base = self.tok.apply_chat_template(before, add_generation_prompt=False)
-        cut = base.rfind("a") + 1
-        for stop in sorted({self.tok.decode([i], skip_special_tokens=False) for i in self.tok.stop_ids}, key=len,
-                           reverse=True):
-            at = base.find(stop, cut) if stop else -1
-            if at >= 0:
-                cut = at + len(stop)
-                break
-        self._turn_start = (before, base, cut)
-        return self._turn_start
+from megatron_rl.tokenizers.turns import TurnTemplate
 
 
 @dataclass

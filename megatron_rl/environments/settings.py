@@ -13,18 +13,37 @@ from megatron_rl.settings import Section, ranged
 @dataclass
 class EnvSettings(Section):
     """cls: the environment class (`module:Class` or `path/file.py:Class`), built per episode as `Class(record,
-    seed)`; None: single-turn rollouts scored by the reward. An episode ends when the environment says so, after
+    seed)`; agent: instead, an agent function (`module:function`) called per episode as `function(record, seed,
+    client)` with an OpenAI client bound to it, returning its reward (`agents/`); neither: single-turn rollouts
+    scored by the reward. An episode ends when the environment (or agent) says so, after
     `max_turns` model turns, or when its tokens after the first prompt (the model's and the environment's together)
     reach `max_tokens`. `timeout_s` bounds one environment call; `num_workers` processes run the calls."""
 
     SECTION: ClassVar[str] = "env"
     cls: Optional[str] = None
+    agent: Optional[str] = None
     max_turns: int = ranged(4, ">= 1", "(the most model turns in an episode)")
     max_tokens: int = ranged(512, ">= 1", "(an episode's token budget after its first prompt)")
     timeout_s: float = ranged(10.0, "> 0")
     num_workers: int = ranged(2, ">= 1")
 
+    @property
+    def episodic(self) -> bool:
+        """Whether rollouts are episodes (an environment class or an agent)."""
+        return self.cls is not None or self.agent is not None
+
+    @property
+    def field(self) -> str:
+        """The field that makes rollouts episodes, for messages."""
+        return "env.agent" if self.agent is not None else "env.cls"
+
     def rules(self, path: str) -> list[str]:
+        if self.cls is not None and self.agent is not None:
+            return [f"{path}.cls and {path}.agent are two ways to play an episode: set one"]
+        if self.agent is not None:
+            module, _, attr = self.agent.rpartition(":")
+            return [] if module and attr else [f"{path}.agent={self.agent!r} must look like 'module:function' (or "
+                                               f"'path/file.py:function')"]
         problem = spec_problem(self.cls) if self.cls is not None else None
         return [f"{path}.cls={self.cls!r} {problem}"] if problem else []
 
@@ -32,6 +51,11 @@ class EnvSettings(Section):
         """The class imported here, as each environment worker will, so that a bad spec is one line now: a module or
         file that cannot be imported, an attribute that is missing, not a class, or without callable `reset` and
         `step`."""
+        if self.agent is not None and self.cls is None and not self.rules(path):
+            from megatron_rl.agents.workers import agent_problem
+
+            problem = agent_problem(self.agent)
+            return [f"{path}.agent={self.agent!r}: {problem}"] if problem else []
         if self.cls is None or spec_problem(self.cls):
             return []  # `rules` reports a malformed spec
         problem = environment_problem(self.cls)

@@ -28,13 +28,14 @@ from typing import Optional
 @dataclass(frozen=True)
 class EndedTurn:
     """A turn of an episode that has just ended: the request and sample it belongs to, the reply's token ids (this
-    turn's sampled tokens only), and why it ended ("stop": a stop token; "length": the turn's or the episode's
-    token limit)."""
+    turn's sampled tokens only) and their log-probs, and why it ended ("stop": a stop token; "length": the turn's or
+    the episode's token limit)."""
 
     request: int
     sample: int
     reply: tuple[int, ...]
     reason: str
+    logprobs: tuple[float, ...] = ()
 
 
 class Turns(ABC):
@@ -56,6 +57,10 @@ class Turns(ABC):
         when its episode is over (the environment said done, or failed). Every rank of the replica gets the same
         answer (a collective where the replica has several ranks)."""
 
+    def closed(self, request: int, finish: str) -> None:
+        """Episode `request` is over after the answer `finish` took (`Sequence.observe`: "done", or "turns" and
+        "length" where the job ended it with an observation unused). Every rank calls it; nothing by default."""
+
 
 class EpisodeLoop:
     """Episodes as a client of the one-stage engine (`inference/engine.py`), keeping `Turns`' timing contract: after
@@ -75,6 +80,7 @@ class EpisodeLoop:
                     engine.resume(seq)
                 else:
                     engine.release(seq)
+                    self.turns.closed(seq.req, seq.finish)
         self.answering = [s for s in ended if s.episode]
         if self.answering:
             self.turns.start([s.ended_turn() for s in self.answering])

@@ -186,6 +186,7 @@ class PipelinedDecode:
                     lane.resumed.append(seq)
                 else:
                     lane.free.append(seq.slot)
+                    turns.closed(seq.req, seq.finish)
             for seq in episodes:
                 if seq.finish is not None:  # over: its slot is free again
                     del lane.held[seq.slot]

@@ -93,7 +93,8 @@ class Sequence:
 
     def ended_turn(self) -> EndedTurn:
         """The turn that has just ended, for `Turns.start`."""
-        return EndedTurn(self.req, self.sample, tuple(self.tokens[self.turn_start:]), self.finish)
+        return EndedTurn(self.req, self.sample, tuple(self.tokens[self.turn_start:]), self.finish,
+                         tuple(self.logprobs[self.turn_start:]))
 
     def append(self, token: int, logprob: float, stops: "StopRule", version: Optional[int] = None) -> bool:
         """Append a token this sequence sampled (with weights `version`, when known); True when it ends the sequence

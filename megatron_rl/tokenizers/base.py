@@ -51,8 +51,11 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's chat format expects it (a plain fallback when it has none)."""
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: Optional[list] = None) -> str:
+        """The conversation as the model's chat format expects it (a plain fallback when it has none). `tools`
+        (OpenAI function tools) are rendered only by a template that knows them (`tokenizers/turns.py` describes
+        them in a system message otherwise)."""
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant: " if add_generation_prompt else "")
 

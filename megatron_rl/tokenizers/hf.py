@@ -74,10 +74,11 @@ class HFTokenizer(Tokenizer):
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tok, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: Optional[list] = None) -> str:
         if self.has_chat_template:
-            return self.tok.apply_chat_template(messages, tokenize=False,
-                                                add_generation_prompt=add_generation_prompt)
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                **({"tools": tools} if tools else {}))
         return super().apply_chat_template(messages, add_generation_prompt)
 
 

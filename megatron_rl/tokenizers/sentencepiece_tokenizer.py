@@ -44,7 +44,8 @@ class SentencePieceTokenizer(Tokenizer):
             ids = [i for i in ids if i not in special]
         return self.sp.decode(ids)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: Optional[list] = None) -> str:
         """Llama 2 chat: [INST] <<SYS>>system<</SYS>> user [/INST] assistant (BOS is added by encode)."""
         system = ""
         out = []

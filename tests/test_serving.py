@@ -1,0 +1,102 @@
+"""The OpenAI-compatible endpoint (`serving/`), asked by the real `openai` client: chat and text completions carry the
+ids and log-probs they were sampled with, equal to the generator's own for the same prompt and seed (and to a
+teacher-forced score of those ids); tools are rendered and tool calls parsed; a request without the run's key, a
+stream, n > 1 and a prompt that does not fit are refused with one line each."""
+
+import pytest
+
+from megatron_rl.launch.spawn import run_local
+from megatron_rl.serving.tool_calls import parse_tool_calls
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+
+
+def _chats(url, key):
+    import openai
+
+    client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+    out, replay = {}, []
+    out["models"] = [m.id for m in client.models.list().data]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(model="tiny-test", messages=messages, seed=7, temperature=1.0, top_p=0.9,
+                                       max_tokens=12, logprobs=True)
+    extra = r.model_extra
+    out["chat"] = (r.choices[0].message.content, r.choices[0].finish_reason, extra["prompt_token_ids"],
+                   extra["generation_token_ids"], extra["generation_log_probs"],
+                   [c.logprob for c in r.choices[0].logprobs.content], r.usage.completion_tokens)
+    replay.append((extra["prompt_token_ids"], extra["generation_token_ids"], 1.0, 7, 0.9, 12))
+    g = client.completions.create(model="tiny-test", prompt=[257, 104, 105], max_tokens=10, temperature=0)
+    out["greedy"] = (g.choices[0].text, g.model_extra["prompt_token_ids"], g.model_extra["generation_token_ids"],
+                     g.model_extra["generation_log_probs"])
+    replay.append(([257, 104, 105], g.model_extra["generation_token_ids"], 0.0, None, 1.0, 10))
+    tools = [{"type": "function", "function": {"name": "add", "description": "add two numbers",
+                                                "parameters": {"type": "object", "properties": {}}}}]
+    t = client.chat.completions.create(model="tiny-test", messages=messages, tools=tools, seed=7, max_tokens=12,
+                                       temperature=1.0, top_p=0.9)
+    out["tools_prompt"] = t.model_extra["prompt_token_ids"]
+    errors = {}
+    for name, call in [
+        ("key", lambda: openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()),
+        ("stream", lambda: client.chat.completions.create(model="m", messages=messages, stream=True)),
+        ("n", lambda: client.chat.completions.create(model="m", messages=messages, n=2)),
+        ("long", lambda: client.completions.create(model="m", prompt="x" * 400, max_tokens=4)),
+        ("role", lambda: client.chat.completions.create(model="m", messages=[{"role": "robot", "content": "x"}])),
+    ]:
+        try:
+            call()
+            errors[name] = None
+        except openai.APIStatusError as e:
+            errors[name] = (e.status_code, str(e.body["message"] if isinstance(e.body, dict) else e.body))
+    out["errors"] = errors
+    out["replay"] = replay
+    return out
+
+
+def test_the_openai_client_gets_the_generators_own_ids_and_log_probs(tiny_hf):
+    _, cfg, full = tiny_hf
+    got = run_local(_serve, 1, cfg, full)[0]
+    assert "error" not in got, got.get("error")
+    seen, refs = got["result"], got["refs"]
+    assert seen["models"] == ["tiny-test"]
+    content, finish, prompt, ids, lps, per_token, n = seen["chat"]
+    assert prompt == [257] + list(b"be brief\nhello")  # no template: the contents on lines of their own
+    assert n == len(ids) and len(per_token) == len(ids) and per_token == pytest.approx(lps)
+    (ref_ids, ref_lps, forced), (g_ids, g_lps, g_forced) = refs
+    assert ids == ref_ids and lps == ref_lps  # the generator's own tokens for this prompt and seed, bit for bit
+    assert lps == pytest.approx(forced, abs=1e-5)  # and the teacher-forced score of them
+    assert finish in ("stop", "length")
+    text, g_prompt, greedy_ids, greedy_lps = seen["greedy"]
+    assert g_prompt == [257, 104, 105] and greedy_ids == g_ids and greedy_lps == g_lps
+    assert greedy_lps == pytest.approx(g_forced, abs=1e-5)
+    # Tools the template cannot render are described in a system message before the conversation.
+    assert len(seen["tools_prompt"]) > len(prompt) and bytes(seen["tools_prompt"][1:]).decode().startswith(
+        "You may call these tools:")
+    errors = seen["errors"]
+    assert errors["key"][0] == 401
+    assert errors["stream"][0] == 400 and "stream" in errors["stream"][1]
+    assert errors["n"][0] == 400 and "one choice" in errors["n"][1]
+    assert errors["long"][0] == 400
+    assert errors["role"][0] == 400 and "role" in errors["role"][1]
+
+
+def _serve(rank, world_size, cfg, full):
+    from serving_workers import serve_worker
+
+    return serve_worker(rank, world_size, cfg, full, _chats)
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', None,
+     [("add", '{"a": 1, "b": 2}')]),
+    ('Let me add. <tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', "Let me add.",
+     [("add", '{"a": 1}')]),
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", '{"city": "Paris"}')]),
+    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}', None,
+     [("a", "{}"), ("b", '{"x": 1}')]),
+    ('<tool_call>{"arguments": {}}</tool_call> no name', '<tool_call>{"arguments": {}}</tool_call> no name', []),
+    ("{not json", "{not json", []),
+    ("12 + 3 = 15", "12 + 3 = 15", []),
+], ids=["hermes", "hermes-in-text", "llama-json", "llama-python-tag", "no-name", "bad-json", "plain"])
+def test_tool_calls_are_read_from_the_families_formats(text, content, calls):
+    assert parse_tool_calls(text) == (content, calls)
