@@ -278,6 +278,16 @@ def cmd_eval(args) -> int:
     return _json_or_one_line_error("eval", EvalError, lambda: evaluate(args.checkpoint, settings))
 
 
+def cmd_serve(args) -> int:
+    from megatron_rl.evaluation import EvalError
+    from megatron_rl.serving.serve import ServeSettings, serve
+
+    settings = ServeSettings(host=args.host, port=args.port, key=args.key, batch_size=args.batch_size,
+                             max_len=args.max_len, max_tokens=args.max_tokens, temperature=args.temperature,
+                             top_p=args.top_p, tokenizer=args.tokenizer, chat=args.chat, dtype=args.dtype)
+    return _json_or_one_line_error("serve", EvalError, lambda: serve(args.checkpoint, settings))
+
+
 def _json_or_one_line_error(command: str, errors, fn) -> int:
     """Run fn; print its summary as one JSON line (exit 0) or the expected error as one line (exit 2)."""
     try:
@@ -372,6 +382,25 @@ def _add_eval_parser(sub) -> None:
                    help="an episode's tokens after its first prompt (as env.max_tokens)")
     p.set_defaults(func=cmd_eval)
 
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions) over a "
+                                     "checkpoint, without training")
+    p.add_argument("checkpoint", help="a megatron-rl checkpoint directory, or a run's checkpoint root (uses latest)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="default: 8000 (0: a free one)")
+    p.add_argument("--key", default=None, help="the API key requests must carry (default: a new one, printed)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences decoded together (KV cache slots)")
+    p.add_argument("--max-len", type=int, default=None, help="a sequence's most tokens (default: the model's)")
+    p.add_argument("--max-tokens", type=int, default=256, help="a reply's most tokens where a request sets none")
+    p.add_argument("--temperature", type=float, default=1.0, help="where a request sets none")
+    p.add_argument("--top-p", type=float, default=1.0, help="where a request sets none")
+    p.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer (as eval's)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="render chat requests with the tokenizer's template (default: when it has one)")
+    p.add_argument("--dtype", default=None, help="fp32, bf16 or auto; default: the checkpoint's own")
+    p.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -408,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
     _add_resume_check_parser(sub)
     _add_eval_parser(sub)
+    _add_serve_parser(sub)
     p = sub.add_parser("presets", help="list the model presets")
     p.set_defaults(func=cmd_presets)
     p = sub.add_parser("reshard-check", help="run DDMA between two layouts on local processes and check every bit")

@@ -100,3 +100,60 @@ def _serve(rank, world_size, cfg, full):
 ], ids=["hermes", "hermes-in-text", "llama-json", "llama-python-tag", "no-name", "bad-json", "plain"])
 def test_tool_calls_are_read_from_the_families_formats(text, content, calls):
     assert parse_tool_calls(text) == (content, calls)
+
+
+def test_serve_answers_the_openai_client_over_a_checkpoint_until_stopped(tmp_path):
+    """`megatron-rl serve CKPT` (a small random Llama converted to a checkpoint, the byte tokenizer): the address and
+    key on one line, the `openai` client's chat completion answered greedily as the checkpoint's own generator
+    decodes it, SIGTERM ends it with the summary (exit 0), and a taken port is one line."""
+    import json
+    import os
+    import re
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+
+    from megatron_rl.checkpointing.convert import convert
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ckpt", to="megatron")
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "serve", str(tmp_path / "ckpt"), "--tokenizer", "byte",
+           "--key", "k", "--max-tokens", "6"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = subprocess.run([*cmd, "--port", str(taken.getsockname()[1])], capture_output=True, text=True)
+    assert busy.returncode == 2 and busy.stderr.strip().count("\n") == 0 and "cannot listen on" in busy.stderr
+    proc = subprocess.Popen([*cmd, "--port", "0"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = None
+        for line in proc.stderr:
+            m = re.search(r"at (http://127\.0\.0\.1:\d+/v1) \(model", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url is not None
+        client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], temperature=0)
+        prompt, ids = r.model_extra["prompt_token_ids"], r.model_extra["generation_token_ids"]
+        assert prompt == [257] + list(b"hi") and 1 <= len(ids) <= 6
+        greedy = []
+        with torch.no_grad():  # transformers' greedy decoding of the same prompt
+            while len(greedy) < len(ids):
+                greedy.append(int(hf(torch.tensor([prompt + greedy])).logits[0, -1].argmax()))
+        assert ids == greedy
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert json.loads(out)["served"] == 1

@@ -163,26 +163,34 @@ def encode_prompt(tok, text: str) -> list[int]:
 
 
 # ---- generation on local ranks -------------------------------------------------------------------------------------
-def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts: list, max_new_tokens: int,
-                     stop_ids: tuple, batch_size: int, max_len: int, pp: int = 1, episodes: Optional[dict] = None):
-    # torch and Megatron-Core load in the worker processes only: `eval`'s argument errors stay fast.
+def load_model(cfg, model_dir: str, dtype: str, layout: ParallelLayout):
+    """On each rank of a world of `layout`'s size: (its executor groups, the GPTModel with this rank's part of the
+    checkpoint's weights), built as a job's generator builds it in `dtype` (a bf16 model keeps its norm weights in
+    fp32; the stored tensors are rounded to it as they load, whatever dtype they were saved in). `eval`'s and
+    `serve`'s ranks load so."""
+    # torch and Megatron-Core load in the worker processes only: the commands' argument errors stay fast.
     import torch
     from megatron.core import dist_checkpointing
 
     from megatron_rl.checkpointing.loader import resume_strategy
-    from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
     from megatron_rl.models import build_gpt_model
     from megatron_rl.models.sharding import model_sharded_state_dict
-    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+    from megatron_rl.parallel import ExecutorPlacement, build_topology
 
-    g = build_topology([ExecutorPlacement("eval", ParallelLayout(tp=world_size // pp, pp=pp))])["eval"]
-    # Built as a job's generator builds it in `dtype` (a bf16 model keeps its norm weights in fp32); the stored
-    # tensors are rounded to it as they load, whatever dtype they were saved in.
+    g = build_topology([ExecutorPlacement("eval", layout)])["eval"]
     model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=getattr(torch, dtype),
                             initialize=False)  # every weight is loaded next
     state = dist_checkpointing.load(model_sharded_state_dict(model, g.pgs.dp_cp), model_dir,
                                     sharded_strategy=resume_strategy(g.pgs.dp_cp))  # reads only this TP rank's part
     model.load_state_dict(state)
+    return g, model
+
+
+def _generate_worker(rank, world_size, cfg, model_dir: str, dtype: str, prompts: list, max_new_tokens: int,
+                     stop_ids: tuple, batch_size: int, max_len: int, pp: int = 1, episodes: Optional[dict] = None):
+    from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+
+    g, model = load_model(cfg, model_dir, dtype, ParallelLayout(tp=world_size // pp, pp=pp))
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids))
     if episodes is not None:
         return _play_episodes(rank, model, cfg, g, params, batch_size, **episodes)

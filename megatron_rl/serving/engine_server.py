@@ -28,7 +28,7 @@ class EngineServer:
         self.template = TurnTemplate(tokenizer, chat)
         self.live = LiveGeneration(gen, gen.max_len, filtering=True, noise=True, version=0)
         self._queue: "queue.Queue" = queue.Queue()
-        self._served = 0
+        self.served = 0  # requests answered
 
     def handle(self, kind: str, body: dict) -> Future:
         """The endpoint's handler: parse (ProtocolError at once for a bad body), render, queue."""
@@ -83,6 +83,6 @@ class EngineServer:
         for seq in ended:
             kind, req, fut, _ = pending.pop(id(seq))
             out = self.gen.response(seq)
-            self._served += 1
+            self.served += 1
             fut.set_result(reply_body(self.model, self.tok, kind, req, out.prompt_ids, out.token_ids, out.logprobs,
-                                      out.finish_reason, f"call_{self._served}"))
+                                      out.finish_reason, f"call_{self.served}"))
