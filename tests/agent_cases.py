@@ -58,3 +58,10 @@ class NotAFunction:
 
 def wrong_arity(record):
     return 0.0
+
+
+def always_raises(record, seed, client):
+    """Asks once, prints, then raises: every episode fails."""
+    r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": record["prompt"]}])
+    print("agent noise on stdout", r.choices[0].finish_reason)
+    raise ValueError("the agent gave up")

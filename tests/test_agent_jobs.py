@@ -1,9 +1,14 @@
 """Jobs whose rollouts are agents (`env.agent`, `agents/`): the user's function plays each episode through the real
 `openai` client against the generator's endpoint. The built-in guessing game played by an agent trains on exactly
 what the same game played as an environment (`env.cls`) does: the same records, seeds and replies give the same ids,
-rewards, losses and weights, in the default disjoint layout (trainer TP2, generator TP1)."""
+rewards, losses and weights, in the default disjoint layout (trainer TP2, generator TP1); an agent job killed
+mid-run resumes to the same weights and metrics; in the colocated layout, an agent that fails every episode stops
+the run after the third batch with one line."""
 
 import json
+import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,22 +20,53 @@ from test_episode_jobs import GUESS
 pytest.importorskip("openai")
 
 AGENT = [a if not a.startswith("env.cls=") else "env.agent=megatron_rl.agents.guess:play" for a in GUESS]
+TESTS = Path(__file__).resolve().parent
 
 
 def _rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def test_an_agent_trains_on_exactly_what_the_same_game_as_an_environment_does(tmp_path):
-    runs = {}
+def test_an_agent_trains_as_the_same_game_as_an_environment_does_and_resumes_exactly(tmp_path):
+    def launch(name, args, failpoint=None):
+        return warm_cli.run_with_failpoint(["train", *args, "run.steps=3", "checkpoint.save_interval=2",
+                                            f"checkpoint.dir={tmp_path}", f"run.name={name}"], failpoint)
+
     for name, args in (("env", GUESS), ("agent", AGENT)):
-        proc = warm_cli.run(["train", *args, "run.steps=2", f"checkpoint.dir={tmp_path}", f"run.name={name}"])
+        proc = launch(name, args)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = _rows(tmp_path / name)
+    env, agent = _rows(tmp_path / "env"), _rows(tmp_path / "agent")
     keep = ("step", "reward", "episode/turns", "episode/policy_tokens", "episode/env_tokens", "loss", "samples",
             "env_failures")
-    assert [{k: r[k] for k in keep} for r in runs["agent"]] == [{k: r[k] for k in keep} for r in runs["env"]]
-    assert any(r["episode/env_tokens"] > 0 for r in runs["agent"])  # the agent answered between turns
-    assert all(r["episode/rewritten"] == 0 for r in runs["agent"])
+    assert [{k: r[k] for k in keep} for r in agent] == [{k: r[k] for k in keep} for r in env]
+    assert any(r["episode/env_tokens"] > 0 for r in agent)  # the agent answered between turns
+    assert all(r["episode/rewritten"] == 0 for r in agent)
     (_, w_env), (_, w_agent) = _final_weights(tmp_path / "env"), _final_weights(tmp_path / "agent")
     assert all(torch.equal(w_env[k], w_agent[k]) for k in w_env)
+    crash = launch("crash", AGENT, "train_step:2")  # dies in step 2, after the checkpoint of step 2
+    assert crash.returncode == 1 and re.search(r"died with signal 9", crash.stderr), crash.stderr[-3000:]
+    again = launch("crash", AGENT)
+    assert again.returncode == 0 and "resumed from" in again.stderr, again.stderr[-3000:]
+    _, w_new = _final_weights(tmp_path / "crash")
+    assert all(torch.equal(w_agent[k], w_new[k]) for k in w_agent)
+    assert [{k: r[k] for k in keep} for r in _rows(tmp_path / "crash")] == [{k: r[k] for k in keep} for r in agent]
+
+
+def test_a_colocated_job_whose_agent_fails_every_episode_stops_after_three_batches_with_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    args = [a for a in AGENT if not a.startswith(("env.agent=", "trainer.sft_warmup_steps"))]
+    out = warm_cli.run(["train", *args, "env.agent=agent_cases:always_raises", "trainer.sft_warmup_steps=0",
+                        "trainer.tp=1", "generator.colocated=true", "run.steps=40", f"checkpoint.dir={tmp_path}",
+                        "run.name=a"], env=env, cwd=TESTS.parent)
+    run = tmp_path / "a"
+    assert out.returncode == 1, out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    assert "EnvironmentFailureError: agent 'agent_cases:always_raises' failed on 8 of 8 episodes, and on more than " \
+        "half in each of the last 3 batches (last error: ValueError: the agent gave up)" in out.stderr, console[-3000:]
+    assert "Traceback" not in console and "agent noise" not in console
+    warned = [line for line in console.splitlines() if "episodes, which end with reward 0" in line]
+    assert len(warned) == 3 and all(line.startswith("megatron-rl: agent ") for line in warned), warned
+    assert len(_rows(run)) <= 2
+    log = (run / "workers.log").read_text()
+    assert "agent noise on stdout" in log and "agent 'agent_cases:always_raises' raised:\nTraceback" in log
