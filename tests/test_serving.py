@@ -1,7 +1,8 @@
 """The OpenAI-compatible endpoint (`serving/`), asked by the real `openai` client: chat and text completions carry the
 ids and log-probs they were sampled with, equal to the generator's own for the same prompt and seed (and to a
-teacher-forced score of those ids); tools are rendered and tool calls parsed; a request without the run's key, a
-stream, n > 1 and a prompt that does not fit are refused with one line each."""
+teacher-forced score of those ids); tools are rendered (by a template that knows them, or in a system message) and
+tool calls parsed; a request without the run's key, a stream, n > 1 and a prompt that does not fit are refused with
+one line each; an `async def` agent gets an AsyncOpenAI client; `megatron-rl serve` answers over a checkpoint."""
 
 import pytest
 
@@ -50,6 +51,10 @@ def _chats(url, key):
             errors[name] = (e.status_code, str(e.body["message"] if isinstance(e.body, dict) else e.body))
     out["errors"] = errors
     out["replay"] = replay
+    from agent_cases import async_counting
+    from megatron_rl.agents.workers import _run_agent
+
+    out["async"] = _run_agent(async_counting, {"prompt": "hi"}, 0, url, key)  # an async agent gets an AsyncOpenAI
     return out
 
 
@@ -78,6 +83,7 @@ def test_the_openai_client_gets_the_generators_own_ids_and_log_probs(tiny_hf):
     assert errors["n"][0] == 400 and "one choice" in errors["n"][1]
     assert errors["long"][0] == 400
     assert errors["role"][0] == 400 and "role" in errors["role"][1]
+    assert seen["async"] == 1.0
 
 
 def _serve(rank, world_size, cfg, full):
@@ -157,3 +163,51 @@ def test_serve_answers_the_openai_client_over_a_checkpoint_until_stopped(tmp_pat
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-2000:]
     assert json.loads(out)["served"] == 1
+
+
+QWEN_LIKE = (  # Qwen2.5's shape: tools in a system turn, tool results as <tool_response> user turns, calls as blocks
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{%- for m in messages %}{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}"
+    "</tool_response><|im_end|>\n{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_renders_tools_renders_them_and_tool_results_as_new_turns(tmp_path):
+    """With a chat template that knows tools, the prompt is the template's own rendering with them; a tool result
+    after a reply is the template's text of that new turn alone (what follows the reply's end-of-turn token in the
+    whole conversation rendered), and a reply's tool-call block comes back as a call."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_rl.tokenizers import load_tokenizer
+    from megatron_rl.tokenizers.turns import TurnTemplate
+
+    raw = RawTokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator([f"what is {i} plus {i}? add tool response system user" for i in range(100)],
+                            trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = QWEN_LIKE
+    fast.save_pretrained(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    template = TurnTemplate(tok, chat=True)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    user = {"role": "user", "content": "what is 2 plus 2?"}
+    prompt = template.prompt([user], tools)
+    assert tok.decode(prompt, skip_special_tokens=False) == (
+        "<|im_start|>system\nTools: add<|im_end|>\n<|im_start|>user\nwhat is 2 plus 2?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    result = {"role": "tool", "content": "4"}
+    obs = template.observation([result])
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": "{}"}}]}
+    whole = tok.apply_chat_template([user, call, result], add_generation_prompt=True, tools=tools)
+    assert whole.endswith(tok.decode(obs, skip_special_tokens=False))
+    assert tok.decode(obs, skip_special_tokens=False) == (
+        "\n<|im_start|>user\n<tool_response>4</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>') == (
+        None, [("add", '{"a": 2, "b": 2}')])
