@@ -2,6 +2,7 @@
 
     python benchmarks/tool_use.py                      # the recipe as it is
     python benchmarks/tool_use.py run.steps=60         # any override of the recipe
+    python benchmarks/tool_use.py --config smollm2-calculator-agent.yaml   # the task as an agent with a function tool
 
 Runs `megatron-rl train -c configs/smollm2-calculator.yaml` from scratch into a fresh run directory (under
 checkpoints/, named tool_use-<time>), then reads its metrics: held-out accuracy (word problems never trained on, one
@@ -22,7 +23,10 @@ from learning import recipe_report  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    result, run_dir = recipe_report("tool_use", "smollm2-calculator.yaml", argv)
+    recipe = "smollm2-calculator.yaml"
+    if argv[:1] == ["--config"]:
+        recipe, argv = argv[1], argv[2:]
+    result, run_dir = recipe_report("tool_use", recipe, argv)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     first, last = rows[:10], rows[-10:]
 

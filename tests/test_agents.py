@@ -62,3 +62,54 @@ def test_agent_episodes_train_on_the_endpoints_ids_and_each_failure_is_one_line(
     assert stats["rewritten"] == 1 and stats["failures"] == 5 and stats["episodes"] == len(CASES)
     log = (tmp_path / "workers.log").read_text()
     assert "RuntimeError: the agent broke" in log and "Traceback" in log  # the tracebacks go to the run's log
+
+
+@pytest.mark.parametrize("spec", ["megatron_rl.agents.calculator:solve", "examples/agents_sdk_calculator.py:solve"],
+                         ids=["openai-client", "openai-agents-sdk"])
+def test_a_calculator_agents_requests_extend_the_conversation_as_the_endpoint_returned_it(spec):
+    """The built-in calculator agent and the same agent on the OpenAI Agents SDK, against an endpoint whose replies
+    are scripted (a tool call, then an answer): each one's second request repeats the first and the reply exactly as
+    returned (content None, the call's id, name and arguments) and adds the tool's result, so an episode goes on
+    instead of being refused as rewritten; the tool is described as the warm start's demonstrations describe it."""
+    from concurrent.futures import Future
+    from pathlib import Path
+
+    from megatron_rl.agents.calculator import TOOL
+    from megatron_rl.agents.play import _after
+    from megatron_rl.agents.workers import _run_agent
+    from megatron_rl.rewards.workers import resolve_function
+    from megatron_rl.serving.protocol import ChatRequest, chat_body, normalize_message
+    from megatron_rl.serving.server import Endpoint
+    from megatron_rl.tokenizers.turns import tools_message
+
+    if "sdk" in spec:
+        pytest.importorskip("agents")
+    seen, state = [], {}
+    call = {"id": "call_3_0_0", "type": "function",
+            "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
+
+    def handler(kind, body):
+        req = ChatRequest.parse(body)
+        seen.append(req)
+        if len(seen) == 1:
+            reply = chat_body("policy", [1, 2], [3], [-0.5], "stop", None, [call])
+            state["known"] = req.messages + [normalize_message(reply["choices"][0]["message"], "reply")]
+        else:
+            state["new"] = _after(state["known"], req.messages)
+            reply = chat_body("policy", [1, 2, 3, 4], [5], [-0.5], "stop", "The answer is 5.", [])
+        fut = Future()
+        fut.set_result(reply)
+        return fut
+
+    endpoint = Endpoint("policy", "k").start()
+    endpoint.open_session("s", handler)
+    try:
+        module, _, name = spec.rpartition(":")
+        fn = resolve_function(f"{Path(__file__).resolve().parents[1] / module}:{name}" if module.endswith(".py")
+                              else spec)
+        reward = _run_agent(fn, {"prompt": "What is 2 + 3?", "reference": "5"}, 0, endpoint.session_url("s"), "k")
+    finally:
+        endpoint.close()
+    assert reward == 1.0 and len(seen) == 2
+    assert state["new"] == [{"role": "tool", "content": "5", "tool_call_id": "call_3_0_0"}]
+    assert tools_message(seen[0].tools) == tools_message([TOOL])

@@ -189,11 +189,15 @@ class CalculatorTask(EpisodeTask):
     demonstrator who uses the calculator with probability `demo_accuracy` (the call writes the problem's arithmetic,
     then the answer is the result) and otherwise answers at once, off by 1 to 9. Demonstrations are its episodes cut
     at a turn (the call, or the answer after the result), as token ids rendered as the episode renders them. RL has
-    to learn to call the calculator every time."""
+    to learn to call the calculator every time. With `tool_calls` (a job whose episodes are agents, `env.agent`),
+    the demonstrations are what `agents/calculator.py` asks and a model using it answers: the function tool in the
+    prompt, each call a `<tool_call>` block, its result a tool message."""
 
     def __init__(self, eval_size: int = 64, seed: int = 0, template=None, stop_id: Optional[int] = None,
-                 demo_accuracy: float = 0.3):
+                 demo_accuracy: float = 0.3, tool_calls: bool = False):
         from megatron_rl.data.word_problems import CALCULATOR_PROBLEMS, WordProblems
+
+        self.tool_calls = tool_calls
 
         self.problems = WordProblems(**CALCULATOR_PROBLEMS)  # one fixed problem set, whatever the run seed
         self.train = self.problems.records("train", 20_000)
@@ -207,21 +211,30 @@ class CalculatorTask(EpisodeTask):
     def demonstrations(self, index: int, size: int) -> list[tuple[list[int], str]]:
         from megatron_rl.environments.calculator import Calculator
 
+        from megatron_rl.agents import calculator as agent
+
         rnd = random.Random(f"calculator-demo:{self.seed}:{index}")
         out = []
         for rec in self.train_batch(10_000_000 + index, size):
             env = Calculator(rec.as_dict(), 0)
-            ids = self.template.prompt({"role": "user", "content": env.reset()})
+            if self.tool_calls:  # as the agent asks (`agents/calculator.py`): the tool's description, its calls
+                ids = self.template.prompt([agent.question(rec.as_dict())], [agent.TOOL])
+                call = agent.call_text(rec.metadata["expression"])
+            else:
+                ids = self.template.prompt({"role": "user", "content": env.reset()})
+                call = f"<calc>{rec.metadata['expression']}</calc>"
             if rnd.random() >= self.demo_accuracy:  # an answer from its own arithmetic, a little off
                 out.append((ids, str(max(0, env.answer + rnd.choice([-1, 1]) * rnd.randint(1, 9)))))
                 continue
-            call = f"<calc>{rec.metadata['expression']}</calc>"
             if rnd.random() < 0.5:
                 out.append((ids, call))
                 continue
-            message, _, _ = env.step(call)
+            message, _, _ = env.step(f"<calc>{rec.metadata['expression']}</calc>")
+            value = message["content"].split(": ", 1)[1]
+            if self.tool_calls:
+                message = {"role": "tool", "tool_call_id": "call_0", "content": value}
             ids = ids + self.template.tok.encode(call) + [self.stop_id] + self.template.observation(message)
-            out.append((ids, message["content"].split(": ", 1)[1]))
+            out.append((ids, value))
         return out
 
 
@@ -335,7 +348,7 @@ def build_task(cfg, tokenizer, *, with_reward: bool = True) -> Task:
 
         chat = tokenizer.has_chat_template if data.chat is None else data.chat
         return CalculatorTask(data.eval_size, cfg.run.seed, TurnTemplate(tokenizer, chat=chat), tokenizer.eos_id,
-                              data.demo_accuracy)
+                              data.demo_accuracy, tool_calls=cfg.env.agent is not None)
     instruction = DATASETS[key].instruction
     if key == "word-problems":
         problems = WordProblems()  # one fixed problem set, whatever the run seed

@@ -22,8 +22,10 @@ PLAIN_SEPARATOR = "\n"
 
 
 def tools_message(tools: list) -> dict:
-    """A system message describing `tools` (OpenAI's function-tool dicts) for a template that cannot render them."""
-    described = "\n".join(json.dumps(t.get("function", t), sort_keys=True) for t in tools)
+    """A system message describing `tools` (OpenAI's function-tool dicts: each one's name, description and
+    parameters, whatever else a client adds) for a template that cannot render them."""
+    described = "\n".join(json.dumps({k: v for k, v in t.get("function", t).items()
+                                      if k in ("name", "description", "parameters")}, sort_keys=True) for t in tools)
     return {"role": "system", "content": "You may call these tools:\n" + described + "\nTo call one, reply with "
             "<tool_call>{\"name\": <tool name>, \"arguments\": <its arguments as an object>}</tool_call>."}
 
