@@ -28,11 +28,11 @@ def counting(record, seed, client):
             time.sleep(3600)
         if how == "die" and turn == 0:
             os._exit(3)
+    record_seen(record, seen)
     if how == "ill-typed":
         return "a lot"
-    if how == "rewrite":  # the rewritten request was refused: this call raised before it got here
+    if how == "rewrite":
         return 9.0
-    record_seen(record, seen)
     return [0.25] * len(seen)
 
 

@@ -83,5 +83,6 @@ def agents_worker(rank, world_size, cfg, full, cases: list, timeout_s: float, ou
         errors = [e.error for e in turns.episodes]
     finally:
         agents.close()
+    parts = [[(p.prompt_ids, p.token_ids, p.logprobs, p.policy_mask) for p in o.parts or []] for o in outs]
     return ([(o.finish_reason, o.prompt_ids, o.token_ids, o.logprobs, o.policy_mask, o.turns) for o in outs],
-            returns, stats, errors)
+            returns, stats, errors, parts)

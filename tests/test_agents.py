@@ -1,10 +1,12 @@
 """Agent episodes (`env.agent`, `agents/`) on a generator replica, through the job's own `Agents` and the real `openai`
 client: the ids an episode trains on are exactly the ids each response returned and the ids of the messages between
 them, though decoding the replies and encoding them again gives other ids; an agent that raises, returns something
-that is not a reward, hangs, kills its process, makes no request or rewrites its conversation ends its episode with
-one line (or its reward), and the other episodes are unaffected."""
+that is not a reward, hangs, kills its process or makes no request ends its episode with one line (or its reward),
+and the other episodes are unaffected; one that rewrites its conversation splits its episode into two samples."""
 
 import json
+
+import torch
 
 import pytest
 
@@ -27,7 +29,7 @@ def _agents(rank, world_size, cfg, full, out_dir):
 
 def test_agent_episodes_train_on_the_endpoints_ids_and_each_failure_is_one_line(tiny_hf, tmp_path):
     _, cfg, full = tiny_hf
-    outs, returns, stats, errors = run_local(_agents, 1, cfg, full, str(tmp_path))[0]
+    outs, returns, stats, errors, parts = run_local(_agents, 1, cfg, full, str(tmp_path))[0]
     tok = ByteTokenizer()
     # The well-behaved episodes: the output is the first response's prompt, then each reply's sampled ids and the
     # tool message's ids (plain turns: the message on a line of its own), with the sampled log-probs.
@@ -58,8 +60,17 @@ def test_agent_episodes_train_on_the_endpoints_ids_and_each_failure_is_one_line(
     assert "did not return within env.timeout_s=3 s" in errors[3] and returns[3] == 0.0
     assert "worker died (exit code 3)" in errors[4] and returns[4] == 0.0
     assert errors[5] is None and returns[5] == 0.5 and outs[5][2] == []  # returned before any request
-    assert "does not extend the episode's conversation" in errors[6] and returns[6] == 0.0
-    assert stats["rewritten"] == 1 and stats["failures"] == 5 and stats["episodes"] == len(CASES)
+    # The agent that rewrote its first message after one reply: the episode is split there. Its first part is the
+    # prompt and that reply; its second part starts from the rewritten conversation rendered whole (the earlier
+    # reply's text among it, re-tokenized as any rewritten history must be) and holds the reply to it.
+    assert errors[6] is None and returns[6] == 9.0 and len(parts[6]) == 1
+    seen = json.loads((tmp_path / "seen6.json").read_text())
+    (p0, t0, lp0, m0), (p1, t1, lp1, m1, n_turns) = parts[6][0], outs[6][1:]
+    assert p0 == seen[0][0] and t0 == seen[0][1] and lp0 == seen[0][2] and all(m0)
+    reply0 = tok.decode([t for t in seen[0][1] if t != tok.eos_id])
+    assert p1 == seen[1][0] == [tok.bos_id] + list(f"something else\n{reply0}\nturn 0".encode())
+    assert t1 == seen[1][1] and lp1 == seen[1][2] and all(m1) and n_turns == 2
+    assert stats["rewritten"] == 1 and stats["failures"] == 4 and stats["episodes"] == len(CASES)
     log = (tmp_path / "workers.log").read_text()
     assert "RuntimeError: the agent broke" in log and "Traceback" in log  # the tracebacks go to the run's log
 
@@ -113,3 +124,29 @@ def test_a_calculator_agents_requests_extend_the_conversation_as_the_endpoint_re
     assert reward == 1.0 and len(seen) == 2
     assert state["new"] == [{"role": "tool", "content": "5", "tool_call_id": "call_3_0_0"}]
     assert tools_message(seen[0].tools) == tools_message([TOOL])
+
+
+def test_an_episode_split_into_parts_counts_once_in_its_group_and_each_part_takes_its_advantage():
+    from megatron_rl.algorithms.advantages import compute_advantages
+    from megatron_rl.controller.collector import batch_with_advantages
+    from megatron_rl.controller.executors import split_parts
+    from megatron_rl.controller.scoring import ScoredRollouts
+    from megatron_rl.inference import SampledResponse
+
+    def out(ids, parts=None):
+        return SampledResponse(None, 0, [1], ids, [-0.1] * len(ids), "done", policy_mask=[True] * len(ids),
+                               parts=parts)
+
+    # Prompt 0: an episode of two parts (return 1) and one of one part (return 0); prompt 1: two episodes.
+    outs = [out([5, 6], [out([7]) for _ in range(1)]), out([8]), out([9]), out([10, 11])]
+    flat, groups, returns, episode_of = split_parts(outs, [0, 0, 1, 1], [1.0, 0.0, 0.5, 0.25])
+    assert [o.token_ids for o in flat] == [[7], [5, 6], [8], [9], [10, 11]]
+    assert groups == [0, 0, 0, 1, 1] and returns == [1.0, 1.0, 0.0, 0.5, 0.25] and episode_of == [1, 1, 2, 3, 4]
+    part = ScoredRollouts(0, 0, [o.prompt_ids for o in flat], [o.token_ids for o in flat],
+                          [o.logprobs for o in flat], returns, groups, [], 0.0, 0.0, 0.0,
+                          policy_masks=[o.policy_mask for o in flat], episode_of=episode_of)
+    for estimator in ("group_mean", "rloo", "grpo"):
+        got = batch_with_advantages([part], pad_id=0, advantage=estimator).advantages
+        want = compute_advantages(torch.tensor([1.0, 0.0, 0.5, 0.25]), torch.tensor([0, 0, 1, 1]), estimator)
+        assert torch.allclose(got, want[[0, 0, 1, 2, 3]]), estimator  # the episodes' own, each part its episode's
+    assert split_parts(outs[1:], [0, 1, 1], [0.0, 0.5, 0.25])[3] is None  # nothing split: nothing changes

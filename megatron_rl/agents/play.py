@@ -11,10 +11,13 @@ the replica's endpoint answers it from the generator, and the job trains on exac
                              messages after the conversation so far, rendered as new turns (`tokenizers/turns.py`)
       AgentTurns.returns     each episode's reward: what the agent returned (a number, or per-turn numbers summed)
 
-Token in, token out: a request must repeat the conversation so far (the assistant's messages as the endpoint
-returned them) and add messages after it; those new messages alone are rendered, so nothing sampled is decoded and
-encoded again. A request that rewrites the conversation (drops or edits an earlier message) is refused with one line
-(HTTP 400) and counted (`episode/rewritten`): splitting such an episode into samples is not built yet.
+Token in, token out: a request that repeats the conversation so far (the assistant's messages as the endpoint
+returned them) and adds messages after it has those new messages alone rendered, so nothing sampled is decoded and
+encoded again. A request that rewrites the conversation (drops or edits an earlier message, as agents that summarize
+or trim their context do) splits the episode, as prime-rl and SkyRL do: what it held so far becomes a sample of its
+own, and the episode goes on from the request rendered whole, in the same cache slot (`Sequence.restart`); every
+part is trained with the episode's return and its advantage (`controller/collector.py`), and
+`episode/rewritten` counts the splits.
 
 The timing is an environment's (`inference/episodes.py`): the replica waits for the agent's next request at the
 decode iteration after the reply, up to `env.timeout_s`, so a batch is a pure function of its records, seeds and
@@ -41,6 +44,7 @@ from megatron_rl.environments.play import EpisodeTurns, Episodes, _Episode
 from megatron_rl.environments.pool import EnvironmentFailureError
 from megatron_rl.inference import GenerationRequest, SamplingParams
 from megatron_rl.inference.sampling import stream_seed
+from megatron_rl.inference.sequence import Restart
 from megatron_rl.rewards.workers import MAX_FAILING_BATCHES, failing_batches
 from megatron_rl.serving.protocol import ChatRequest, ProtocolError, chat_body, normalize_message, reply_body
 
@@ -243,14 +247,15 @@ class AgentTurns(EpisodeTurns):
             e.turns += 1
             e.answer(body)
 
-    def finish(self) -> list[Optional[list[int]]]:
+    def finish(self) -> list:
         observations = None
         if self.owner.is_leader:
             observations = [self._observation(self.episodes[t.request]) for t in self._ended]
         return self.owner.share(observations)
 
-    def _observation(self, e: _AgentEpisode) -> Optional[list[int]]:
-        """The ids of the agent's next request after the conversation so far, or None (its episode is over)."""
+    def _observation(self, e: _AgentEpisode):
+        """The ids of the agent's next request after the conversation so far, a `Restart` from the whole request
+        where it rewrote the conversation, or None (its episode is over)."""
         agent, timeout = self.owner.env.agent, self.owner.env.timeout_s
         event = e.wait(timeout)
         if event[0] == "end":
@@ -262,13 +267,12 @@ class AgentTurns(EpisodeTurns):
         _, req, fut = event
         e.pending, e.request = fut, req
         new = _after(e.messages, req.messages)
-        if new is None:
-            e.rewritten += 1
-            e.answer(error=ProtocolError(400, "this request does not extend the episode's conversation (an earlier "
-                                         "message was dropped or changed, or nothing was added): megatron-rl trains "
-                                         "one conversation per episode"))
-            return None
         try:
+            if new is None:  # rewritten: the episode goes on as a new part, from the conversation rendered whole
+                prompt = self.owner.template.prompt(req.messages, req.tools)
+                e.rewritten += 1
+                e.messages, e.ids = list(req.messages), list(prompt)
+                return Restart(prompt)
             obs = self.owner.template.observation(new)
         except (ValueError, KeyError, TypeError) as err:
             e.answer(error=ProtocolError(400, f"the chat template cannot render these messages: {err}"))

@@ -68,9 +68,21 @@ def pack_routes(rollouts: list[ScoredRollouts], s: int) -> Optional[torch.Tensor
 def batch_with_advantages(parts: list[ScoredRollouts], pad_id: int, advantage: str) -> RolloutBatch:
     """Every replica's scored part of one batch, packed (`pack`), with each sample's advantage computed from the
     rewards of its prompt's group (`algorithm.advantage`, `algorithms.compute_advantages`): what the trainer learns
-    from."""
+    from. An episode split into several samples (`ScoredRollouts.episode_of`) counts once in its group's statistics,
+    and each of its samples takes its advantage."""
     batch = pack(parts, pad_id)
-    batch.advantages = compute_advantages(batch.rewards, batch.group_ids, advantage)
+    if not any(p.episode_of for p in parts):
+        batch.advantages = compute_advantages(batch.rewards, batch.group_ids, advantage)
+        return batch
+    episode_of, at = [], 0
+    for p in parts:
+        episode_of += [at + j for j in (p.episode_of or range(len(p.rewards)))]
+        at += len(p.rewards)
+    of = torch.tensor(episode_of)
+    own = torch.nonzero(of == torch.arange(len(episode_of))).squeeze(1)
+    per_episode = torch.zeros(len(episode_of))
+    per_episode[own] = compute_advantages(batch.rewards[own], batch.group_ids[own], advantage)
+    batch.advantages = per_episode[of]
     return batch
 
 
@@ -181,7 +193,7 @@ def in_flight_metrics(k: int, parts: list[ScoredRollouts]) -> dict:
 def episode_metrics(parts: list[ScoredRollouts]) -> dict:
     """A step's episode statistics (multi-turn rollouts; none for single responses): model turns per episode, the
     model's and the environments' tokens per episode, the environments' time (the slowest replica's) and their
-    failed calls; with agents, the requests refused for rewriting their conversation."""
+    failed calls; with agents, the requests that rewrote their conversation (each split its episode)."""
     stats = [p.episodes for p in parts if p.episodes is not None]
     if not stats:
         return {}
@@ -191,6 +203,6 @@ def episode_metrics(parts: list[ScoredRollouts]) -> dict:
             "episode/env_tokens": sum(s["env_tokens"] for s in stats) / n,
             "time/env_s": max(s["env_s"] for s in stats),
             "env_failures": sum(s["failures"] for s in stats),
-            # agents (env.agent): requests refused for rewriting their episode's conversation
+            # agents (env.agent): the requests that rewrote their episode's conversation (each split it)
             **({"episode/rewritten": sum(s["rewritten"] for s in stats)} if any("rewritten" in s for s in stats)
                else {})}

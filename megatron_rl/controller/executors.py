@@ -236,8 +236,11 @@ class GeneratorExecutor:
         if turns is not None:
             self.episodes.end_batch(turns)
         groups = [mine[j // n] for j in range(len(outs))]
-        episodes = dict(returns=turns.returns(), episodes=turns.statistics(outs),
-                        prompts=self._prompt_texts(outs)) if turns is not None else {}
+        episodes = {}
+        if turns is not None:
+            episodes = dict(returns=turns.returns(), episodes=turns.statistics(outs))
+            outs, groups, episodes["returns"], episodes["episode_of"] = split_parts(outs, groups, episodes["returns"])
+            episodes["prompts"] = self._prompt_texts(outs)
         return UnscoredRollouts(batch, version, [problems[i] for i in groups], groups, outs,
                                 [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes,
                                 occupancy=self.generator.stats.get("occupancy"))
@@ -312,6 +315,23 @@ class GeneratorExecutor:
         """An episode's first message as the model read it (its environment's `reset`, rendered), for the reward
         model, which scores it with the episode."""
         return [self.tok.decode(o.prompt_ids) for o in outs]
+
+
+def split_parts(outs: list, groups: list[int], returns: list[float]) -> tuple:
+    """Episodes split by a rewritten conversation (`SampledResponse.parts`, agents) as one sample per part, each with
+    its episode's group and return: (samples, groups, returns, episode_of), `episode_of[i]` the index of the sample
+    that stands for sample i's episode (its last part), or None when no episode was split."""
+    if not any(o.parts for o in outs):
+        return outs, groups, returns, None
+    flat, flat_groups, flat_returns, episode_of = [], [], [], []
+    for o, g, ret in zip(outs, groups, returns):
+        last = len(flat) + len(o.parts or [])
+        for part in [*(o.parts or []), o]:
+            flat.append(part)
+            flat_groups.append(g)
+            flat_returns.append(ret)
+            episode_of.append(last)
+    return flat, flat_groups, flat_returns, episode_of
 
 
 class RewardModelExecutor:

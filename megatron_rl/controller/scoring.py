@@ -41,6 +41,7 @@ class UnscoredRollouts:
     episodes: Optional[dict] = None  # episodes: their statistics (`ScoredRollouts.episodes`)
     prompts: Optional[list[str]] = None  # episodes: each one's first message as rendered (the reward model's prompt)
     occupancy: Optional[float] = None  # the generator's occupied slot-steps over all its slot-steps for the batch
+    episode_of: Optional[list[int]] = None  # agents' episodes split into parts (`executors.split_parts`)
 
 
 @dataclass
@@ -88,6 +89,9 @@ class ScoredRollouts:
     # is then the oldest of them); None otherwise.
     token_versions: Optional[list[list[int]]] = None
     occupancy: Optional[float] = None  # `UnscoredRollouts.occupancy`
+    # Agents' episodes split by a rewritten conversation: for each sample, the index (in this part) of the sample
+    # that stands for its episode, whose advantage it takes; None when no episode was split.
+    episode_of: Optional[list[int]] = None
 
 
 @dataclass
@@ -133,7 +137,7 @@ def score(task: Task, gen: UnscoredRollouts, evaluated: Optional[Evaluated], *, 
                           episodes=gen.episodes, routes=_routes(gen.outputs),
                           token_versions=[o.versions or [] for o in gen.outputs]
                           if any(getattr(o, "versions", None) for o in gen.outputs) else None,
-                          occupancy=gen.occupancy)
+                          occupancy=gen.occupancy, episode_of=gen.episode_of)
 
 
 def _routes(outputs: list) -> Optional[list]:

@@ -192,8 +192,9 @@ class EpisodeTurns(Turns):
 
     def statistics(self, outputs: list) -> dict:
         """The batch's episode statistics (`collector.episode_metrics`) from the generator's outputs."""
-        policy = sum(sum(o.policy_mask or []) for o in outputs)
-        total = sum(len(o.token_ids) for o in outputs)
+        every = [x for o in outputs for x in [*(getattr(o, "parts", None) or []), o]]  # an agent's split parts too
+        policy = sum(sum(o.policy_mask or []) for o in every)
+        total = sum(len(o.token_ids) for o in every)
         return {"episodes": len(outputs), "turns": sum(o.turns for o in outputs), "policy_tokens": policy,
                 "env_tokens": total - policy, "env_s": sum(e.env_s for e in self.episodes),
                 "failures": sum(e.failures for e in self.episodes)}

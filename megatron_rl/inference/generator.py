@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 from typing import Optional
 
 import torch
@@ -171,11 +172,18 @@ class Generator:
         return out
 
     def response(self, s: Sequence) -> SampledResponse:
-        """A finished sequence's output."""
+        """A finished sequence's output (an episode split by a rewrite: its parts before the last in `parts`)."""
         text = self.tokenizer.decode(s.tokens) if self.tokenizer is not None else None
+        parts = [SampledResponse(s.request_id, s.sample, p["prompt"], p["tokens"], p["logprobs"], "rewritten",
+                                 text=self.tokenizer.decode(p["tokens"]) if self.tokenizer is not None else None,
+                                 policy_mask=p["policy"], turns=max(s.turns, 1), versions=p["versions"] or None,
+                                 routes=self.routes.output(types.SimpleNamespace(
+                                     routes=p["routes"], length=len(p["prompt"]) + len(p["tokens"]))))
+                 for p in s.parts]
         return SampledResponse(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish, text=text,
                                policy_mask=s.policy if s.episode else None, turns=max(s.turns, 1),
-                               versions=list(s.versions) if s.versions else None, routes=self.routes.output(s))
+                               versions=list(s.versions) if s.versions else None, routes=self.routes.output(s),
+                               parts=parts or None)
 
     def cache_length(self, longest: int) -> int:
         """The cache's length for sequences of up to `longest` tokens: rounded up, so that consecutive batches reuse

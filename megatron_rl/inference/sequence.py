@@ -47,6 +47,9 @@ class SampledResponse:
     # With `Generator(record_routes=True)`: each token's experts [len(prompt_ids + token_ids), layers, k]
     # (`inference/routes.py`); None otherwise.
     routes: Optional[torch.Tensor] = None
+    # An agent episode split where its conversation was rewritten: the parts before this one, in order, each a
+    # response of its own (finish_reason "rewritten"); None otherwise.
+    parts: Optional[list["SampledResponse"]] = None
 
 
 @dataclass
@@ -76,6 +79,9 @@ class Sequence:
     admitted_at: int = 0  # the engine step at which it last got a slot (a paged cache preempts the latest first)
     routes: RouteLog = field(default_factory=RouteLog)  # recorded routes of positions 0, 1, ...
     versions: list[int] = field(default_factory=list)  # each token's weight version, where the engine knows it
+    # An agent episode whose conversation was rewritten (`Restart`): what it held before each rewrite, a part of its
+    # own (prompt, tokens, logprobs, policy, versions, routes), trained as a sample with the episode's return.
+    parts: list[dict] = field(default_factory=list)
 
     @property
     def history(self) -> list[int]:
@@ -111,10 +117,20 @@ class Sequence:
         self.turns += 1
         return True
 
-    def observe(self, obs: Optional[list[int]], max_turns: int, max_len: int) -> bool:
+    def observe(self, obs, max_turns: int, max_len: int) -> bool:
         """Apply an environment's answer to the turn that ended: True when the episode goes on (the observation's
-        ids appended, to be prefilled from the last reply token, which was sampled but never fed); False when it is
-        over (`finish`: its environment said so, or its turns, token budget or context are used up)."""
+        ids appended, to be prefilled from the last reply token, which was sampled but never fed; or, for a
+        `Restart`, a new part begun from its prompt); False when it is over (`finish`: its environment said so, or
+        its turns, token budget or context are used up)."""
+        if isinstance(obs, Restart):
+            if self.turns >= max_turns:
+                self.finish = "turns"
+                return False
+            if not obs.prompt or len(obs.prompt) + 1 >= max_len:
+                self.finish = "length"
+                return False
+            self.restart(obs.prompt)
+            return True
         used = len(self.tokens) + (len(obs) if obs is not None else 0)
         if obs is None:
             self.finish = "done"
@@ -134,8 +150,20 @@ class Sequence:
             return True
         return False
 
+    def restart(self, prompt: list[int]) -> None:
+        """The episode's conversation was rewritten: what it holds so far becomes one of its `parts`, and it goes on
+        from `prompt` in its slot, prefilled from position 0 (nothing of the old history is kept in the cache's
+        use: the prefill overwrites it)."""
+        self.parts.append({"prompt": self.prompt, "tokens": self.tokens, "logprobs": self.logprobs,
+                           "policy": self.policy, "versions": self.versions, "routes": self.routes})
+        self.prompt, self.tokens, self.logprobs, self.policy, self.versions = list(prompt), [], [], [], []
+        self.routes, self.cached, self.turn_start, self.finish = RouteLog(), 0, 0, None
+
     def state(self) -> dict:
-        """Everything this sequence is, as plain containers (what a checkpoint stores; `from_state` reads it)."""
+        """Everything this sequence is, as plain containers (what a checkpoint stores; `from_state` reads it). Only
+        a live engine's sequences are stored, never an agent episode's (episodes run batch by batch): no parts."""
+        if self.parts:
+            raise ValueError("an episode split by a rewritten conversation is not stored mid-flight")
         out = {f.name: copy.copy(getattr(self, f.name)) for f in dataclasses.fields(self)
                if f.name not in ("params", "routes")}
         out["params"] = dataclasses.asdict(self.params)
@@ -153,6 +181,14 @@ class Sequence:
         if routes is not None:
             seq.routes.append(routes)
         return seq
+
+
+@dataclass(frozen=True)
+class Restart:
+    """An answer to an episode's turn that begins a new part of it from `prompt` (an agent that rewrote its
+    conversation: `agents/play.py`), instead of observation ids appended to its history."""
+
+    prompt: list[int]
 
 
 @dataclass(frozen=True)
