@@ -274,7 +274,8 @@ def cmd_eval(args) -> int:
     settings = EvalSettings(dataset=args.dataset, data_dir=args.data_dir, limit=args.limit,
                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, tp=args.tp, pp=args.pp,
                             chat=args.chat, samples_out=args.samples_out, tokenizer=args.tokenizer,
-                            dtype=args.dtype, env=args.env, max_turns=args.max_turns, max_tokens=args.max_tokens)
+                            dtype=args.dtype, env=args.env, agent=args.agent, max_turns=args.max_turns,
+                            max_tokens=args.max_tokens)
     return _json_or_one_line_error("eval", EvalError, lambda: evaluate(args.checkpoint, settings))
 
 
@@ -377,6 +378,9 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--env", default=None,
                    help="play each problem as an episode against this environment class (module:Class or "
                         "path/file.py:Class, as env.cls); correct when the episode's return is at least 1")
+    p.add_argument("--agent", default=None,
+                   help="have this agent (module:function or path/file.py:function, as env.agent) play each problem "
+                        "through an OpenAI client against the checkpoint's endpoint; correct when it returns >= 1")
     p.add_argument("--max-turns", type=int, default=4, help="an episode's model turns (as env.max_turns)")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="an episode's tokens after its first prompt (as env.max_tokens)")

@@ -2,8 +2,8 @@
 `openai` client against the generator's endpoint. The built-in guessing game played by an agent trains on exactly
 what the same game played as an environment (`env.cls`) does: the same records, seeds and replies give the same ids,
 rewards, losses and weights, in the default disjoint layout (trainer TP2, generator TP1); an agent job killed
-mid-run resumes to the same weights and metrics; in the colocated layout, an agent that fails every episode stops
-the run after the third batch with one line."""
+mid-run resumes to the same weights and metrics; in the colocated layout an agent job trains, and one whose agent
+fails every episode stops after the third batch with one line."""
 
 import json
 import os
@@ -53,12 +53,16 @@ def test_an_agent_trains_as_the_same_game_as_an_environment_does_and_resumes_exa
     assert [{k: r[k] for k in keep} for r in _rows(tmp_path / "crash")] == [{k: r[k] for k in keep} for r in agent]
 
 
-def test_a_colocated_job_whose_agent_fails_every_episode_stops_after_three_batches_with_one_line(tmp_path):
+def test_a_colocated_job_trains_an_agent_and_one_failing_every_episode_stops_after_three_batches(tmp_path):
+    colocated = ["trainer.tp=1", "generator.colocated=true", f"checkpoint.dir={tmp_path}"]
+    ok = warm_cli.run(["train", *AGENT, *colocated, "run.steps=1", "run.name=ok"])
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    (row,) = _rows(tmp_path / "ok")
+    assert row["env_failures"] == 0 and row["episode/policy_tokens"] > 0 and row["loss"] == row["loss"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     args = [a for a in AGENT if not a.startswith(("env.agent=", "trainer.sft_warmup_steps"))]
     out = warm_cli.run(["train", *args, "env.agent=agent_cases:always_raises", "trainer.sft_warmup_steps=0",
-                        "trainer.tp=1", "generator.colocated=true", "run.steps=40", f"checkpoint.dir={tmp_path}",
-                        "run.name=a"], env=env, cwd=TESTS.parent)
+                        *colocated, "run.steps=40", "run.name=a"], env=env, cwd=TESTS.parent)
     run = tmp_path / "a"
     assert out.returncode == 1, out.stderr[-3000:]
     console = out.stdout + out.stderr

@@ -200,3 +200,15 @@ def test_eval_plays_episodes_as_transformers_replaying_each_whole_conversation_d
         assert (row["output"], row["return"], row["turns"]) == (tok.decode(ids[len(prompt):]), ret, played)
     assert summary["n"] == 3 and summary["correct"] == sum(r["return"] >= 1 for r in rows)
     assert summary["turns_per_episode"] == sum(r["turns"] for r in rows) / 3 > 1
+    if pp == 1:  # the same game played by an agent through the checkpoint's endpoint: the same episodes
+        pytest.importorskip("openai")
+        assert main(["eval", str(tmp_path / "ckpt"), "--dataset", "guess", "--tokenizer", "byte", "--limit", "3",
+                     "--max-new-tokens", str(new), "--max-turns", str(turns), "--max-tokens", "64",
+                     "--samples-out", str(tmp_path / "a.jsonl"), "--agent", "megatron_rl.agents.guess:play"]) == 0
+        agent = json.loads(capsys.readouterr().out)
+        assert agent["agent"] == "megatron_rl.agents.guess:play" and "env" not in agent
+        same = ("n", "correct", "mean_return", "turns_per_episode", "env_failures")
+        assert {k: agent[k] for k in same} == {k: summary[k] for k in same}
+        keep = ("output", "return", "turns")
+        assert [{k: json.loads(line)[k] for k in keep} for line in (tmp_path / "a.jsonl").read_text().splitlines()] \
+            == [{k: r[k] for k in keep} for r in rows]

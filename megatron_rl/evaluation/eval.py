@@ -69,6 +69,7 @@ class EvalSettings:
     tokenizer: Optional[str] = None
     dtype: Optional[str] = None  # None: the checkpoint's own; else fp32, bf16 or auto
     env: Optional[str] = None  # play each problem as an episode against env.cls (default: the dataset's own, if any)
+    agent: Optional[str] = None  # or have an agent (module:function, as env.agent) play each problem's episode
     max_turns: int = 4  # an episode's model turns (env.max_turns)
     max_tokens: int = 512  # an episode's tokens after its first prompt (env.max_tokens)
 
@@ -207,11 +208,15 @@ def _play_episodes(rank, model, cfg, g, params, batch_size: int, *, env, records
     (`environments/play.py`: environment workers on rank 0, each turn rendered once, the cache slot kept); on rank
     0: per episode (prompt ids, token ids after it, finish reason, error, turns, return), the generator's statistics
     and the episodes'."""
-    from megatron_rl.environments.play import Episodes
     from megatron_rl.inference import Generator
 
+    if env.agent is not None:  # the agents, through this replica's endpoint (agents/play.py)
+        from megatron_rl.agents.play import Agents as Play
+    else:
+        from megatron_rl.environments.play import Episodes as Play
+
     tok = checkpoint_tokenizer(Path(checkpoint), tokenizer)
-    play = Episodes(env, tok, chat, g.pgs.mp, rank == 0, params)
+    play = Play(env, tok, chat, g.pgs.mp, rank == 0, params)
     try:
         reqs, turns = play.requests(records, list(range(len(records))), 1)
         max_len = min(cfg.max_position_embeddings, max(len(r.prompt_ids) for r in reqs) + env.max_tokens)
@@ -335,11 +340,20 @@ def _run_ranks(ckpt: Path, s: EvalSettings, cfg, compute: str, tok, prompts: lis
 def _env_settings(s: EvalSettings, spec):
     """The environment the problems are played against (`--env`, else the dataset's own), or None: one response per
     problem, scored by the dataset's verifier. One line for a class that cannot be one."""
+    from megatron_rl.environments.pool import environment_problem, spec_problem
+    from megatron_rl.environments.settings import EnvSettings
+
+    if s.agent is not None:
+        if s.env is not None:
+            raise EvalError("--env and --agent are two ways to play an episode: give one")
+        settings = EnvSettings(agent=s.agent, max_turns=s.max_turns, max_tokens=s.max_tokens)
+        problems = settings.rules("--agent") or settings.problems_importing("--agent")
+        if problems:
+            raise EvalError(problems[0].replace("--agent.agent=", "--agent "))
+        return settings
     cls = s.env or spec.env
     if cls is None:
         return None
-    from megatron_rl.environments.pool import environment_problem, spec_problem
-    from megatron_rl.environments.settings import EnvSettings
 
     problem = spec_problem(cls) or environment_problem(cls)
     if problem:
@@ -369,7 +383,8 @@ def _evaluate_episodes(ckpt: Path, s: EvalSettings, t0: float, cfg, compute: str
                                     "finish_reason": finish, "new_tokens": len(ids),
                                     **({"error": error} if error else {})}) + "\n")
     n = len(records)
-    return {"dataset": spec.name, "checkpoint": str(ckpt), "dtype": compute, "env": env.cls, "n": n,
+    return {"dataset": spec.name, "checkpoint": str(ckpt), "dtype": compute,
+            **({"agent": env.agent} if env.agent is not None else {"env": env.cls}), "n": n,
             "correct": correct, "accuracy": correct / n, "mean_return": sum(returns) / n,
             "turns_per_episode": totals["turns"] / n, "env_failures": totals["failures"],
             "time_s": round(time.perf_counter() - t0, 2), "tokens_per_s": round(stats.get("tokens_per_s", 0.0), 1)}
