@@ -166,7 +166,7 @@ def load_reward_tokenizer(path):
 def _build_body(cfg: ModelConfig, layout: ParallelLayout, pgs, params_dtype: torch.dtype,
                 files: dict[str, str]) -> torch.nn.Module:
     """This TP rank's GPTModel without an output layer, filled from the safetensors files."""
-    from megatron_rl.checkpointing.convert import fill_param
+    from megatron_rl.checkpointing.hf_to_megatron import fill_param
     from megatron_rl.models import build_gpt_model
     from megatron_rl.models.sharding import describe_params
 
