@@ -281,7 +281,7 @@ def cmd_eval(args) -> int:
 
 def cmd_serve(args) -> int:
     from megatron_rl.evaluation import EvalError
-    from megatron_rl.serving.serve import ServeSettings, serve
+    from megatron_rl.evaluation.serve import ServeSettings, serve
 
     settings = ServeSettings(host=args.host, port=args.port, key=args.key, batch_size=args.batch_size,
                              max_len=args.max_len, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -31,7 +31,7 @@ from megatron_rl.data.registry import DATASETS
 from megatron_rl.data.settings import DataSettings
 from megatron_rl.inference.settings import GeneratorSettings, RolloutSettings
 from megatron_rl.models.presets import PRESETS, ModelConfig
-from megatron_rl.models.section import ModelSection, model_problems
+from megatron_rl.checkpointing.model_section import ModelSection, model_problems
 from megatron_rl.parallel.layout import layout_problems
 from megatron_rl.environments.settings import EnvSettings
 from megatron_rl.rewards.settings import RewardSettings

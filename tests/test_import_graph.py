@@ -79,6 +79,14 @@ def test_no_arrow_points_up_and_one_is_found_where_it_does():
     graph["megatron_rl.parallel.topology"] = {*graph["megatron_rl.parallel.topology"], "megatron_rl.controller.job"}
     assert import_graph.arrows_up(graph) == [("megatron_rl.parallel.topology", "megatron_rl.controller.job")]
     assert import_graph.unplaced(graph) == []
+    # Between components too (issue 67): the two arrows that ran up (the model section and the GGUF tokenizer
+    # importing checkpointing) are gone, and an import that ran up again would fail.
+    graph["megatron_rl.models.builder"] = {*graph["megatron_rl.models.builder"], "megatron_rl.checkpointing.layout"}
+    graph["megatron_rl.rewards.registry"] = {*graph["megatron_rl.rewards.registry"], "megatron_rl.inference.engine"}
+    assert set(import_graph.arrows_up(graph)) == {
+        ("megatron_rl.parallel.topology", "megatron_rl.controller.job"),
+        ("megatron_rl.models.builder", "megatron_rl.checkpointing.layout"),
+        ("megatron_rl.rewards.registry", "megatron_rl.inference.engine")}
     graph["megatron_rl.newpkg.mod"] = set()  # a package nobody placed in a layer is reported too
     assert import_graph.unplaced(graph) == ["megatron_rl.newpkg.mod"]
 

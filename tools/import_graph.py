@@ -36,10 +36,18 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "megatron_rl"
 # The package's layers, lowest first, by the name under `megatron_rl` (a subpackage or a top-level module).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("settings", "run_settings", "quiet", "failpoints", "compat", "rollout"),  # foundations
+    ("settings", "run_settings", "quiet", "failpoints", "compat", "rollout", "formats"),  # foundations
     ("parallel", "launch"),  # process groups and layouts; starting and stopping processes
-    ("models", "checkpointing", "tokenizers", "data", "rewards", "environments", "algorithms", "training",
-     "inference", "ddma", "evaluation", "serving", "agents"),  # the components
+    # The components, each layer using only those below it:
+    ("tokenizers", "data", "algorithms"),  # text and ids, prompt records, the RL objective's math
+    ("models",),  # the GPTModel, its presets, families and parameter names
+    ("training",),  # the trainer's step over a model
+    ("checkpointing",),  # checkpoints of models and trainers, conversion, the model section (a checkpoint's shape)
+    ("ddma", "rewards"),  # weights moved between layouts; verifiers and reward models
+    ("inference",),  # the generator and its engine, taking DDMA's weights
+    ("environments", "serving"),  # episodes against environments; the OpenAI-compatible endpoint on a generator
+    ("agents",),  # episodes played by agents through the endpoint
+    ("evaluation",),  # a checkpoint without training: eval and serve
     ("config",),  # the job's configuration: the components' sections composed
     ("planning",),  # what a configuration needs
     ("controller",),  # the executors, the RL loop, the launcher

@@ -18,7 +18,6 @@ that still runs it once its batch is over, replacing it.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import inspect
 import logging
 import math
@@ -33,34 +32,12 @@ from multiprocessing.connection import wait
 from typing import Callable, Optional
 
 from megatron_rl.rewards.worker_log import write_to_log
+from megatron_rl.environments.pool import agent_problem
 from megatron_rl.rewards.workers import RewardFunctionError, default_start_method, resolve_function
 
 log = logging.getLogger(__name__)
 
 CLIENT_TIMEOUT_S = 3600.0  # the agent's client waits this long for a reply: the job bounds the agent, not the model
-
-
-def agent_problem(spec: str) -> Optional[str]:
-    """What stops `spec` from naming an agent function (found by importing it here), or None; one line without the
-    spec."""
-    module, _, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
-    if not module or not attr:
-        return "must look like 'module:function' (or 'path/file.py:function')"
-    try:
-        fn = resolve_function(spec)
-    except RewardFunctionError as e:
-        return str(e).removeprefix(f"reward function {spec!r}").lstrip(": ")
-    except (Exception, SystemExit) as e:
-        return f"importing it raised {type(e).__name__}: {e}"
-    if isinstance(fn, type):
-        return f"{attr!r} is a class: an agent is a function (record, seed, client) -> reward"
-    try:
-        inspect.signature(fn).bind(None, None, None)
-    except (TypeError, ValueError):
-        return f"{attr!r} does not take (record, seed, client)"
-    if importlib.util.find_spec("openai") is None:
-        return "agents get an OpenAI client: pip install openai"
-    return None
 
 
 def as_reward(value) -> float:

@@ -14,9 +14,10 @@ safe_load        reading pickled checkpoint files without running code
 initial          the weights a job starts from (`model.checkpoint`)
 tokenizer        the tokenizer that travels with a checkpoint
 hf_sources       what a Hugging Face source (directory or GGUF) holds, before any weight is read
-gguf_file        a GGUF file read without transformers: header, tensor index, one tensor dequantized at a time
-convert          HF <-> Megatron conversion, both directions
+convert          HF <-> Megatron conversion: the command; hf_to_megatron and megatron_to_hf, its two directions;
+                 destination, what --overwrite may replace and the memory used (GGUF files: formats/gguf.py)
 safetensors_io   the streaming safetensors writer and header reader
 inspect          `megatron-rl inspect`: what a checkpoint holds, from its metadata
 settings         the `checkpoint:` section of a job
+model_section    the `model:` section: a preset, or a checkpoint whose recorded shape is the model's
 """

@@ -3,7 +3,7 @@ path is (`detect_format`: a megatron-rl checkpoint, a HF directory or a GGUF fil
 (config.json, without transformers) and which safetensors file holds each tensor it needs (headers only, every
 shape checked), a GGUF Llama's shape from its header (`gguf_model_config`), and a GGUF Llama dequantized into one
 safetensors file in Hugging Face names and row order (`gguf_to_safetensors`, one tensor at a time; the file itself
-is read by `gguf_file.py`).
+is read by `formats/gguf.py`).
 
 `convert.py` builds on these; `initial.py` (a job's starting weights) and the reward model's loader use them too.
 """
@@ -37,8 +37,8 @@ def detect_format(src: Path) -> str:
 
 
 def read_gguf(path: Path):
-    """A GGUF file's header (`gguf_file.GGUFFile`); a file it cannot read is a ConversionError."""
-    from megatron_rl.checkpointing.gguf_file import GGUFError, GGUFFile
+    """A GGUF file's header (`formats.gguf.GGUFFile`); a file it cannot read is a ConversionError."""
+    from megatron_rl.formats.gguf import GGUFError, GGUFFile
 
     try:
         return GGUFFile(path)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import importlib.util
+import inspect
 import logging
 import math
 import numbers
@@ -86,6 +88,29 @@ def environment_problem(spec: str) -> Optional[str]:
         return f"{attr!r} is {_a(type(cls).__name__)}, not a class"
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     return f"class {attr} has no callable {' or '.join(missing)}" if missing else None
+
+
+def agent_problem(spec: str) -> Optional[str]:
+    """What stops `spec` from naming an agent function (found by importing it here), or None; one line without the
+    spec."""
+    module, _, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+    if not module or not attr:
+        return "must look like 'module:function' (or 'path/file.py:function')"
+    try:
+        fn = resolve_function(spec)
+    except RewardFunctionError as e:
+        return str(e).removeprefix(f"reward function {spec!r}").lstrip(": ")
+    except (Exception, SystemExit) as e:
+        return f"importing it raised {type(e).__name__}: {e}"
+    if isinstance(fn, type):
+        return f"{attr!r} is a class: an agent is a function (record, seed, client) -> reward"
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except (TypeError, ValueError):
+        return f"{attr!r} does not take (record, seed, client)"
+    if importlib.util.find_spec("openai") is None:
+        return "agents get an OpenAI client: pip install openai"
+    return None
 
 
 def resolve_environment(spec: str) -> type:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from megatron_rl.environments.pool import environment_problem, spec_problem
+from megatron_rl.environments.pool import agent_problem, environment_problem, spec_problem
 from megatron_rl.settings import Section, ranged
 
 
@@ -52,8 +52,6 @@ class EnvSettings(Section):
         file that cannot be imported, an attribute that is missing, not a class, or without callable `reset` and
         `step`."""
         if self.agent is not None and self.cls is None and not self.rules(path):
-            from megatron_rl.agents.workers import agent_problem
-
             problem = agent_problem(self.agent)
             return [f"{path}.agent={self.agent!r}: {problem}"] if problem else []
         if self.cls is None or spec_problem(self.cls):

@@ -6,7 +6,8 @@ sampled ids and log-probs in every response.
 - `tool_calls.py`: tool calls read out of generated text (Hermes / Qwen blocks, Llama JSON calls).
 - `server.py`: `Endpoint`, aiohttp on a thread of its own, the run's key, handlers per path (an agent episode's
   session, or the whole `/v1`).
-- `engine_server.py`: `EngineServer`, requests decoded continuously by a live engine (`megatron-rl serve`).
+- `engine_server.py`: `EngineServer`, requests decoded continuously by a live engine (`megatron-rl serve`, whose
+  command is `evaluation/serve.py`).
 
 Nothing is imported here: `engine_server.py` imports torch; the endpoint needs aiohttp only when it starts.
 """

@@ -93,7 +93,7 @@ def take_gguf_special_tokens(tok, gguf_path: str | Path) -> None:
     `<|im_start|>` and its PAD unset, where the file says `<|im_end|>` for both (5.24 follows the file). A wrong EOS
     ends rollouts at the wrong token and pads with the wrong one. The header is read with our own GGUF reader
     (0.2 s), not transformers'."""
-    from megatron_rl.checkpointing.gguf_file import GGUFFile
+    from megatron_rl.formats.gguf import GGUFFile
 
     fields = GGUFFile(gguf_path).fields
     for attr, key in GGUF_SPECIAL_TOKENS.items():

@@ -7,7 +7,8 @@ does so once for the config, once for the model and once more for the tokenizer,
 memory at once. Here the header is read with `struct` in one pass (0.15-0.25 s for the same file, measured beside
 it: docs/dependencies.md), and a conversion holds one tensor at a time.
 
-What a GGUF Llama means in Hugging Face terms (names, config, llama.cpp's Q/K row order) is `hf_sources.py`'s.
+What a GGUF Llama means in Hugging Face terms (names, config, llama.cpp's Q/K row order) is
+`checkpointing/hf_sources.py`'s.
 """
 
 from __future__ import annotations
