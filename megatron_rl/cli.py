@@ -12,7 +12,6 @@ from typing import NoReturn, Optional
 from megatron_rl.config import (CLUSTER_FILES, ConfigError, fit_episode_budget, fit_to_devices, given_keys, load_config,
                                 validate)
 
-PROCESSES_PER_CORE = 4  # reshard-check: a layout pair needing more processes than this per core needs --force
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -225,31 +224,13 @@ def _model_override(text: str) -> tuple[str, object]:
 
 
 def cmd_reshard_check(args) -> int:
-    import dataclasses
-
-    from megatron_rl.models.presets import ModelConfig, get_preset
-    from megatron_rl.parallel.layout import ParallelLayout
+    from megatron_rl.ddma.verify import reshard_check_command
 
     try:
-        fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        overrides = dict(args.set or [])
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise ValueError(f"unknown model field(s) {unknown}; known: {', '.join(sorted(fields))}")
-        cfg = get_preset(args.model, **overrides)
-        src, dst = ParallelLayout.parse(args.src), ParallelLayout.parse(args.dst)
-        world = max(src.size, dst.size) if args.colocated else src.size + dst.size
-        from megatron_rl.launch.spawn import usable_cores
-
-        cores = usable_cores()
-        if world > PROCESSES_PER_CORE * cores and not args.force:
-            raise ValueError(f"--src {args.src} --dst {args.dst} needs {world} processes, more than "
-                             f"{PROCESSES_PER_CORE} per CPU core ({cores} cores here); pass --force to start them")
-        from megatron_rl.ddma.verify import reshard_check
-
-        summary = reshard_check(cfg, src, dst, colocated=args.colocated,
-                                bucket_bytes=int(args.bucket_mb * (1 << 20)), seed=args.seed, dtype=args.dtype,
-                                wire_dtype=args.wire_dtype, quantize=args.quantize)
+        summary = reshard_check_command(args.model, dict(args.set or []), args.src, args.dst, colocated=args.colocated,
+                                        force=args.force, bucket_bytes=int(args.bucket_mb * (1 << 20)),
+                                        seed=args.seed, dtype=args.dtype, wire_dtype=args.wire_dtype,
+                                        quantize=args.quantize)
     except ValueError as e:
         print(f"megatron-rl reshard-check: {e}", file=sys.stderr)
         return 2
@@ -460,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generator holds 2-D weights as int8 or fp8 (e4m3) with per-row scales, quantized on receive")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true",
-                   help=f"start the processes even when there are more than {PROCESSES_PER_CORE} per CPU core")
+                   help="start the processes even when there are more than 4 per CPU core")
     p.set_defaults(func=cmd_reshard_check)
     _add_launch_script_parsers(sub)
     return parser

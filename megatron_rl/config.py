@@ -1,8 +1,7 @@
 """The job's configuration: its sections composed (`JobConfig`), YAML files and dotted command-line overrides, and
 the rules between sections.
 
-    cfg = load_config("configs/tiny.yaml", ["trainer.tp=2", "rollout.staleness=2"])
-    validate(cfg, world_size=6)
+    cfg = load_config("configs/default.yaml", ["trainer.tp=2", "rollout.staleness=2"]); validate(cfg, world_size=6)
 
 Each section is the settings class of the component it configures, declared there with its ranges and its own
 rules (`megatron_rl.settings.Section`): `trainer` is `training.settings.TrainerSettings`, `algorithm` is

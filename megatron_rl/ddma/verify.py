@@ -200,3 +200,29 @@ def reshard_check(cfg: ModelConfig, src: ParallelLayout, dst: ParallelLayout, *,
                      and (quantize is None
                           or summary["quant_error_over_bound"] <= weight_format(quantize).ERROR_OVER_HALF_STEP))
     return summary
+
+
+PROCESSES_PER_CORE = 4  # reshard-check: a layout pair needing more processes than this per core needs --force
+
+
+def reshard_check_command(model: str, overrides: dict, src: str, dst: str, *, colocated: bool, force: bool,
+                          **options) -> dict:
+    """`megatron-rl reshard-check`: the preset `model` with field `overrides` and the two layouts checked (ValueError,
+    one line), then `reshard_check`."""
+    import dataclasses
+
+    from megatron_rl.launch.spawn import usable_cores
+    from megatron_rl.models.presets import get_preset
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown model field(s) {unknown}; known: {', '.join(sorted(fields))}")
+    cfg = get_preset(model, **overrides)
+    src_layout, dst_layout = ParallelLayout.parse(src), ParallelLayout.parse(dst)
+    world = max(src_layout.size, dst_layout.size) if colocated else src_layout.size + dst_layout.size
+    cores = usable_cores()
+    if world > PROCESSES_PER_CORE * cores and not force:
+        raise ValueError(f"--src {src} --dst {dst} needs {world} processes, more than {PROCESSES_PER_CORE} per CPU "
+                         f"core ({cores} cores here); pass --force to start them")
+    return reshard_check(cfg, src_layout, dst_layout, colocated=colocated, **options)

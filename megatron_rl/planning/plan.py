@@ -43,17 +43,8 @@ from megatron_rl.planning.calibration import Calibration
 from megatron_rl.planning.checkpoint import ReshardError, checkpoint_cost, checkpoint_report
 from megatron_rl.planning.memory import RankMemory, activation_bytes, prefill_workspace_bytes
 from megatron_rl.planning.meta import RankModules, build_rank_modules
-from megatron_rl.planning.steptime import (
-    GeneratorShape,
-    ModelCost,
-    StepTimes,
-    TrainerShape,
-    Workload,
-    generation_time,
-    group_link_gbps,
-    training_time,
-    weight_sync_time,
-)
+from megatron_rl.planning.steptime import (GeneratorShape, ModelCost, StepTimes, TrainerShape, Workload,
+                                          generation_time, group_link_gbps, training_time, weight_sync_time)
 
 GIB = 1 << 30
 
