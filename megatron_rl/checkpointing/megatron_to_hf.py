@@ -21,6 +21,7 @@ from megatron_rl.checkpointing.safetensors_io import write_sharded
 from megatron_rl.checkpointing.tokenizer import MODEL_TYPE_FILE, TOKENIZER_FILES, tokenizer_dir
 from megatron_rl.models.families import hf_config_dict
 from megatron_rl.models.hf_mapping import megatron_names, to_hf_tensors
+from megatron_rl.models.param_spec import local_expert
 from megatron_rl.models.presets import ModelConfig
 
 SHARD_BYTES = 2 * 2**30
@@ -73,15 +74,14 @@ class DistSliceReader:
 
 
 # Megatron-Core's SequentialMLP stores expert j of layer i at [i, j] of these stacked tensors (its global index).
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _EXPERTS_KEY = "decoder.layers.mlp.experts.experts."
 
 
 def _stored_layer_box(reader: DistSliceReader, layer: int, suffix: str, cfg: ModelConfig):
     """`_stored_box` of a layer tensor: one layer of a `decoder.layers.*` tensor; an expert's, all of the layer's
     experts (one box per key and layer, so that a layer's experts are read at once), and which to take."""
-    e = _EXPERT.match(suffix)
-    keys = [_EXPERTS_KEY + e.group(2)] if e else ["decoder.layers." + c for c in _STORED_ALIASES.get(suffix, (suffix,))]
+    e = local_expert(suffix)
+    keys = [_EXPERTS_KEY + e[1]] if e else ["decoder.layers." + c for c in _STORED_ALIASES.get(suffix, (suffix,))]
     key = next((k for k in keys if k in reader.tensors), None)
     if key is None:
         raise ConversionError(f"{reader.path}: no tensor for decoder.layers.{layer}.{suffix} (looked for {keys[0]})")
@@ -93,7 +93,7 @@ def _stored_layer_box(reader: DistSliceReader, layer: int, suffix: str, cfg: Mod
     if len(size) < 2 or size[1] != cfg.num_moe_experts:
         raise ConversionError(f"{reader.path}: {key} stacks {size[1] if len(size) > 1 else 0} experts, the config "
                               f"has {cfg.num_moe_experts}")
-    return key, (layer,) + (0,) * (len(size) - 1), (1,) + size[1:], size[2:], int(e.group(1))
+    return key, (layer,) + (0,) * (len(size) - 1), (1,) + size[1:], size[2:], e[0]
 
 
 def _stored_box(reader: DistSliceReader, name: str, cfg: ModelConfig):

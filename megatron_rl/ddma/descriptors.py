@@ -19,10 +19,11 @@ the Hugging Face conversion reads); from it and Megatron-Core's conventions for 
   (Megatron's `output_layer.weight`, kept equal by the embedding group), which a sync must fill too;
 - a mixture of experts' router is replicated like a norm; its experts are laid out by Megatron-Core's expert grid
   (`ParallelLayout.expert_coords`): the rank at EP rank e holds the global experts [e E/ep, (e+1) E/ep) as
-  `local_experts.0..` (so the same local name means a different expert on another EP rank), each expert's
-  `linear_fc1` / `linear_fc2` split over the expert-TP group (`etp` ranks) as the dense MLP's are over TP, and
-  the expert-data-parallel ranks (those with the same expert coordinates) hold copies. Which experts a rank holds
-  depends on its DP rank as well as its TP rank when EP runs over DP (a trainer's), so `stage_params` takes both.
+  local experts 0.. (`param_spec.LOCAL_EXPERTS`; so the same local name means a different expert on another EP
+  rank), each expert's `linear_fc1` / `linear_fc2` split over the expert-TP group (`etp` ranks) as the dense MLP's
+  are over TP, and the expert-data-parallel ranks (those with the same expert coordinates) hold copies. Which
+  experts a rank holds depends on its DP rank as well as its TP rank when EP runs over DP (a trainer's), so
+  `stage_params` takes both.
 
 `tests/test_ddma_descriptors.py` checks all of this against `describe_params` on real models.
 """
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from megatron_rl.models.param_spec import EMBEDDING, FINAL_NORM, OUTPUT, layer_params, model_params
+from megatron_rl.models.param_spec import EMBEDDING, FINAL_NORM, OUTPUT, expert_prefix, layer_params, model_params
 from megatron_rl.models.presets import ModelConfig, pad_vocab
 from megatron_rl.parallel.layout import ParallelLayout, layout_problems
 
@@ -215,7 +216,7 @@ def _stage_params(m: ModelShape, layout: ParallelLayout, pp_rank: int, tp_rank: 
             if p.expert is None:
                 out.append(local(f"decoder.layers.{j}.{p.name}", f"decoder.layers.{i}.{p.name}"))
             elif p.expert // per_rank == ep_rank:  # this rank's share of the experts, split over expert TP
-                name = p.name.replace(f"local_experts.{p.expert}.", f"local_experts.{p.expert - ep_rank * per_rank}.")
+                name = p.name.replace(expert_prefix(p.expert), expert_prefix(p.expert - ep_rank * per_rank))
                 out.append(LocalParam(f"decoder.layers.{j}.{name}", by_name[f"decoder.layers.{i}.{p.name}"],
                                       etp_rank, layout.etp, None))
     if last:
@@ -231,7 +232,7 @@ def stage_params(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, pp_ran
                  tp_rank: int, dp_rank: int = 0) -> tuple[LocalParam, ...]:
     """The parameters of the GPTModel stage at (pp_rank, tp_rank) of `layout`, in registration order; a mixture of
     experts holds the experts of its place in the expert grid, which depends on `dp_rank` too
-    (`ParallelLayout.expert_coords`: EP rank e holds experts [e E/ep, (e+1) E/ep) as `local_experts.0..`, each
+    (`ParallelLayout.expert_coords`: EP rank e holds experts [e E/ep, (e+1) E/ep) as local experts 0.., each
     split over the expert-TP group)."""
     if not (0 <= pp_rank < layout.pp and 0 <= tp_rank < layout.tp and 0 <= dp_rank < layout.dp):
         raise ValueError(f"(pp_rank={pp_rank}, tp_rank={tp_rank}, dp_rank={dp_rank}) is outside layout {layout}")

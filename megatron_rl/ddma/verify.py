@@ -26,6 +26,7 @@ from megatron_rl.ddma.planner import plan_reshard
 from megatron_rl.ddma.quant import quantize as quantize_shard, quantized_targets, weight_format
 from megatron_rl.ddma.sync import WeightSync
 from megatron_rl.ddma.transport import DEFAULT_BUCKET_BYTES, TransportSettings
+from megatron_rl.models.param_spec import is_expert
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.parallel.topology import ExecutorPlacement, build_topology
@@ -154,7 +155,7 @@ def reshard_check_worker(rank: int, world_size: int, cfg_kw: dict, src: str, dst
                 out["mismatches"] += count_mismatches(p, want)
             out["elements_checked"] += p.numel()
             out["params_checked"] += 1
-            out["expert_params_checked"] += ".local_experts." in name
+            out["expert_params_checked"] += is_expert(name)
         out["version"] = None if sync.version is None else sync.version.step
     return out
 

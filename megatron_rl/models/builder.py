@@ -24,6 +24,7 @@ from megatron_rl.compat import cuda_rules
 from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.fused import FusedRMSNorm, FusionSpec, register_rope_fusion, resolve_fusions
 from megatron_rl.models.moe import TokenSplitMoELayer
+from megatron_rl.models.param_spec import is_expert
 from megatron_rl.models.presets import ModelConfig
 from megatron_rl.parallel.layout import ParallelLayout
 
@@ -296,7 +297,7 @@ def mark_experts_expert_parallel(gpt: GPTModel) -> None:
     whatever the EP, so a checkpoint resumes at another EP, EP 1 included (at EP 1 the expert-DP group is the DP
     group: the same reduction)."""
     for name, p in gpt.named_parameters():
-        if ".local_experts." in name:
+        if is_expert(name):
             p.allreduce = False
 
 

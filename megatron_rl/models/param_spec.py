@@ -58,6 +58,26 @@ EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
 ROUTER = "mlp.router.weight"  # a mixture-of-experts layer's router (its name inside a layer)
+# A layer's expert j, as Megatron-Core's SequentialMLP names it inside the layer: f"{LOCAL_EXPERTS}{j}.linear_fc1..."
+# (j local to the EP rank in a model; global in the checkpoint and in this table). The one place the name is spelled.
+LOCAL_EXPERTS = "mlp.experts.local_experts."
+_EXPERT = re.compile(rf"^{re.escape(LOCAL_EXPERTS)}(\d+)\.(.+)$")
+
+
+def expert_prefix(j: int) -> str:
+    """The start of expert j's names inside a layer."""
+    return f"{LOCAL_EXPERTS}{j}."
+
+
+def local_expert(name: str) -> Optional[tuple[int, str]]:
+    """(j, the rest) of a name inside a layer that is expert j's (`linear_fc1.weight`, ...), else None."""
+    m = _EXPERT.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def is_expert(name: str) -> bool:
+    """Whether a parameter's name (a layer's, or a whole model's) is an expert's."""
+    return name.startswith(LOCAL_EXPERTS) or f".{LOCAL_EXPERTS}" in name
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -159,7 +179,7 @@ def _mlp(m: DecoderShape) -> tuple[ParamSpec, ...]:
                        h, m.ffn_hidden_size)
     names = family(m.family).experts
     experts = (p for j in range(m.num_moe_experts) for p in _swiglu(
-        f"mlp.experts.local_experts.{j}.", tuple(f"{names.prefix}.experts.{j}.{x}.weight"
+        expert_prefix(j), tuple(f"{names.prefix}.experts.{j}.{x}.weight"
                                                  for x in (names.gate, names.up, names.down)),
         h, m.moe_ffn_hidden_size, expert=j))
     return (_one(ROUTER, f"{names.prefix}.gate.weight", (m.num_moe_experts, h)), *experts)

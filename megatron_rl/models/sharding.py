@@ -18,10 +18,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_rl.models.param_spec import expert_prefix, local_expert
 from megatron_rl.models.presets import ModelConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -107,11 +107,10 @@ def describe_params(model: torch.nn.Module, cfg: ModelConfig, tp_rank: int, tp_s
         rank, size, expert = tp_rank, tp_size, False
         if m:
             rest = name[m.end():]
-            e = _LOCAL_EXPERT.match(rest)
+            e = local_expert(rest)
             if e:
                 expert = True
-                j = first_expert[int(m.group(1))] + int(e.group(1))
-                rest = f"mlp.experts.local_experts.{j}." + rest[e.end():]
+                rest = expert_prefix(first_expert[int(m.group(1))] + e[0]) + e[1]
                 rank, size = expert_tp
             global_name = f"decoder.layers.{layer_numbers[int(m.group(1))]}." + rest
         is_vocab = name in VOCAB_PARAMS

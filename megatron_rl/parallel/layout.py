@@ -36,6 +36,16 @@ class ParallelLayout:
         return r % self.etp, (r // self.etp) % self.ep
 
     @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel size: a stage's tp x dp ranks over etp x ep (the ranks that hold the same
+        experts, over which their gradients are reduced and their optimizer state sharded)."""
+        return self.tp * self.dp // (self.etp * self.ep)
+
+    def expert_dp_rank(self, tp_rank: int, dp_rank: int) -> int:
+        """A rank's place in its expert-data-parallel group (Megatron-Core's grid "tp-ep-dp-pp")."""
+        return (tp_rank + self.tp * dp_rank) // (self.etp * self.ep) % self.expert_dp
+
+    @property
     def size(self) -> int:
         return self.tp * self.pp * self.dp
 

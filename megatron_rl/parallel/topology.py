@@ -145,7 +145,7 @@ def _expert_groups(placement: ExecutorPlacement, backend: Optional[str]) -> tupl
     if per_stage % (layout.etp * layout.ep):
         raise ValueError(f"{placement.name}: etp x ep = {layout.etp} x {layout.ep} does not divide the {per_stage} "
                          f"ranks of a stage")
-    grid = HyperCommGrid([layout.etp, layout.ep, per_stage // (layout.etp * layout.ep), layout.pp],
+    grid = HyperCommGrid([layout.etp, layout.ep, layout.expert_dp, layout.pp],
                          ["tp", "ep", "dp", "pp"], rank_offset=placement.first_rank, backend=backend)
     timeout = world_timeout()
     return tuple(grid.create_pg(dims, timeout=timeout)

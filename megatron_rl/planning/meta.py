@@ -71,8 +71,7 @@ def stand_in_groups(layout: ParallelLayout, tp_rank: int, pp_rank: int, dp_rank:
     pgs.tp_ep_pp = g(etp * ep * pp, etp_rank + etp * ep_rank + etp * ep * pp_rank)
     pgs.pp = g(pp, pp_rank)
     pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = g(dp, dp_rank)
-    expert_dp = tp * dp // (etp * ep)
-    pgs.expt_dp = pgs.intra_expt_dp = g(expert_dp, (tp_rank + tp * dp_rank) // (etp * ep) % expert_dp)
+    pgs.expt_dp = pgs.intra_expt_dp = g(layout.expert_dp, layout.expert_dp_rank(tp_rank, dp_rank))
     pgs.cp = g(1, 0)
     pgs.mp = g(tp * pp, tp_rank + tp * pp_rank)
     pgs.tp_dp_cp = g(tp * dp, tp_rank + tp * dp_rank)
@@ -253,13 +252,13 @@ def _optimizer_shards(model: torch.nn.Module, layout: ParallelLayout,
     parameters over the DP group, a mixture of experts' over the expert-data-parallel group (the DP rank's place in
     it from the layout's expert grid, for TP rank 0)."""
     dp = layout.dp
-    dp_group, expert_group = StandInGroup(dp, 0), StandInGroup(dp * layout.tp // (layout.etp * layout.ep), 0)
+    dp_group, expert_group = StandInGroup(dp, 0), StandInGroup(layout.expert_dp, 0)
     buffers = (_ddp_buffers(model, dp_group, distributed)
                + _ddp_buffers(model, expert_group, distributed, experts=True))
     shards = []
     for r in range(dp if distributed else 1):
         dp_group._rank = r
-        expert_group._rank = layout.tp * r // (layout.etp * layout.ep) % expert_group.size()
+        expert_group._rank = layout.expert_dp_rank(0, r)
         param_bytes = grad_bytes = main = state = steps = 0
         for buf in buffers:
             grad_bytes += buf.numel * buf.grad_dtype.itemsize
