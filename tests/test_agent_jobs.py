@@ -30,7 +30,7 @@ def _rows(run_dir):
 
 def test_an_agent_trains_as_the_same_game_as_an_environment_does_and_resumes_exactly(tmp_path):
     def launch(name, args, failpoint=None):
-        return warm_cli.run_with_failpoint(["train", *args, "run.steps=3", "checkpoint.save_interval=2",
+        return warm_cli.run_with_failpoint(["train", *args, "run.steps=2", "checkpoint.save_interval=1",
                                             f"checkpoint.dir={tmp_path}", f"run.name={name}"], failpoint)
 
     for name, args in (("env", GUESS), ("agent", AGENT)):
@@ -44,7 +44,7 @@ def test_an_agent_trains_as_the_same_game_as_an_environment_does_and_resumes_exa
     assert all(r["episode/rewritten"] == 0 for r in agent)
     (_, w_env), (_, w_agent) = _final_weights(tmp_path / "env"), _final_weights(tmp_path / "agent")
     assert all(torch.equal(w_env[k], w_agent[k]) for k in w_env)
-    crash = launch("crash", AGENT, "train_step:2")  # dies in step 2, after the checkpoint of step 2
+    crash = launch("crash", AGENT, "train_step:1")  # dies in step 1, after the checkpoint of step 1
     assert crash.returncode == 1 and re.search(r"died with signal 9", crash.stderr), crash.stderr[-3000:]
     again = launch("crash", AGENT)
     assert again.returncode == 0 and "resumed from" in again.stderr, again.stderr[-3000:]
