@@ -3,7 +3,6 @@ and fills every parameter straight from the safetensors slices it is made of, th
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import time
@@ -14,8 +13,8 @@ import torch
 from megatron_rl.checkpointing.destination import MemoryMeter, finish_destination, mb, prepare_destination
 from megatron_rl.checkpointing.hf_sources import (detect_format, gguf_model_config, gguf_to_safetensors,
                                                   hf_model_config, hf_tensor_files, read_gguf)
-from megatron_rl.checkpointing.layout import (CONVERT_FORMAT, MODEL_DIR, TOKENIZER_DIR, ConversionError, record_files,
-                                              write_meta)
+from megatron_rl.checkpointing.layout import (MODEL_DIR, TOKENIZER_DIR, ConversionError, conversion_meta,
+                                              layout_entry, record_files, write_meta)
 from megatron_rl.checkpointing.tokenizer import save_tokenizer
 from megatron_rl.models.hf_mapping import hf_row_blocks
 from megatron_rl.models.presets import ModelConfig
@@ -122,11 +121,6 @@ def _check_layout(cfg: ModelConfig, layout: ParallelLayout) -> None:
         raise ConversionError(f"--{p.dim} {p.size} does not divide {p.field}={p.count}")
 
 
-def _layout_entry(layout: ParallelLayout) -> dict:
-    """The writing layout as `megatron_rl.json` and the summary record it ("ep" only when experts were split)."""
-    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, **({"ep": layout.ep} if layout.ep > 1 else {})}
-
-
 def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False,
                               tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
     """Convert a HF directory or GGUF file `src` into a Megatron checkpoint `dst`, written by `tp * pp * ep` local
@@ -154,9 +148,7 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
         if gguf:
             shutil.rmtree(tmp / "dequantized")
         tokenizer = save_tokenizer(src, tmp / TOKENIZER_DIR)
-        meta = {"format": CONVERT_FORMAT, "dtype": dtype, "source": str(src), "layout": _layout_entry(layout),
-                "model": dataclasses.asdict(cfg), "tokenizer": tokenizer,
-                "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        meta = conversion_meta(dtype=dtype, source=str(src), layout=layout, model=cfg, tokenizer=tokenizer)
         write_meta(tmp, record_files(tmp, meta))  # each file's CRC-32, checked by `inspect` and by every reader
         model_bytes = sum(f.stat().st_size for f in (tmp / MODEL_DIR).iterdir())
         finish_destination(tmp, dst)
@@ -166,7 +158,7 @@ def hf_to_megatron_checkpoint(src: Path, dst: Path, dtype: str = "float32", over
     seconds = time.perf_counter() - start
     parent = meter.report()
     return {"to": "megatron", "dst": str(dst), "parameters": cfg.num_parameters(tp),
-            "layout": _layout_entry(layout), "tokenizer": tokenizer is not None, "seconds": round(seconds, 2),
+            "layout": layout_entry(layout), "tokenizer": tokenizer is not None, "seconds": round(seconds, 2),
             "source_bytes": source_bytes, "model_bytes": model_bytes,
             "memory": {"rank_peak_rss_mb": [mb(r["peak_rss_bytes"]) for r in ranks],
                        "rank_base_rss_mb": [mb(r["base_rss_bytes"]) for r in ranks],

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -145,6 +146,39 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "format": (str,), "step": (int,), "weight_version": (int,), "layout": (dict,), "world_size": (int,),
     "dtype": (str,), "model": (dict,), "tokenizer": (dict,), "optimizer_state": (bool,), "optimizer_format": (str,),
     "source": (str,), MANIFEST: (dict,), CHECKSUMS: (dict,)}
+
+
+def layout_entry(layout) -> dict:
+    """A `ParallelLayout` as META records it, the one way every writer does: tp, pp and dp, and ep and etp where
+    they are not the default (`CheckpointMeta.trainer_layout` reads it back)."""
+    entry = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
+    if layout.ep != 1:
+        entry["ep"] = layout.ep
+    if layout.etp != layout.tp:
+        entry["etp"] = layout.etp
+    return entry
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def training_meta(*, step: int, weight_version: int, layout, world_size: int, dtype: Optional[str], model,
+                  tokenizer: Optional[dict], optimizer_state: Optional[bool], optimizer_format: str,
+                  extra: Optional[dict] = None) -> dict:
+    """The META of a training save (`training.TrainCheckpointer`), before its manifest: every key it holds is
+    spelled here, as `CheckpointMeta` reads them (`extra`: the save's own keys, kept as they are)."""
+    return {"format": TRAIN_FORMAT, "step": step, "weight_version": weight_version,
+            "layout": layout_entry(layout) if layout is not None else None, "world_size": world_size,
+            "dtype": dtype, "model": dataclasses.asdict(model) if model is not None else None,
+            "tokenizer": tokenizer, "saved_at": _now(), "optimizer_state": optimizer_state,
+            "optimizer_format": optimizer_format, **(extra or {})}
+
+
+def conversion_meta(*, dtype: str, source: str, layout, model, tokenizer: Optional[dict]) -> dict:
+    """The META of a conversion (`hf_to_megatron.py`), before its manifest."""
+    return {"format": CONVERT_FORMAT, "dtype": dtype, "source": source, "layout": layout_entry(layout),
+            "model": dataclasses.asdict(model), "tokenizer": tokenizer, "converted_at": _now()}
 
 
 def _parse_meta(ckpt: Path, raw: Any) -> CheckpointMeta:

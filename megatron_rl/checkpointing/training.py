@@ -53,10 +53,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpointing.layout import (CHECKSUMS, LATEST, MANIFEST, MODEL_DIR, OPTIMIZER_DIR, RL_STATE,
-                                              RNG_DIR, TOKENIZER_DIR, TRAIN_FORMAT, CheckpointError, CheckpointMeta,
+                                              RNG_DIR, TOKENIZER_DIR, CheckpointError, CheckpointMeta,
                                               checksum_mismatches, file_checksums, list_checkpoints, manifest,
                                               mismatch_line, publish, read_latest, remove_unfinished, retire,
-                                              retired, rng_file, step_dir_name, verify, write_meta)
+                                              retired, rng_file, step_dir_name, training_meta, verify, write_meta)
 from megatron_rl.checkpointing import background, leases, megatron_state, optimizer_state, rng, safe_load, storage
 from megatron_rl.checkpointing.reads import ReadCount, read_owners
 from megatron_rl.checkpointing.tokenizer import save_tokenizer
@@ -237,20 +237,14 @@ class TrainCheckpointer:
             if tokenizer is not None and "source" in tokenizer:
                 # The checkpoint carries its tokenizer's files, so that it stands on its own (eval, convert, resume).
                 tokenizer = save_tokenizer(Path(tokenizer["source"]), tmp / TOKENIZER_DIR)
-            meta = {
-                "format": TRAIN_FORMAT, "step": step,
-                "weight_version": (rl_state or {}).get("weight_version", step),
-                "layout": dataclasses.asdict(layout) if layout is not None else None,
-                "world_size": dist.get_world_size(),
-                "dtype": (str(next(engine.model.module.parameters()).dtype).replace("torch.", "")
-                          if engine is not None else None),
-                "model": dataclasses.asdict(model_cfg) if model_cfg is not None else None,
-                "tokenizer": tokenizer, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "optimizer_state": (megatron_state.has_optimizer_state(engine.optimizer)
-                                    if engine is not None else None),
-                "optimizer_format": optimizer_state.FORMAT,
-                **(extra or {}),
-            }
+            meta = training_meta(
+                step=step, weight_version=(rl_state or {}).get("weight_version", step), layout=layout,
+                world_size=dist.get_world_size(),
+                dtype=(str(next(engine.model.module.parameters()).dtype).replace("torch.", "")
+                       if engine is not None else None),
+                model=model_cfg, tokenizer=tokenizer,
+                optimizer_state=megatron_state.has_optimizer_state(engine.optimizer) if engine is not None else None,
+                optimizer_format=optimizer_state.FORMAT, extra=extra)
         blocking = time.perf_counter() - t0
         self.last_blocking_s = blocking
         thread = threading.Thread(target=self._complete, args=(name, tmp, final, writes, meta),
