@@ -228,7 +228,7 @@ class GeneratorExecutor:
             outs = self._generate_live(batch)
             version = min((min(o.versions) for o in outs if o.versions), default=version)
         else:
-            outs = self.generator.generate(self._requests(batch))
+            outs = self.generator.generate(self._requests(batch, problems))
         gen_s = time.perf_counter() - t0
         if not self.is_leader:
             return None
@@ -245,10 +245,11 @@ class GeneratorExecutor:
                                 [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes,
                                 occupancy=self.generator.stats.get("occupancy"))
 
-    def _requests(self, batch: int) -> list[GenerationRequest]:
-        """This replica's requests of training batch `batch` (single responses)."""
+    def _requests(self, batch: int, problems: Optional[list] = None) -> list[GenerationRequest]:
+        """This replica's requests of training batch `batch` (single responses); `problems`: the batch's records,
+        where the caller has drawn them already."""
         r = self.cfg.rollout
-        problems = self.task.train_batch(batch, r.prompts_per_step)
+        problems = problems if problems is not None else self.task.train_batch(batch, r.prompts_per_step)
         return [GenerationRequest(self.encode(self.task.prompt_text(problems[i])),
                                   self._sampling(rollout_seed(self.cfg.run.seed, batch, i), r.samples_per_prompt))
                 for i in r.replica_prompts(self.groups.dp_rank, self.groups.layout.dp)]
