@@ -130,3 +130,10 @@ class StepIllTyped(BreaksEveryStep):
 
 class StepDies(BreaksEveryStep):
     how = "die"
+
+
+class StepTakesNoReply(Counter):
+    """`step` without the reply: the interface's call cannot bind."""
+
+    def step(self):
+        return None, 0.0, True

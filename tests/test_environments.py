@@ -49,6 +49,8 @@ def test_settings_defaults_and_ranges():
     ("no_such_module_xyz:Env", "no module named 'no_such_module_xyz'"),
     ("env_cases:Nope", "module 'env_cases' has no attribute 'Nope'"),
     ("env_cases:NoStep", "class NoStep has no callable step"),
+    ("env_cases:StepTakesNoReply", "StepTakesNoReply.step(reply) does not match its signature (self) (the "
+                                   "interface: environments.pool.Environment)"),
     ("env_cases:not_a_class", "'not_a_class' is a function, not a class"),
     ("env_cases:ILL_TYPED", "'ILL_TYPED' is not callable"),
 ])

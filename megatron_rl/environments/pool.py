@@ -4,7 +4,9 @@ An environment is a user class given as `module:Class` (or `path/file.py:Class`)
 `Class(record, seed)` (`record`: every field of the prompt record). `reset()` returns the first user message;
 `step(response)` takes the model's reply as text and returns `(message, reward, done)`: the next message (a str for
 the user's turn, or a {"role", "content"} dict such as a tool result; None when done), the turn's reward (a finite
-number) and whether the episode is over.
+number) and whether the episode is over. `Environment` writes the interface down as a typing Protocol; a class is
+checked against its calls' signatures when the job's configuration is (`environment_problem`), before any process
+starts.
 
 Environment code is as untrusted as reward code, so it runs in the worker processes of `rewards.workers.WorkerPool`:
 per-call and per-batch deadlines, a hung or dead worker killed and replaced, every call answered. Each worker imports
@@ -42,7 +44,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence, Union
 
 from megatron_rl.rewards.workers import (MAX_FAILING_BATCHES, RewardFunctionError, WorkerPool, failing_batches,
                                          resolve_function)
@@ -70,6 +72,29 @@ def spec_problem(spec: str) -> Optional[str]:
     return None if module and attr else "must look like 'module:Class' (or 'path/file.py:Class')"
 
 
+class Environment(Protocol):
+    """What `env.cls` names: a class built per episode as `Class(record, seed)`, whose `reset()` returns the first
+    message and `step(reply)` the next one, the turn's reward and whether the episode is over (the module docstring
+    says what each may be). `environment_problem` checks a class against it before any process starts."""
+
+    def __init__(self, record: dict, seed: int) -> None: ...
+
+    def reset(self) -> Union[str, dict]: ...
+
+    def step(self, reply: str) -> tuple[Union[str, dict, None], float, bool]: ...
+
+
+def _takes(fn, *args) -> bool:
+    """Whether `fn` can be called with these positional arguments (True where its signature cannot be read)."""
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
 def environment_problem(spec: str) -> Optional[str]:
     """What stops `spec` from naming an environment class, found by importing it in this process (None: nothing):
     a bad form, a module or file that cannot be imported, a missing attribute, not a class, no callable `reset` or
@@ -87,7 +112,22 @@ def environment_problem(spec: str) -> Optional[str]:
     if not isinstance(cls, type):
         return f"{attr!r} is {_a(type(cls).__name__)}, not a class"
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
-    return f"class {attr} has no callable {' or '.join(missing)}" if missing else None
+    if missing:
+        return f"class {attr} has no callable {' or '.join(missing)}"
+    # The `Environment` protocol's calls, bound to the class's signatures (self given as None).
+    for call, fn, args in ((f"{attr}(record, seed)", cls, ({}, 0)), (f"{attr}.reset()", cls.reset, (None,)),
+                           (f"{attr}.step(reply)", cls.step, (None, ""))):
+        if not _takes(fn, *args):
+            return f"{call} does not match its signature {_signature(fn)} (the interface: environments.pool." \
+                "Environment)"
+    return None
+
+
+def _signature(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(?)"
 
 
 def agent_problem(spec: str) -> Optional[str]:
