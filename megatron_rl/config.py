@@ -402,14 +402,12 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
     if cfg.trainer.packing and budget and budget < cfg.episode_length:
         longest = "env.max_tokens" if cfg.env.episodic else "rollout.max_new_tokens"
         out.append(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step can hold "
-                   f"({cfg.episode_length} tokens: rollout.max_prompt_length + {longest}); each micro-batch holds "
-                   f"whole sequences")
+                   f"({cfg.episode_length} tokens: rollout.max_prompt_length + {longest}), whole in a micro-batch")
     if cfg.rollout.in_flight and (cfg.env.episodic or cfg.generator.pp > 1):
         out.append("rollout.in_flight=true runs single responses on a generator of one pipeline stage: episodes "
                    "(env.cls, env.agent) and generator.pp > 1 generate batch by batch (set rollout.in_flight=false)")
     if cfg.generator.colocated and cfg.generator.layout.size != cfg.trainer.layout.size:
-        out.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp (both executors span "
-                   "the same ranks)")
+        out.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp (same ranks)")
     return out
 
 
@@ -429,6 +427,8 @@ def _episode_problems(cfg: JobConfig, model: Optional[ModelConfig], dataset: Opt
     elif cfg.reward.model and not cfg.reward.model_executor:
         out.append(f"{cfg.env.field}: a reward model scores episodes on ranks of its own: set reward.executor.dp >= 1 "
                    "(its score of the whole episode, times reward.model_coef, is added to the return)")
+    if cfg.env.agent is not None and cfg.generator.pp > 1:  # (its restart of a split episode is not built)
+        out.append("env.agent plays on a generator of one pipeline stage: set generator.pp=1")
     if model is not None and cfg.episode_length > model.max_position_embeddings:
         out.append(f"rollout.max_prompt_length + env.max_tokens = {cfg.episode_length} exceeds "
                    f"model.max_position_embeddings={model.max_position_embeddings}")

@@ -150,3 +150,16 @@ def test_an_episode_split_into_parts_counts_once_in_its_group_and_each_part_take
         want = compute_advantages(torch.tensor([1.0, 0.0, 0.5, 0.25]), torch.tensor([0, 0, 1, 1]), estimator)
         assert torch.allclose(got, want[[0, 0, 1, 2, 3]]), estimator  # the episodes' own, each part its episode's
     assert split_parts(outs[1:], [0, 1, 1], [0.0, 0.5, 0.25])[3] is None  # nothing split: nothing changes
+
+
+def test_agents_on_a_pipelined_generator_are_one_line():
+    """A split episode restarts in its slot through the one-stage engine only: env.agent with generator.pp > 1 is
+    refused before any process starts, and eval --agent with --pp > 1 too."""
+    from megatron_rl.config import load_config, problems
+    from megatron_rl.evaluation.eval import EvalError, EvalSettings, _env_settings
+
+    agent = ["data.dataset=guess-number", "env.agent=megatron_rl.agents.guess:play", "generator.pp=2"]
+    assert "env.agent plays on a generator of one pipeline stage: set generator.pp=1" in problems(
+        load_config(overrides=agent))[1]
+    with pytest.raises(EvalError, match="--agent plays on one pipeline stage"):
+        _env_settings(EvalSettings(agent="megatron_rl.agents.guess:play", pp=2), None)

@@ -121,16 +121,11 @@ def test_serve_answers_the_openai_client_over_a_checkpoint_until_stopped(tmp_pat
     import sys
 
     import torch
-    import transformers
 
     from megatron_rl.checkpointing.convert import convert
+    from tiny_hf import save_tiny_llama
 
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(1)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(tmp_path / "hf")
+    hf = save_tiny_llama(tmp_path / "hf", seed=1)
     convert(tmp_path / "hf", tmp_path / "ckpt", to="megatron")
     cmd = [sys.executable, "-m", "megatron_rl.cli", "serve", str(tmp_path / "ckpt"), "--tokenizer", "byte",
            "--key", "k", "--max-tokens", "6"]

@@ -31,7 +31,6 @@ batches in a row stops the run, as with environments.
 
 from __future__ import annotations
 
-import logging
 import queue
 import secrets
 import threading
@@ -41,14 +40,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_rl.environments.play import EpisodeTurns, Episodes, _Episode
-from megatron_rl.environments.pool import EnvironmentFailureError
-from megatron_rl.inference import GenerationRequest, SamplingParams
-from megatron_rl.inference.sampling import stream_seed
+from megatron_rl.environments.pool import episode_failure_rule
+from megatron_rl.inference import SamplingParams
 from megatron_rl.inference.sequence import Restart
-from megatron_rl.rewards.workers import MAX_FAILING_BATCHES, failing_batches
 from megatron_rl.serving.protocol import ChatRequest, ProtocolError, chat_body, normalize_message, reply_body
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +52,7 @@ class _AgentEpisode(_Episode):
     model read or wrote), the request waiting for its reply, and what the agent's call ended with."""
 
     session: str = ""
+    model: str = "policy"  # the served model's name, in its replies
     events: "queue.Queue" = field(default_factory=queue.Queue)  # ("request", ChatRequest, Future) | ("end", ok, value)
     messages: list = field(default_factory=list)
     ids: list = field(default_factory=list)
@@ -85,7 +81,7 @@ class _AgentEpisode(_Episode):
         return fut
 
     def done_body(self) -> dict:
-        return {**chat_body("policy", self.ids, [], [], "length", "", []), "episode_done": True}
+        return {**chat_body(self.model, self.ids, [], [], "length", "", []), "episode_done": True}
 
     # ---- the generator's thread ---------------------------------------------------------------------------------
     def answer(self, body=None, error: Optional[ProtocolError] = None) -> None:
@@ -164,28 +160,23 @@ class Agents(Episodes):
         if self.endpoint is not None:
             self.endpoint.close()
 
-    def requests(self, records: list, base_seeds: list[int], n: int) -> tuple[list[GenerationRequest], "AgentTurns"]:
-        """One request per episode (seeded as `Episodes.requests` seeds them), each prompt its agent's first chat
-        request; and the `Turns` that play them."""
+    _episode = _AgentEpisode
+
+    def _first_prompts(self, episodes: list) -> list[Optional[list[int]]]:
+        """Every episode's agent started with its own session (`Episodes.requests` seeds them as environments),
+        and the ids of each one's first chat request."""
         self._batches += 1
-        episodes = [_AgentEpisode(rec.as_dict(), stream_seed(base, k)) for rec, base in zip(records, base_seeds)
-                    for k in range(n)]
-        prompts = None
-        if self.is_leader:
-            pool = self.pool
-            for i, e in enumerate(episodes):
-                e.session = f"{self._batches}-{i}-{secrets.token_hex(4)}"
-                self._live[e.session] = e
-                self.endpoint.open_session(e.session, e.handle)
-                pool.run(e.session, e.record, e.seed, self.endpoint.session_url(e.session), self.key)
-            deadline = time.monotonic() + self.env.timeout_s
-            prompts = [self._first(e, deadline - time.monotonic()) for e in episodes]
-        reqs = []
-        for e, prompt in zip(episodes, self.share(prompts)):
-            e.prompt = prompt if prompt is not None else [self.tok.eos_id]
-            params = {**self.sampling.__dict__, "n": 1, "seed": e.seed, **({} if prompt else {"max_new_tokens": 0})}
-            reqs.append(GenerationRequest(e.prompt, SamplingParams(**params)))
-        return reqs, AgentTurns(self, episodes)
+        pool = self.pool
+        for i, e in enumerate(episodes):
+            e.session, e.model = f"{self._batches}-{i}-{secrets.token_hex(4)}", self.model
+            self._live[e.session] = e
+            self.endpoint.open_session(e.session, e.handle)
+            pool.run(e.session, e.record, e.seed, self.endpoint.session_url(e.session), self.key)
+        deadline = time.monotonic() + self.env.timeout_s
+        return [self._first(e, deadline - time.monotonic()) for e in episodes]
+
+    def _turns(self, episodes: list) -> "AgentTurns":
+        return AgentTurns(self, episodes)
 
     def _first(self, e: _AgentEpisode, timeout_s: float) -> Optional[list[int]]:
         """The ids of an episode's first request, or None (the agent returned, failed or made none in time)."""
@@ -211,17 +202,8 @@ class Agents(Episodes):
         """The environments' failure rule over the batch's agents (`EnvironmentPool.end_batch`)."""
         turns.settle()
         errors = [e.error for e in turns.episodes if e.error is not None]
-        n = len(turns.episodes)
-        where = f" (tracebacks and output: {self.log_path})" if self.log_path else ""
-        self.failing_batches = failing_batches(
-            errors, n, self.failing_batches,
-            lambda text: log.warning("agent %s failed on %d of %d episodes, which end with reward 0%s: %s",
-                                     self.env.agent, len(errors), n, where, text))
-        if self.failing_batches >= MAX_FAILING_BATCHES:
-            raise EnvironmentFailureError(
-                f"agent {self.env.agent!r} failed on {len(errors)} of {n} episodes, and on more than half in each of "
-                f"the last {self.failing_batches} batches (last error: {errors[-1]}); stopping: fix the agent"
-                f"{where}, or raise env.timeout_s")
+        self.failing_batches = episode_failure_rule("agent", "agent", self.env.agent, errors, len(turns.episodes),
+                                                    self.failing_batches, self.log_path, "env.timeout_s")
 
 
 class AgentTurns(EpisodeTurns):

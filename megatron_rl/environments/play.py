@@ -109,22 +109,29 @@ class Episodes:
         """One request per episode: `n` episodes of each record, episode k of record i seeded stream_seed(base_seeds
         [i], k) (its environment and its sampling alike), each prompt its environment's first message; and the
         `Turns` that plays them."""
-        episodes = [_Episode(rec.as_dict(), stream_seed(base, k)) for rec, base in zip(records, base_seeds)
+        episodes = [self._episode(rec.as_dict(), stream_seed(base, k)) for rec, base in zip(records, base_seeds)
                     for k in range(n)]
-        prompts = None
-        if self.is_leader:
-            firsts = self.pool.first([(e.record, e.seed) for e in episodes])
-            prompts = [self.template.prompt(t.message) if t.error is None else None for t in firsts]
-            for e, t in zip(episodes, firsts):
-                e.took(t)
         reqs = []
-        for e, prompt in zip(episodes, self.share(prompts)):
-            # An episode whose environment failed to start (one line in the log) samples nothing: a request the
-            # generator refuses (no new token), with its stop token as the prompt; its return is 0.
+        for e, prompt in zip(episodes, self.share(self._first_prompts(episodes) if self.is_leader else None)):
+            # An episode that failed to start (one line in the log) samples nothing: a request the generator refuses
+            # (no new token), with its stop token as the prompt; its return is 0 (an agent's: what it returned).
             e.prompt = prompt if prompt is not None else [self.tok.eos_id]
             params = {**self.sampling.__dict__, "n": 1, "seed": e.seed, **({} if prompt else {"max_new_tokens": 0})}
             reqs.append(GenerationRequest(e.prompt, SamplingParams(**params)))
-        return reqs, EpisodeTurns(self, episodes)
+        return reqs, self._turns(episodes)
+
+    # What differs between environments and agents (`agents/play.py: Agents`): an episode's record, its first
+    # prompts (on the leader), and the `Turns` that plays a batch.
+    _episode = _Episode
+
+    def _first_prompts(self, episodes: list) -> list[Optional[list[int]]]:
+        firsts = self.pool.first([(e.record, e.seed) for e in episodes])
+        for e, t in zip(episodes, firsts):
+            e.took(t)
+        return [self.template.prompt(t.message) if t.error is None else None for t in firsts]
+
+    def _turns(self, episodes: list) -> "EpisodeTurns":
+        return EpisodeTurns(self, episodes)
 
     def end_batch(self, turns: "EpisodeTurns") -> None:
         """On the leader, once a training batch's episodes are over: the environment's failure rule over them

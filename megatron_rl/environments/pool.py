@@ -95,6 +95,24 @@ def _takes(fn, *args) -> bool:
     return True
 
 
+def episode_failure_rule(what: str, name: str, spec: str, errors: list[str], episodes: int, streak: int,
+                         log_path: Optional[str], remedy: str) -> int:
+    """The failure rule of a batch of `episodes` episodes, `errors` the one line of each that failed, for the
+    environments' pool and the agents alike (`what`: "environment" or "agent", `name` as the spec is shown): the
+    failures logged in one line, and EnvironmentFailureError once more than half failed in MAX_FAILING_BATCHES
+    batches in a row. Returns the new count of such batches (`streak` before this one)."""
+    where = f" (tracebacks and output: {log_path})" if log_path else ""
+    streak = failing_batches(
+        errors, episodes, streak,
+        lambda text: log.warning("%s %s failed on %d of %d episodes, which end with reward 0%s: %s", what, spec,
+                                 len(errors), episodes, where, text))
+    if streak >= MAX_FAILING_BATCHES:
+        raise EnvironmentFailureError(
+            f"{name} {spec!r} failed on {len(errors)} of {episodes} episodes, and on more than half in each of the "
+            f"last {streak} batches (last error: {errors[-1]}); stopping: fix the {what}{where}, or raise {remedy}")
+    return streak
+
+
 def environment_problem(spec: str) -> Optional[str]:
     """What stops `spec` from naming an environment class, found by importing it in this process (None: nothing):
     a bad form, a module or file that cannot be imported, a missing attribute, not a class, no callable `reset` or
@@ -421,17 +439,9 @@ class EnvironmentPool:
         """The rule for a batch of `episodes` episodes (all the calls of one rollout batch: its resets and every
         turn's steps), `errors` the one line of each that failed: the failures logged in one line, and
         EnvironmentFailureError once more than half failed in MAX_FAILING_BATCHES batches in a row."""
-        errors = list(errors)
-        where = f" (tracebacks and output: {self.log_path})" if self.log_path else ""
-        self.failing_batches = failing_batches(
-            errors, episodes, self.failing_batches,
-            lambda text: log.warning("environment %s failed on %d of %d episodes, which end with reward 0%s: %s",
-                                     self.spec, len(errors), episodes, where, text))
-        if self.failing_batches >= MAX_FAILING_BATCHES:
-            raise EnvironmentFailureError(
-                f"env {self.spec!r} failed on {len(errors)} of {episodes} episodes, and on more than half in each of "
-                f"the last {self.failing_batches} batches (last error: {errors[-1]}); stopping: fix the environment"
-                f"{where}, or raise env.timeout_s / env.num_workers")
+        self.failing_batches = episode_failure_rule("environment", "env", self.spec, list(errors), episodes,
+                                                    self.failing_batches, self.log_path,
+                                                    "env.timeout_s / env.num_workers")
 
     def close(self) -> None:
         self._pool.close()

@@ -346,6 +346,8 @@ def _env_settings(s: EvalSettings, spec):
     if s.agent is not None:
         if s.env is not None:
             raise EvalError("--env and --agent are two ways to play an episode: give one")
+        if s.pp > 1:
+            raise EvalError("--agent plays on one pipeline stage: leave --pp at 1")
         settings = EnvSettings(agent=s.agent, max_turns=s.max_turns, max_tokens=s.max_tokens)
         problems = settings.rules("--agent") or settings.problems_importing("--agent")
         if problems:

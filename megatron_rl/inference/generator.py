@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import types
 from typing import Optional
 
 import torch
@@ -177,12 +176,12 @@ class Generator:
         parts = [SampledResponse(s.request_id, s.sample, p["prompt"], p["tokens"], p["logprobs"], "rewritten",
                                  text=self.tokenizer.decode(p["tokens"]) if self.tokenizer is not None else None,
                                  policy_mask=p["policy"], turns=max(s.turns, 1), versions=p["versions"] or None,
-                                 routes=self.routes.output(types.SimpleNamespace(
-                                     routes=p["routes"], length=len(p["prompt"]) + len(p["tokens"]))))
+                                 routes=self.routes.output(p["routes"], len(p["prompt"]) + len(p["tokens"])))
                  for p in s.parts]
         return SampledResponse(s.request_id, s.sample, s.prompt, s.tokens, s.logprobs, s.finish, text=text,
                                policy_mask=s.policy if s.episode else None, turns=max(s.turns, 1),
-                               versions=list(s.versions) if s.versions else None, routes=self.routes.output(s),
+                               versions=list(s.versions) if s.versions else None,
+                               routes=self.routes.output(s.routes, s.length),
                                parts=parts or None)
 
     def cache_length(self, longest: int) -> int:

@@ -85,14 +85,15 @@ class RouteRecorder:
             buf = self._host[parity] = torch.empty(routes.shape, dtype=routes.dtype, pin_memory=pin)
         return buf.copy_(routes, non_blocking=True)
 
-    def output(self, seq) -> Optional[torch.Tensor]:
-        """[len(history), layers, k]: the recorded positions, then placeholders (experts 0..k-1) for the last."""
+    def output(self, log: RouteLog, length: int) -> Optional[torch.Tensor]:
+        """[length, layers, k] of a sequence of `length` positions (its routes `log`): the recorded positions, then
+        placeholders (experts 0..k-1) for the last."""
         if not self.on:
             return None
-        seq.routes.truncate(seq.length - 1)
+        log.truncate(length - 1)
         layers, k = self.model.config.num_layers, self.model.config.moe_router_topk
-        have = seq.routes.recorded()
+        have = log.recorded()
         if have is None:
             have = torch.zeros(0, layers, k, dtype=self.dtype)
-        fill = torch.arange(k, dtype=self.dtype).expand(seq.length - have.shape[0], layers, k)
+        fill = torch.arange(k, dtype=self.dtype).expand(length - have.shape[0], layers, k)
         return torch.cat([have, fill])

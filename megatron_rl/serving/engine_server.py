@@ -3,9 +3,10 @@
 The endpoint's thread parses a request and queues it (`handle`); the generator's thread (`serve`) admits whatever
 is queued between two engine steps, so a request arriving while others decode takes the next free slot instead of
 waiting for them to drain, and each one is answered the moment its sequence ends. Requests sample with their own
-temperature, top_p, seed and max_tokens (the command's defaults where they give none); a request with a seed gets
-the same tokens whatever else shares its steps (`inference/sampling.py`), except that the engine always runs its
-top-p-capable step, so a seeded request's draws are those of `Generator.generate` with top_p < 1.
+temperature, top_p, seed and max_tokens (the command's defaults where they give none). A seeded request draws
+from its own stream (`inference/sampling.py`); the engine always runs its top-p-capable step, so its draws are those
+of `Generator.generate` with top_p < 1 (a request alone equals `generate`'s tokens bit for bit:
+tests/test_serving.py; beside others, the batch's numerics may move a logit).
 """
 
 from __future__ import annotations
