@@ -394,18 +394,18 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
                    f"0.16's non-distributed mixed-precision optimizer writes its state as if every parameter were "
                    f"bf16, and the trainer keeps its norms in fp32; keep the distributed optimizer, or set "
                    f"trainer.dtype=fp32")
-    kv = cfg.generator.kv_cache_tokens
-    if kv and kv < cfg.episode_length:
+    if (kv := cfg.generator.kv_cache_tokens) and kv < cfg.episode_length:
         out.append(f"generator.kv_cache_tokens={kv} holds less than one sequence at its longest ({cfg.episode_length} "
                    f"tokens)")
-    budget = cfg.trainer.max_tokens_per_micro_batch
-    if cfg.trainer.packing and budget and budget < cfg.episode_length:
+    if cfg.trainer.packing and (budget := cfg.trainer.max_tokens_per_micro_batch) and budget < cfg.episode_length:
         longest = "env.max_tokens" if cfg.env.episodic else "rollout.max_new_tokens"
         out.append(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step can hold "
                    f"({cfg.episode_length} tokens: rollout.max_prompt_length + {longest}), whole in a micro-batch")
     if cfg.rollout.in_flight and (cfg.env.episodic or cfg.generator.pp > 1):
         out.append("rollout.in_flight=true runs single responses on a generator of one pipeline stage: episodes "
                    "(env.cls, env.agent) and generator.pp > 1 generate batch by batch (set rollout.in_flight=false)")
+    out += cfg.algorithm.job_problems("algorithm", cfg.rollout.in_flight, cfg.reward.model_executor,
+                                      cfg.env.agent is not None, cfg.episode_length - cfg.rollout.max_prompt_length)
     if cfg.generator.colocated and cfg.generator.layout.size != cfg.trainer.layout.size:
         out.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp (same ranks)")
     return out

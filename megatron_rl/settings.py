@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal, Union
 RULES: dict[str, typing.Callable[[Any], bool]] = {
     ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
     "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1,
-    "in [0, 2**32)": lambda v: 0 <= v < 2**32,
+    "in [0, 2**32)": lambda v: 0 <= v < 2**32, "in [1, 64]": lambda v: 1 <= v <= 64,
 }
 
 

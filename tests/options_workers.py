@@ -14,6 +14,7 @@ from megatron_rl.models.sharding import load_full_state_dict
 from megatron_rl.parallel import ExecutorPlacement, build_topology
 from megatron_rl.tokenizers import ByteTokenizer
 from megatron_rl.training.engine import NonFiniteError, TrainEngine
+from megatron_rl.training.guard import MIN_HISTORY, CollapseError
 from megatron_rl.training.lm_loss import make_lm_loss
 
 
@@ -87,6 +88,52 @@ def rl_optimizer_worker(rank, world_size, overrides, state_path, steps):
     out["nonfinite_seq"], out["nonfinite_unchanged"] = seq, unchanged
     out["nonfinite_optimizer_steps"] = len(log) - steps_before
     out["nonfinite_in_a_row"] = engine.nonfinite_in_a_row
+    out["guard"] = _guard_sequence(engine, loss_fn, model, model_cfg.vocab_size, log)
+    return out
+
+
+def _guard_sequence(engine, loss_fn, model, vocab: int, log: list) -> dict:
+    """The step guard of RL steps (steps given their token statistics): MIN_HISTORY steps on distinct batches, a
+    step whose loss (so gradient) is planted 1000x, a normal step (at half the learning rate), then steps whose
+    planted log-prob gap is 0.5 nats until the guard stops the run."""
+    healthy = {"logp_diff_mean": 0.004, "kl_mu_pi": 0.0003}
+    out = {"taken": [], "reported_norms": []}
+    for k in range(MIN_HISTORY):
+        m = engine.step([lm_batch(vocab, seed=500 + k)], loss_fn, guard_stats=lambda: healthy)
+        out["taken"].append(m["guarded"])
+        out["reported_norms"].append(m["grad_norm"])
+    out["history_norms"] = list(engine.guard.history["grad_norm"])
+
+    def spiked(logits, mb):
+        loss_sum, n, metrics = loss_fn(logits, mb)
+        return loss_sum * 1000.0, n, metrics
+
+    before, calls = _params(model), len(log)
+    m = engine.step([lm_batch(vocab, seed=600)], spiked, guard_stats=lambda: healthy)
+    after = _params(model)
+    out["spike"] = {"guarded": m["guarded"], "skipped": m["skipped"], "reason": m.get("guard_reason"),
+                    "unchanged": all(torch.equal(before[n], after[n]) for n in before),
+                    "optimizer_steps": len(log) - calls, "history_unchanged": engine.guard.history["grad_norm"]
+                    == out["history_norms"]}
+    scheduled = [g["lr"] for g in engine.optimizer.param_groups]
+    m = engine.step([lm_batch(vocab, seed=601)], loss_fn, guard_stats=lambda: healthy)
+    out["after_spike"] = (m["guarded"], m["guard_lr_scale"], log[-1]["lr"], scheduled,
+                          [g["lr"] for g in engine.optimizer.param_groups])
+    counters = engine.counters()
+    gaps = []
+    try:
+        for _ in range(10):
+            gaps.append(engine.step([lm_batch(vocab, seed=602)], loss_fn,
+                                    guard_stats=lambda: {**healthy, "logp_diff_mean": 0.5})["guarded"])
+        out["collapse"] = None
+    except CollapseError as e:
+        out["collapse"] = str(e)
+    out["gaps"] = gaps
+    engine.load_counters(counters)  # a resume restores the guard's history and count as they were saved
+    out["restored"] = (engine.guard.in_a_row, engine.guard.total, engine.guard.lr_scale,
+                       engine.guard.history["grad_norm"][-1])
+    saved = counters["step_guard"]
+    out["saved"] = (saved["in_a_row"], saved["total"], saved["lr_scale"], saved["history"]["grad_norm"][-1])
     return out
 
 

@@ -190,3 +190,40 @@ def test_a_correction_needs_importance_weights_and_ppo_clip_only_where_it_clips(
     with pytest.raises(ValueError, match="ppo_clip applies to algorithm.correction 'truncate'"):
         AIPOSettings(correction="sequence", ppo_clip=0.2)
     AIPOSettings(correction="decoupled", ppo_clip=0.1)  # its clip
+
+
+@pytest.mark.parametrize("correction", ["truncate", "mask", "decoupled", "sequence", "ppo_clip", "uncorrected"])
+def test_the_token_band_drops_exactly_the_tokens_outside_it_and_changes_nothing_inside(correction):
+    """The collapse guard's band (token_band = 3 nats, on by default): tokens with |logp_pi - logp_mu| > 3 (ratios
+    e^-4 and e^5 here) carry no policy gradient, under every correction; a batch inside the band gives the loss of no
+    band at all, value and gradient (the reference: the same call with token_band=None)."""
+    kw = {"ppo_clip": {"ppo_clip": 0.2}, "uncorrected": {"importance_weights": False}}.get(
+        correction, {"correction": correction})
+    gaps = [-4.0, 0.5, 2.9, 5.0, -2.9, 0.0]  # logp_pi - logp_mu
+    inside = [abs(g) <= 3.0 for g in gaps]
+
+    def grad(band, keep):
+        theta = torch.tensor([0.3, -1.0, 0.5, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+        y = torch.tensor([0, 3, 2, 3, 1, 4])[keep]
+        adv = torch.tensor([1.5, -0.5, 2.0, 1.0, 0.7, -1.2], dtype=torch.float64)[keep]
+        logp_pi = _policy(theta, y).unsqueeze(0)  # one row: [1, tokens]
+        logp_mu = logp_pi.detach() - torch.tensor(gaps, dtype=torch.float64)[keep]
+        adv = adv.unsqueeze(0)
+        rho = 200.0 if correction == "mask" else 4.0  # the mask's own range, [1/rho, rho], wider than the band
+        loss, stats = aipo_token_loss(logp_pi, logp_mu, adv, AIPOSettings(rho=rho, token_band=band, **kw))
+        loss.sum().backward()
+        return loss.detach()[0], theta.grad, {k: v[0] for k, v in stats.items()}
+
+    keep_all, keep_in = torch.ones(6, dtype=torch.bool), torch.tensor(inside)
+    loss, g, stats = grad(3.0, keep_all)
+    assert stats["out_of_band"].tolist() == [0.0 if i else 1.0 for i in inside]
+    assert loss[~keep_in].tolist() == [0.0, 0.0]
+    if correction != "sequence":  # its weight averages the whole response's ratios, so the batch is not separable
+        ref_loss, ref_g, _ = grad(None, keep_in)  # the in-band tokens alone, with no band
+        torch.testing.assert_close(g, ref_g, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(loss[keep_in], ref_loss, rtol=1e-12, atol=1e-12)
+    in_loss, in_g, in_stats = grad(3.0, keep_in)  # a batch inside the band: exactly the unguarded loss
+    ref_loss, ref_g, _ = grad(None, keep_in)
+    assert torch.equal(in_loss, ref_loss) and torch.equal(in_g, ref_g) and in_stats["out_of_band"].sum() == 0
+    _, unguarded, _ = grad(None, keep_all)
+    assert not torch.allclose(g, unguarded)  # the check can fail: the out-of-band tokens did carry gradient

@@ -176,7 +176,8 @@ def _numbers(section, prefix):
 
 def _breaking(rule: str, kind: str):
     """A value of the field's kind that breaks `rule`."""
-    value = {">= 0": -1, ">= 1": 0, "> 0": 0, "in (0, 1]": 0, "in [0, 1]": 2, "in [0, 1)": 1, "in [0, 2**32)": -1}[rule]
+    value = {">= 0": -1, ">= 1": 0, "> 0": 0, "in (0, 1]": 0, "in [0, 1]": 2, "in [0, 1)": 1, "in [0, 2**32)": -1,
+             "in [1, 64]": 65}[rule]
     return float(value) if "float" in kind else value
 
 

@@ -28,7 +28,10 @@ def _rows(run_dir):
 
 
 def test_a_killed_episode_job_resumes_to_the_same_weights_and_metrics(tmp_path):
-    args = [*GUESS, "run.steps=3", "checkpoint.save_interval=2", f"checkpoint.dir={tmp_path}"]
+    """With dynamic sampling (`algorithm.dynamic_sampling`): groups without signal refilled from further prompts, each
+    refill a pure function of (seed, batch, round), so the resumed run draws what the uninterrupted one drew."""
+    args = [*GUESS, "run.steps=3", "checkpoint.save_interval=2", f"checkpoint.dir={tmp_path}",
+            "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_rounds=2"]
 
     def launch(name, failpoint=None):
         return warm_cli.run_with_failpoint(["train", *args, f"run.name={name}"], failpoint)
@@ -41,6 +44,9 @@ def test_a_killed_episode_job_resumes_to_the_same_weights_and_metrics(tmp_path):
         assert r["episode/turns"] >= 1 and r["episode/policy_tokens"] > 0 and r["env_failures"] == 0
     assert any(r["episode/env_tokens"] > 0 for r in rows) and any("\nhigher" in s or "\nlower" in s
                                                                  for r in rows for s in r["samples"])
+    for r in rows:  # the batch's 4 prompts, and at most 2 refill rounds of as many
+        assert 1 <= r["sampling/prompts_drawn"] <= 3 and 0 <= r["sampling/groups_with_signal"] <= 1
+    assert any(r["sampling/prompts_drawn"] > 1 for r in rows)  # refills were drawn
     crash = launch("crash", "train_step:2")  # dies in step 2, after the checkpoint of step 2 (two steps done)
     assert crash.returncode == 1 and re.search(r"died with signal 9", crash.stderr), crash.stderr[-3000:]
     again = launch("crash")
@@ -50,7 +56,8 @@ def test_a_killed_episode_job_resumes_to_the_same_weights_and_metrics(tmp_path):
     assert name_ref == name_new and w_ref.keys() == w_new.keys()
     for k in w_ref:
         assert torch.equal(w_ref[k], w_new[k]), k
-    keep = ("step", "reward", "episode/turns", "episode/policy_tokens", "episode/env_tokens", "loss", "samples")
+    keep = ("step", "reward", "episode/turns", "episode/policy_tokens", "episode/env_tokens", "loss", "samples",
+            "sampling/prompts_drawn", "sampling/groups_with_signal")
     assert [{k: r[k] for k in keep} for r in _rows(tmp_path / "crash")] == [{k: r[k] for k in keep} for r in rows]
 
 

@@ -140,13 +140,14 @@ def documented_metrics() -> set:
 
 def test_every_field_of_a_metrics_row_is_documented_and_every_documented_field_exists():
     """A row with every optional part (held-out reward, reward-model executor, KL reference, a mixture of experts'
-    load-balancing loss, in-flight updates' token versions, the generator's occupancy, and agent episodes'
-    statistics) plus the two fields the loop adds equals docs/metrics.md's list; test_controller checks that a real
+    load-balancing loss, in-flight updates' token versions, the generator's occupancy, dynamic sampling's report,
+    and agent episodes' statistics) plus the two fields the loop adds equals docs/metrics.md's list; test_controller checks that a real
     job's rows hold no other."""
     episodes = {"episodes": 2, "turns": 3, "policy_tokens": 5, "env_tokens": 2, "env_s": 0.1, "failures": 0,
                 "rewritten": 1}
     parts = [dataclasses.replace(_rollouts(0, 0, [1.0, 0.0], [0, 0]), eval_reward=0.5, reward_model_s=0.1,
-                                 token_versions=[[0], [0, 1]], occupancy=0.9, episodes=episodes)]
+                                 token_versions=[[0], [0, 1]], occupancy=0.9, episodes=episodes,
+                                 sampling={"prompts_drawn": 3, "groups": 2, "with_signal": 1})]
     row = metrics_row(0, parts, pack(parts, pad_id=0), {"moe_aux_loss": 1.0}, train_s=1.0, recv_s=0.0, kl_ref=True)
     assert set(row) | {"time/total_s", "warm_start_s"} == documented_metrics()
 
@@ -199,7 +200,7 @@ class _FakeJob:
             def start(self, progress):
                 job.log.append(("warm-start",))
 
-            def step(self, batch):
+            def step(self, batch, step):
                 job.log.append(("train", int(batch.weight_versions[0])))
                 return {"loss": float(batch.advantages.abs().sum())}
 

@@ -69,7 +69,7 @@ def test_defaults_map_to_the_optimizer_settings():
 # ---- the options in a running engine -----------------------------------------------------------------------------
 RL_STEPS = 7
 ENGINE_OPTIONS = RL_OPTIONS + ["trainer.tp=1", "trainer.dtype=fp32", "trainer.attention=sdpa",
-                               "trainer.clip_grad=1e6", f"run.steps={RL_STEPS + 20}"]
+                               "trainer.clip_grad=1e6", "trainer.max_guarded_steps=3", f"run.steps={RL_STEPS + 20}"]
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +254,55 @@ def test_a_missing_eval_path_is_an_error_naming_the_file(tmp_path):
                              "reward.kind=synthetic"])
     with pytest.raises(DataError, match="nope.jsonl: no such file"):
         build_task(cfg, ByteTokenizer(), with_reward=False)
+
+
+def test_the_step_guard_skips_a_planted_spike_takes_the_next_steps_smaller_and_stops_at_max_guarded_steps(rl_run):
+    g = rl_run["guard"]
+    assert g["taken"] == [0.0] * len(g["taken"])  # no step is guarded before its history exists
+    # The norm the guard measured before the update is the one the optimizer's own step measured for its clipping.
+    assert g["history_norms"] == pytest.approx(g["reported_norms"], rel=1e-6)
+    spike = g["spike"]
+    assert spike["guarded"] == 1.0 and spike["skipped"] is True and spike["unchanged"]
+    assert spike["optimizer_steps"] == 0 and spike["history_unchanged"]  # no update, and not the new normal
+    assert spike["reason"].startswith("the gradient norm (grad_norm ") and "trainer.spike_factor=5" in spike["reason"]
+    assert spike["reason"].endswith("; the next steps at 0.5x the learning rate")
+    ratio = float(spike["reason"].split(" is ")[1].split("x")[0])
+    assert 500 < ratio < 2000  # the planted 1000x, against the median of the history
+    # The next normal step is taken at half the scheduler's rate; the scheduler's own rate is left as it was.
+    guarded, scale, used, scheduled, after = g["after_spike"]
+    assert guarded == 0.0 and scale == 0.5 and used == pytest.approx([0.5 * r for r in scheduled], rel=1e-12)
+    assert after == scheduled == pytest.approx([0.01] * len(scheduled))
+    # A gap of 0.5 nats (125x the history's): guarded, halving again; at 3 halvings net (one step taken restored
+    # 2^0.1 of one) the guard stops the run (trainer.max_guarded_steps=3).
+    assert g["gaps"] == [1.0, 1.0]
+    assert g["collapse"].startswith("the collapse guard skipped 4 RL steps (3 in a row) and halved the step size to "
+                                    "1/15 of the learning rate (limit trainer.max_guarded_steps=3 halvings)")
+    assert "trainer-generator log-prob gap (logp_diff_mean 0.5)" in g["collapse"]
+    assert g["restored"] == g["saved"] and g["saved"][:3] == (0, 1, pytest.approx(0.5 * 2 ** 0.1))
+
+
+def test_a_guarded_step_is_one_line_and_a_collapse_names_the_checkpoint_to_resume_from():
+    from megatron_rl.controller.executors import TrainerExecutor
+    from megatron_rl.training.guard import CollapseError
+
+    lines: list = []
+    ex = TrainerExecutor.__new__(TrainerExecutor)  # the step's reporting alone, around a stand-in RL step
+    ex.echo, ex.last_checkpoint = lines.append, lambda: "step_00000350"
+    ex.rl = SimpleNamespace(step=lambda batch: {"loss": 0.1, "skipped": True, "guarded": 1.0, "guard_reason": "why"})
+    metrics = ex.step(None, 55)
+    assert lines == ["megatron-rl: warning: step 55 skipped by the collapse guard: why"]
+    assert "guard_reason" not in metrics and metrics["guarded"] == 1.0  # the row keeps numbers only
+    ex.rl = SimpleNamespace(step=lambda batch: {"loss": 0.1, "skipped": False, "guarded": 0.0})
+    ex.step(None, 56)
+    assert len(lines) == 1  # a step taken prints nothing
+
+    def collapsing(batch):
+        raise CollapseError("5 RL steps in a row were skipped by the collapse guard")
+
+    ex.rl = SimpleNamespace(step=collapsing)
+    with pytest.raises(CollapseError, match=r"in a row were skipped .*; the last checkpoint, step_00000350, holds "
+                                            r"the weights before it: resume from it with a lower trainer.lr$"):
+        ex.step(None, 57)
+    ex.last_checkpoint = lambda: None
+    with pytest.raises(CollapseError, match="no checkpoint was saved before it$"):
+        ex.step(None, 57)

@@ -25,6 +25,12 @@ The peers' corrections (`correction`; r_t = exp(logp_pi - logp_mu), detached):
   log-ratios has far less variance than their sum (the product of token ratios), and no single token's weight can
   dominate a response.
 
+The token band (`token_band`, on by default; the collapse guard's part in the loss): a token with
+|logp_pi - logp_mu| > token_band has its policy-gradient term dropped (it stays in the normalisation's count, as a
+masked token of "mask" does), whatever the correction: the trainer and the generator disagree on it by more than
+any staleness explains, and its weight, truncated or not, is noise. The KL and entropy terms are not behaviour-policy
+terms and stay.
+
 Options, off by default:
 - `ppo_clip=eps`: replace the weighted term by PPO's clipped surrogate of the ratio pi/mu,
   -min(r A, clip(r, 1 - eps, 1 + eps) A);
@@ -113,6 +119,10 @@ def aipo_token_loss(logp_pi: torch.Tensor, logp_mu: torch.Tensor, advantages: to
         loss = -torch.minimum(r * advantages, clipped * advantages)
     stats = {"ratio": ratio, "truncated": changed.to(ratio.dtype),
              "kl_mu_pi": -log_ratio, "abs_log_ratio": log_ratio.abs()}
+    if settings.token_band is not None:
+        out_of_band = log_ratio.abs() > settings.token_band
+        loss = torch.where(out_of_band, torch.zeros_like(loss), loss)
+        stats["out_of_band"] = out_of_band.to(ratio.dtype)
     if settings.kl_coef:
         if logp_ref is None:
             raise ValueError("kl_coef > 0 needs reference log-probs")

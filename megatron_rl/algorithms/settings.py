@@ -31,6 +31,18 @@ class AIPOSettings(Section):
     # baseline of the staleness study, not a setting to train with.
     importance_weights: bool = True
     correction: Literal["truncate", "mask", "decoupled", "sequence"] = "truncate"
+    # The collapse guard's token band: a token whose |logp_pi - logp_mu| exceeds token_band nats (a ratio beyond
+    # e^3 = 20 either way) carries no policy gradient, whatever the correction, and is counted (`band_masked_frac`);
+    # null: no band. A healthy run's largest gap sits at 0.03-2 nats; a collapsing one's at 4-12.
+    token_band: Optional[float] = ranged(3.0, "> 0", "(nats, or null for no band)")
+    # Dynamic sampling (DAPO, `controller/dynamic_sampling.py`): a group whose raw rewards are all equal is dropped and
+    # its place filled from further prompts, at most dynamic_sampling_rounds refill rounds a batch.
+    dynamic_sampling: bool = False
+    dynamic_sampling_rounds: int = ranged(4, "in [1, 64]", "(refill rounds a batch)")
+    # Overlong shaping (DAPO's soft penalty, `collector.overlong_penalty`): a response within overlong_buffer tokens of
+    # its limit loses up to overlong_penalty of its reward, linearly, in the advantages only (0: off).
+    overlong_buffer: int = ranged(0, ">= 0", "(tokens, or 0 for no shaping)")
+    overlong_penalty: float = ranged(1.0, ">= 0")
 
     def rules(self, path: str) -> list[str]:
         out = []
@@ -42,4 +54,16 @@ class AIPOSettings(Section):
         elif self.ppo_clip is not None and self.correction in ("mask", "sequence"):
             out.append(f"{path}.ppo_clip applies to {path}.correction 'truncate' (PPO's clip of pi/mu) or "
                        f"'decoupled' (its clip of pi/pi_prox), not {self.correction!r}")
+        return out
+
+    def job_problems(self, path: str, in_flight: bool, reward_model: bool, agent: bool, longest: int) -> list[str]:
+        """What the rest of the job (`rollout.in_flight`, a reward-model executor, `env.agent`, the longest response
+        `longest`) rules out here."""
+        out = []
+        if self.dynamic_sampling and (in_flight or reward_model or agent):
+            out.append(f"{path}.dynamic_sampling=true filters on the rewards a replica computes as it samples, batch "
+                       f"by batch: not with rollout.in_flight, a reward-model executor or env.agent")
+        if self.overlong_buffer >= longest:
+            out.append(f"{path}.overlong_buffer={self.overlong_buffer} must be less than the longest response "
+                       f"({longest} tokens)")
         return out

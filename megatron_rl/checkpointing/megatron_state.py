@@ -130,8 +130,7 @@ def sharded_optimizer(engine, model_sd: dict, is_loading: bool, with_state: bool
     dict serves a save and a load (`load_optimizer`)."""
     out = {
         "scheduler": engine.scheduler.state_dict(),
-        "engine": {"steps_done": engine.steps_done, "nonfinite_total": engine.nonfinite_total,
-                   "nonfinite_in_a_row": engine.nonfinite_in_a_row},
+        "engine": engine.counters(),
     }
     if not with_state:
         return out

@@ -479,8 +479,7 @@ class TrainCheckpointer:
             else:  # saved before the first update: the main parameters are still copies of the old weights
                 engine.optimizer.reload_model_params()
             engine.scheduler.load_state_dict(ostate["scheduler"])
-            for k, v in ostate["engine"].items():
-                setattr(engine, k, v)
+            engine.load_counters(ostate["engine"])
             rng_path = rng_file(path, dist.get_rank())
             same_world = meta.world_size == dist.get_world_size()
             if same_world and rng_path.exists():

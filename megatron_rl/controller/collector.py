@@ -65,14 +65,27 @@ def pack_routes(rollouts: list[ScoredRollouts], s: int) -> Optional[torch.Tensor
     return out
 
 
-def batch_with_advantages(parts: list[ScoredRollouts], pad_id: int, advantage: str) -> RolloutBatch:
+def overlong_penalty(lengths: torch.Tensor, limit: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong penalty of each response of `lengths` tokens, at most `limit`: 0 up to limit - buffer
+    tokens, then falling linearly to -penalty at the limit (`algorithm.overlong_buffer`, `overlong_penalty`)."""
+    over = (lengths.float() - (limit - buffer)).clamp(min=0) / buffer
+    return -penalty * over.clamp(max=1.0)
+
+
+def batch_with_advantages(parts: list[ScoredRollouts], pad_id: int, advantage: str,
+                          overlong: Optional[tuple[int, int, float]] = None) -> RolloutBatch:
     """Every replica's scored part of one batch, packed (`pack`), with each sample's advantage computed from the
     rewards of its prompt's group (`algorithm.advantage`, `algorithms.compute_advantages`): what the trainer learns
     from. An episode split into several samples (`ScoredRollouts.episode_of`) counts once in its group's statistics,
-    and each of its samples takes its advantage."""
+    and each of its samples takes its advantage. `overlong`: (the longest response, overlong_buffer,
+    overlong_penalty): the rewards the advantages are computed from are shaped by `overlong_penalty`; the batch's
+    rewards (reported, and what dynamic sampling filtered on) stay the task's."""
     batch = pack(parts, pad_id)
+    rewards = batch.rewards
+    if overlong is not None and overlong[1] > 0:
+        rewards = rewards + overlong_penalty(batch.response_lengths, *overlong)
     if not any(p.episode_of for p in parts):
-        batch.advantages = compute_advantages(batch.rewards, batch.group_ids, advantage)
+        batch.advantages = compute_advantages(rewards, batch.group_ids, advantage)
         return batch
     episode_of, at = [], 0
     for p in parts:
@@ -81,7 +94,7 @@ def batch_with_advantages(parts: list[ScoredRollouts], pad_id: int, advantage: s
     of = torch.tensor(episode_of)
     own = torch.nonzero(of == torch.arange(len(episode_of))).squeeze(1)
     per_episode = torch.zeros(len(episode_of))
-    per_episode[own] = compute_advantages(batch.rewards[own], batch.group_ids[own], advantage)
+    per_episode[own] = compute_advantages(rewards[own], batch.group_ids[own], advantage)
     batch.advantages = per_episode[of]
     return batch
 
@@ -162,6 +175,7 @@ def metrics_row(k: int, parts: list[ScoredRollouts], batch: RolloutBatch, stats:
               if all(p.reward_model_s is not None for p in parts) else {}),
            "reward_failures": sum(p.reward_failures for p in parts),
            **in_flight_metrics(k, parts),
+           **sampling_metrics(parts),
            **episode_metrics(parts),
            "samples": [t for p in parts for t in p.texts][:4]}
     evals = [p.eval_reward for p in parts if p.eval_reward is not None]
@@ -172,6 +186,17 @@ def metrics_row(k: int, parts: list[ScoredRollouts], batch: RolloutBatch, stats:
         v = stats.get(key)
         row[key] = float(v) if isinstance(v, (int, float, bool)) else v
     return row
+
+
+def sampling_metrics(parts: list[ScoredRollouts]) -> dict:
+    """With algorithm.dynamic_sampling: the prompts drawn for the batch over every replica (its own and refills) per
+    prompt of the batch, and the share of its groups whose raw rewards differ (`controller/dynamic_sampling.py`)."""
+    reports = [p.sampling for p in parts if p.sampling is not None]
+    if not reports:
+        return {}
+    groups = sum(r["groups"] for r in reports)
+    return {"sampling/prompts_drawn": sum(r["prompts_drawn"] for r in reports) / max(groups, 1),
+            "sampling/groups_with_signal": sum(r["with_signal"] for r in reports) / max(groups, 1)}
 
 
 def in_flight_metrics(k: int, parts: list[ScoredRollouts]) -> dict:

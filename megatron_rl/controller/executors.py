@@ -17,8 +17,10 @@ import time
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.config import JobConfig
+from megatron_rl.controller.dynamic_sampling import SampledGroup, fill, refill_index
 from megatron_rl.controller.rundir import worker_log
 from megatron_rl.controller.scoring import Evaluated, ModelScores, ScoreRequest, UnscoredRollouts, model_scores
 from megatron_rl.controller.tasks import Task
@@ -31,6 +33,7 @@ from megatron_rl.inference.sampling import stream_seed
 from megatron_rl.models import ModelConfig, build_gpt_model
 from megatron_rl.models.precision import resolve_dtype
 from megatron_rl.parallel.topology import ExecutorGroups, new_group
+from megatron_rl.training.guard import CollapseError
 from megatron_rl.training.lm_loss import make_lm_loss
 from megatron_rl.training.reference import make_reference
 from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
@@ -80,9 +83,14 @@ class TrainerExecutor:
     """One rank of the trainer executor: the policy, its optimizer, the supervised warm start and the AIPO step."""
 
     def __init__(self, cfg: JobConfig, model_cfg: ModelConfig, groups: ExecutorGroups, model: torch.nn.Module,
-                 task: Task, encode: Callable[[str], list[int]], tokenizer):
+                 task: Task, encode: Callable[[str], list[int]], tokenizer,
+                 echo: Callable[[str], None] = lambda text: None,
+                 last_checkpoint: Callable[[], Optional[str]] = lambda: None):
+        """`echo` prints a line (the controller's rank; a no-op elsewhere); `last_checkpoint()` names the run's
+        newest saved state (None before the first), for the line that stops a collapsing run."""
         self.cfg, self.model_cfg, self.groups = cfg, model_cfg, groups
         self.task, self.encode, self.tok = task, encode, tokenizer
+        self.echo, self.last_checkpoint = echo, last_checkpoint
         settings = RLTrainerSettings(cfg.trainer, cfg.algorithm, lr_schedule(cfg), cfg.rollout.temperature)
         self.rl = RLTrainer(model, model_cfg, groups, settings)
 
@@ -144,8 +152,20 @@ class TrainerExecutor:
             toks, mask = toks.cuda(non_blocking=True), mask.cuda(non_blocking=True)
         return {"tokens": toks, "loss_mask": mask}
 
-    def step(self, batch) -> dict:
-        return self.rl.step(batch)
+    def step(self, batch, step: int) -> dict:
+        """RL step `step` on `batch`; a step the collapse guard skips is one line, and a run of them stops the job
+        naming the checkpoint to resume from (`training/guard.py`)."""
+        try:
+            metrics = self.rl.step(batch)
+        except CollapseError as e:
+            saved = self.last_checkpoint()
+            where = (f"the last checkpoint, {saved}, holds the weights before it: resume from it with a lower "
+                     f"trainer.lr" if saved else "no checkpoint was saved before it")
+            raise CollapseError(f"{e}; {where}") from None
+        reason = metrics.pop("guard_reason", None)
+        if reason is not None:
+            self.echo(f"megatron-rl: warning: step {step} skipped by the collapse guard: {reason}")
+        return metrics
 
 
 class GeneratorExecutor:
@@ -214,16 +234,18 @@ class GeneratorExecutor:
     def generate(self, batch: int, version: int) -> Optional[UnscoredRollouts]:
         """This replica's samples of training batch `batch` (episodes with env.cls); None on ranks other than the
         leader. With `rollout.in_flight`, from the live engine (`_generate_live`); the batch's version is then its
-        oldest token's."""
+        oldest token's. With `algorithm.dynamic_sampling`, groups without signal are refilled
+        (`_dynamic_sampling`)."""
         r = self.cfg.rollout
         problems = self.task.train_batch(batch, r.prompts_per_step)
         mine = r.replica_prompts(self.groups.dp_rank, self.groups.layout.dp)
         t0 = time.perf_counter()
+        if self.cfg.algorithm.dynamic_sampling:
+            return self._dynamic_sampling(batch, version, problems, mine, t0)
         turns = None
         if self.episodes is not None:
-            seeds = [rollout_seed(self.cfg.run.seed, batch, i) for i in mine]
-            reqs, turns = self.episodes.requests([problems[i] for i in mine], seeds, r.samples_per_prompt)
-            outs = self.generator.generate(reqs, turns=turns)
+            outs, turns = self._sample([problems[i] for i in mine], [rollout_seed(self.cfg.run.seed, batch, i)
+                                                                    for i in mine])
         elif self.live_batches is not None:
             outs = self._generate_live(batch)
             version = min((min(o.versions) for o in outs if o.versions), default=version)
@@ -233,8 +255,6 @@ class GeneratorExecutor:
         if not self.is_leader:
             return None
         n = r.samples_per_prompt
-        if turns is not None:
-            self.episodes.end_batch(turns)
         groups = [mine[j // n] for j in range(len(outs))]
         episodes = {}
         if turns is not None:
@@ -244,6 +264,78 @@ class GeneratorExecutor:
         return UnscoredRollouts(batch, version, [problems[i] for i in groups], groups, outs,
                                 [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes,
                                 occupancy=self.generator.stats.get("occupancy"))
+
+    def _sample(self, records: list, seeds: list[int]) -> tuple[list, Optional[object]]:
+        """`rollout.samples_per_prompt` samples (episodes with env.cls) of each record, seeded by `seeds` (the
+        replica's ranks together): (outputs, the episodes' turns or None). The leader applies the environments'
+        failure rule to the episodes (`Episodes.end_batch`)."""
+        n = self.cfg.rollout.samples_per_prompt
+        if self.episodes is None:
+            reqs = [GenerationRequest(self.encode(self.task.prompt_text(p)), self._sampling(s, n))
+                    for p, s in zip(records, seeds)]
+            return self.generator.generate(reqs), None
+        reqs, turns = self.episodes.requests(records, seeds, n)
+        outs = self.generator.generate(reqs, turns=turns)
+        if self.is_leader:
+            self.episodes.end_batch(turns)
+        return outs, turns
+
+    def _scored_groups(self, records: list, drawn_from: int, positions: list[int], outs: list, turns) -> list:
+        """The leader's `SampledGroup`s of sampled records (raw rewards: the verifier's, or the episodes' returns)."""
+        n = self.cfg.rollout.samples_per_prompt
+        if turns is not None:
+            rewards = turns.returns()
+            self._round_stats.append(turns.statistics(outs))
+        else:
+            rewards = self.task.score([records[j // n] for j in range(len(outs))],
+                                      [self.tok.decode(o.token_ids) for o in outs])
+            self._round_failures += self.task.score_failures
+        return [SampledGroup(rec, pos, outs[k * n:(k + 1) * n], rewards[k * n:(k + 1) * n], drawn_from)
+                for k, (rec, pos) in enumerate(zip(records, positions))]
+
+    def _dynamic_sampling(self, batch: int, version: int, problems: list, mine: list[int],
+                          t0: float) -> Optional[UnscoredRollouts]:
+        """`generate` with groups without signal refilled from further prompts (`controller/dynamic_sampling.py`):
+        the leader scores each round here, and the batch goes on with its raw rewards."""
+        r, seed = self.cfg.rollout, self.cfg.run.seed
+        self._round_stats, self._round_failures = [], 0
+        records = [problems[i] for i in mine]
+        outs, turns = self._sample(records, [rollout_seed(seed, batch, i) for i in mine])
+        first = self._scored_groups(records, batch, mine, outs, turns) if self.is_leader else None
+
+        def draw(round_: int, count: int) -> Optional[list]:
+            index = refill_index(batch, round_)
+            pool = self.task.train_batch(index, r.prompts_per_step)
+            positions = mine[:count]
+            outs, turns = self._sample([pool[i] for i in positions], [rollout_seed(seed, index, i) for i in positions])
+            return self._scored_groups([pool[i] for i in positions], index, positions, outs, turns) \
+                if self.is_leader else None
+
+        share = self.episodes.share if self.episodes is not None else self._share
+        groups, report = fill(first, draw, share, self.cfg.algorithm.dynamic_sampling_rounds)
+        gen_s = time.perf_counter() - t0
+        if not self.is_leader:
+            return None
+        outs = [o for g in groups for o in g.outputs]
+        rewards = [x for g in groups for x in g.rewards]
+        ids = [g.group for g in groups for _ in g.outputs]
+        episodes = {}
+        if turns is not None:
+            totals = {k: sum(st[k] for st in self._round_stats) for k in self._round_stats[0]}
+            episodes = dict(returns=rewards, episodes=totals, prompts=self._prompt_texts(outs))
+        return UnscoredRollouts(batch, version, [g.record for g in groups for _ in g.outputs], ids, outs,
+                                [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes,
+                                occupancy=self.generator.stats.get("occupancy"), rewards=rewards,
+                                reward_failures=self._round_failures, sampling=report)
+
+    def _share(self, obj):
+        """The leader's `obj` on every rank of the replica (a broadcast over its model-parallel group)."""
+        group = self.groups.pgs.mp
+        if group is None or group.size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return box[0]
 
     def _requests(self, batch: int, problems: Optional[list] = None) -> list[GenerationRequest]:
         """This replica's requests of training batch `batch` (single responses); `problems`: the batch's records,

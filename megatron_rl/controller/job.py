@@ -123,7 +123,10 @@ class Job:
             initial.load_weights(policy, self.initial, t.pgs.dp_cp if policy is not None else None)
         self.trainer = self.generator = self.reward_model = None
         if t.is_member:
-            self.trainer = TrainerExecutor(cfg, m, t, policy, self.task, self.encode, self.tok)
+            echo = self.echo if self.rank == 0 else (lambda _: None)
+            self.trainer = TrainerExecutor(
+                cfg, m, t, policy, self.task, self.encode, self.tok, echo=echo,
+                last_checkpoint=lambda: None if self.saved_version is None else step_dir_name(self.saved_version))
         if g.is_member:
             self.generator = GeneratorExecutor(cfg, m, g, self.task, self.tok, self.encode)
         if r is not None and r.is_member:
@@ -175,8 +178,9 @@ class Job:
     def batch_with_advantages(self, k: int, parts: Optional[list[ScoredRollouts]]) -> RolloutBatch:
         """Trainer ranks: batch k, packed from `parts` with its advantages computed on rank 0
         (`collector.batch_with_advantages`, `algorithm.advantage`) and broadcast to every trainer rank."""
-        msg = [batch_with_advantages(parts, self.tok.pad_id, self.cfg.algorithm.advantage)
-               if parts is not None else None]
+        a = self.cfg.algorithm
+        overlong = (self.cfg.episode_length - self.cfg.rollout.max_prompt_length, a.overlong_buffer, a.overlong_penalty)
+        msg = [batch_with_advantages(parts, self.tok.pad_id, a.advantage, overlong) if parts is not None else None]
         dist.broadcast_object_list(msg, src=0, group=self.trainer_group)
         failpoint("train_step", str(k))
         return msg[0]

@@ -84,7 +84,7 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
             parts = job.scored_rollouts(k)  # the controller's: every replica's scored rollouts (None elsewhere)
             batch = job.batch_with_advantages(k, parts)  # packed, advantages computed, on every trainer rank
             recv_s = time.perf_counter() - t0
-            stats = job.trainer.step(batch)
+            stats = job.trainer.step(batch, k)
             train_s = time.perf_counter() - t0 - recv_s
             row = None
             if job.collector is not None:

@@ -7,7 +7,8 @@ or with a larger run.steps to extend it), and a relaunch may change how the run 
     may change  run.name, run.steps, run.eval_interval, run.world_size, run.backend, run.wandb.*, run.stop_grace_s;
                 checkpoint.*; trainer.lr (a run that went unstable resumes at a lower rate);
                 the executors' layouts and kernels: trainer.tp / pp / dp, trainer.micro_batch_size, trainer.packing,
-                trainer.max_tokens_per_micro_batch, trainer.attention, trainer.max_nonfinite_steps, generator.* (a
+                trainer.max_tokens_per_micro_batch, trainer.attention, trainer.max_nonfinite_steps, the step guard's
+                trainer.spike_factor and trainer.max_guarded_steps, generator.* (a
                 trainer checkpoint loads at any layout, a step does not depend on how its batch is split, the
                 generator's weights come from the trainer); reward.timeout_s, reward.num_workers
     may not     everything else: model.*, data.*, reward.kind / function / model, algorithm.*, rollout.*, run.seed,
@@ -34,7 +35,7 @@ from megatron_rl.models.presets import PRESETS
 RESUMABLE = ("run.name", "run.steps", "run.eval_interval", "run.world_size", "run.backend", "run.wandb.",
              "run.stop_grace_s", "checkpoint.", "trainer.lr", "trainer.tp", "trainer.pp", "trainer.dp", "trainer.ep",
              "trainer.micro_batch_size", "trainer.packing", "trainer.max_tokens_per_micro_batch", "trainer.attention",
-             "trainer.max_nonfinite_steps", "generator.",
+             "trainer.max_nonfinite_steps", "trainer.spike_factor", "trainer.max_guarded_steps", "generator.",
              "reward.timeout_s", "reward.num_workers")
 
 

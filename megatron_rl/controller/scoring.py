@@ -42,6 +42,11 @@ class UnscoredRollouts:
     prompts: Optional[list[str]] = None  # episodes: each one's first message as rendered (the reward model's prompt)
     occupancy: Optional[float] = None  # the generator's occupied slot-steps over all its slot-steps for the batch
     episode_of: Optional[list[int]] = None  # agents' episodes split into parts (`executors.split_parts`)
+    # With algorithm.dynamic_sampling the leader scored the samples as it drew them (`controller/dynamic_sampling.py`):
+    # their raw rewards, the responses its reward function could not score, and what it drew (`ScoredRollouts.sampling`)
+    rewards: Optional[list[float]] = None
+    reward_failures: int = 0
+    sampling: Optional[dict] = None
 
 
 @dataclass
@@ -92,6 +97,9 @@ class ScoredRollouts:
     # Agents' episodes split by a rewritten conversation: for each sample, the index (in this part) of the sample
     # that stands for its episode, whose advantage it takes; None when no episode was split.
     episode_of: Optional[list[int]] = None
+    # With algorithm.dynamic_sampling: the prompts the replica drew for the batch, its groups and those with signal
+    # (`dynamic_sampling.fill`); None otherwise.
+    sampling: Optional[dict] = None
 
 
 @dataclass
@@ -122,8 +130,11 @@ def score(task: Task, gen: UnscoredRollouts, evaluated: Optional[Evaluated], *, 
     (`ScoredRollouts.wait_s`)."""
     t0 = time.perf_counter()
     episodes = gen.returns is not None  # episodes come with their returns: the environments scored them
-    rewards = gen.returns if episodes else task.score(gen.problems, gen.texts)
-    failures = 0 if episodes else task.score_failures  # read before the held-out responses are scored
+    if gen.rewards is not None:  # scored as they were drawn (dynamic sampling)
+        rewards, failures = gen.rewards, gen.reward_failures
+    else:
+        rewards = gen.returns if episodes else task.score(gen.problems, gen.texts)
+        failures = 0 if episodes else task.score_failures  # read before the held-out responses are scored
     eval_reward = None
     if evaluated is not None:
         eval_scores = evaluated.returns if evaluated.returns is not None else \
@@ -137,7 +148,7 @@ def score(task: Task, gen: UnscoredRollouts, evaluated: Optional[Evaluated], *, 
                           episodes=gen.episodes, routes=_routes(gen.outputs),
                           token_versions=[o.versions or [] for o in gen.outputs]
                           if any(getattr(o, "versions", None) for o in gen.outputs) else None,
-                          occupancy=gen.occupancy, episode_of=gen.episode_of)
+                          occupancy=gen.occupancy, episode_of=gen.episode_of, sampling=gen.sampling)
 
 
 def _routes(outputs: list) -> Optional[list]:

@@ -27,6 +27,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_rl.models.moe import balancing, replaying
+from megatron_rl.training.guard import StepGuard
 from megatron_rl.training.reference import unwrap
 from megatron_rl.training.settings import LRSchedule, TrainerSettings
 
@@ -232,6 +233,7 @@ class TrainEngine:
     steps_done: int = 0
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
+    guard: Optional[StepGuard] = None  # RL steps' spike guard (`step`), from trainer.spike_factor
 
     @classmethod
     def create(cls, model: torch.nn.Module, pgs: ProcessGroupCollection, settings: TrainerSettings,
@@ -278,7 +280,9 @@ class TrainEngine:
             wd_incr_steps=max(schedule.total_steps, 1),
             wd_incr_style="constant",
         )
-        return cls(ddp, optimizer, scheduler, pgs, settings, schedule, needs_mask=_uses_local_attention(model))
+        guard = StepGuard(settings.spike_factor, settings.max_guarded_steps) if settings.spike_factor else None
+        return cls(ddp, optimizer, scheduler, pgs, settings, schedule, needs_mask=_uses_local_attention(model),
+                   guard=guard)
 
     def start_constant_schedule(self, lr: float, warmup_steps: int = 0) -> None:
         """From the next step on: a linear warm-up from 0 over `warmup_steps` steps to `lr`, then `lr` (RL after a
@@ -316,7 +320,8 @@ class TrainEngine:
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
             self.optimizer.zero_grad()
 
-    def step(self, micro_batches: list[dict], loss_fn: LossFn) -> dict:
+    def step(self, micro_batches: list[dict], loss_fn: LossFn,
+             guard_stats: Optional[Callable[[], dict[str, float]]] = None) -> dict:
         """One optimizer step over this rank's micro-batches. Returns metrics (loss, grad norm, lr, skipped).
 
         A non-finite loss or gradient anywhere in the executor skips the update (weights and optimizer state
@@ -324,6 +329,12 @@ class TrainEngine:
         gradients that makes the weights non-finite (an overflowing learning rate) cannot be undone without a copy
         of the weights and optimizer state, so it stops the run (NonFiniteError) before the weights go anywhere:
         no weight push, no checkpoint.
+
+        With `guard_stats` (the step's token statistics, the same on every rank; RL steps) and a `guard`, the
+        gradient norm is measured before the update and the guard (`training/guard.py`) may skip the step: then
+        "guarded" is 1 and "guard_reason" says why; a step it takes runs at its `lr_scale` of the scheduler's rate
+        ("guard_lr_scale"). (The optimizer's own step measures the norm again, for its clipping: one more pass over
+        this rank's gradient shard.)
         """
         self._zero_grad()
         outputs = self.forward_backward(micro_batches, loss_fn)
@@ -338,23 +349,57 @@ class TrainEngine:
                     f"(limit trainer.max_nonfinite_steps={self.settings.max_nonfinite_steps}); stopping. Last loss: "
                     f"{loss}. Check the rewards and behaviour log-probs of recent rollouts, or lower the LR.")
             return {"loss": loss, "grad_norm": math.nan, "lr": self.optimizer.param_groups[0]["lr"],
-                    "skipped": True, "nonfinite_total": self.nonfinite_total}
+                    "skipped": True, "guarded": 0.0, "guard_lr_scale": self.guard.lr_scale if self.guard else 1.0,
+                    "nonfinite_total": self.nonfinite_total}
         self.nonfinite_in_a_row = 0
         lr = self.optimizer.param_groups[0]["lr"]
+        scale = 1.0
+        if self.guard is not None and guard_stats is not None:
+            self.optimizer.prepare_grads()  # the main gradients, as the optimizer's step makes them (idempotent)
+            grad_norm = float(self.optimizer.get_grad_norm())
+            scale = self.guard.lr_scale  # this step's (taking it restores some for the next)
+            reason = self.guard.check({"grad_norm": grad_norm, **guard_stats()})
+            if reason is not None:
+                self._zero_grad()
+                return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": True, "guarded": 1.0,
+                        "guard_lr_scale": self.guard.lr_scale, "guard_reason": reason,
+                        "nonfinite_total": self.nonfinite_total}
+        rates = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:  # the guard's smaller step, for this update only
+            g["lr"] *= scale
         try:
             update_successful, grad_norm, _ = self.optimizer.step()
         except RuntimeError as e:  # torch's Adam: a step size (lr / bias correction) beyond the float range
             if "overflow" not in str(e):
                 raise
             raise NonFiniteError(self._broken_update(loss, lr, "overflowed the float range")) from None
+        finally:
+            for g, rate in zip(self.optimizer.param_groups, rates):
+                g["lr"] = rate
         if update_successful and not self._main_params_finite():
             raise NonFiniteError(self._broken_update(loss, lr, "made the weights non-finite"))
         if update_successful:
             self.scheduler.step(increment=1)
             self.steps_done += 1
         return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                "lr": self.optimizer.param_groups[0]["lr"], "skipped": not update_successful,
-                "nonfinite_total": self.nonfinite_total}
+                "lr": self.optimizer.param_groups[0]["lr"], "skipped": not update_successful, "guarded": 0.0,
+                "guard_lr_scale": scale, "nonfinite_total": self.nonfinite_total}
+
+    def counters(self) -> dict:
+        """What a checkpoint keeps of the engine beside the optimizer and scheduler: its step counters and the
+        step guard's history (`load_counters` restores them)."""
+        out = {"steps_done": self.steps_done, "nonfinite_total": self.nonfinite_total,
+               "nonfinite_in_a_row": self.nonfinite_in_a_row}
+        if self.guard is not None:
+            out["step_guard"] = self.guard.state_dict()
+        return out
+
+    def load_counters(self, state: dict) -> None:
+        """Restore `counters`; a checkpoint from before the guard existed leaves the guard's history empty."""
+        self.steps_done, self.nonfinite_total = state["steps_done"], state["nonfinite_total"]
+        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        if self.guard is not None and "step_guard" in state:
+            self.guard.load_state_dict(state["step_guard"])
 
     def _grads_finite(self) -> bool:
         """True when every gradient of every rank of the executor is finite. Checked as the buffer's sum, which is

@@ -54,6 +54,7 @@ class TokenStats:
     is_weight_mean: torch.Tensor = _stat("mean", "ratio")
     is_weight_max: torch.Tensor = _stat("max", "ratio")
     is_truncated_frac: torch.Tensor = _stat("mean", "truncated")
+    band_masked_frac: torch.Tensor = _stat("mean", "out_of_band")
     kl_mu_pi: torch.Tensor = _stat("mean", "kl_mu_pi")
     logp_diff_mean: torch.Tensor = _stat("mean", "abs_log_ratio")
     logp_diff_max: torch.Tensor = _stat("max", "abs_log_ratio")
@@ -119,9 +120,11 @@ class TokenStats:
 def step_metrics(with_reference: bool, moe: bool = False) -> tuple[str, ...]:
     """What `RLTrainer.step` reports, in the order of a metrics row: the engine's step, the statistics of the
     response tokens (`TokenStats`), for a mixture of experts (`moe`) the load-balancing loss (`moe_aux_loss`,
-    `RLTrainer.moe_aux_loss`), the batch's response length and the step's speed, whether the step was skipped."""
+    `RLTrainer.moe_aux_loss`), the batch's response length and the step's speed, whether the step was skipped (a
+    non-finite gradient, or the step guard: then `guarded` is 1, `training/guard.py`) and the guard's scale of the
+    learning rate."""
     return ("loss", "grad_norm", "lr", *TokenStats.reported(with_reference), *(("moe_aux_loss",) if moe else ()),
-            "response_length", "tokens_per_s", "skipped")
+            "response_length", "tokens_per_s", "skipped", "guarded", "guard_lr_scale")
 
 
 @dataclass
@@ -322,9 +325,18 @@ class RLTrainer:
             outputs.append(stats)
             return loss_sum, count, {"loss": torch.stack([loss_sum.detach().float(), count.float()])}
 
-        metrics = self.engine.step(micro, loss_fn)
-        # The last stage holds the numbers: summed over DP, then shared over the pipeline.
-        metrics.update(TokenStats.reduce(outputs, [self.pgs.dp_cp, self.pgs.pp], device=current_device()))
+        reduced: dict[str, float] = {}
+
+        def token_stats() -> dict[str, float]:
+            """The step's token statistics, reduced once (a collective every rank reaches at the same point): the
+            last stage holds the numbers, summed over DP, then shared over the pipeline. The step guard reads them
+            before the update."""
+            if not reduced:
+                reduced.update(TokenStats.reduce(outputs, [self.pgs.dp_cp, self.pgs.pp], device=current_device()))
+            return reduced
+
+        metrics = self.engine.step(micro, loss_fn, guard_stats=token_stats)
+        metrics.update(token_stats())
         if self.cfg.is_moe:
             metrics["moe_aux_loss"] = self.moe_aux_loss()
         elapsed = time.perf_counter() - t0

@@ -44,6 +44,12 @@ class TrainerSettings(Section):
     # "auto": bf16 where the hardware multiplies bf16 natively, else fp32 (megatron_rl.models.precision).
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     max_nonfinite_steps: int = ranged(3, ">= 1")
+    # The collapse guard's step guard (`training/guard.py`): an RL step whose gradient norm, log-prob gap or KL is
+    # more than spike_factor x its median over the last 20 steps is skipped (0: never) and halves the step size of
+    # the next steps (10 steps taken restore it); a step size halved max_guarded_steps times net (that many skipped
+    # steps in a row, or in short succession) stops the run, naming the last checkpoint.
+    spike_factor: float = ranged(5.0, ">= 0", "(0: no step guard)")
+    max_guarded_steps: int = ranged(5, ">= 1")
     # Routing replay (R3) for a mixture-of-experts model: the log-prob pass and the training forward/backward route
     # every token to the experts the generator chose for it (recorded with the rollouts, `models/moe.py`), so the
     # trainer's and the generator's log-probs differ by the arithmetic only, not by flipped routes. false: the
