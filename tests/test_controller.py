@@ -59,6 +59,8 @@ def test_each_correction_trains_a_stale_pipelined_job_and_resumes(tmp_path, corr
             "rollout.max_new_tokens=4", "data.eval_size=4", "run.eval_interval=100", "checkpoint.save_interval=2",
             f"algorithm.correction={correction}", f"checkpoint.dir={tmp_path}", "run.name=c"]
     resume = correction == "mask"
+    if correction == "decoupled":  # and dynamic sampling on a TP2 generator: the leader shares each round's count
+        base += ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_rounds=1", "generator.tp=2"]
     out = warm_cli.run(base + [f"run.steps={2 if resume else 4}"])
     assert out.returncode == 0, out.stderr[-3000:]
     if resume:
@@ -72,6 +74,8 @@ def test_each_correction_trains_a_stale_pipelined_job_and_resumes(tmp_path, corr
     assert [(r["step"], r["generated_with_version"]) for r in rows] == versions
     assert all(r["skipped"] == 0 and 0 <= r["is_truncated_frac"] <= 1 for r in rows)
     assert yaml_value(tmp_path / "c" / "config.yaml", "algorithm", "correction") == correction
+    if correction == "decoupled":  # random weights: groups all wrong, refilled once (two prompts drawn a prompt)
+        assert all(1 < r["sampling/prompts_drawn"] <= 2 for r in rows), [r["sampling/prompts_drawn"] for r in rows]
 
 
 def yaml_value(path, section, key):
