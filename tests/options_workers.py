@@ -94,9 +94,10 @@ def rl_optimizer_worker(rank, world_size, overrides, state_path, steps):
 
 def _guard_sequence(engine, loss_fn, model, vocab: int, log: list) -> dict:
     """The step guard of RL steps (steps given their token statistics): MIN_HISTORY steps on distinct batches, a
-    step whose loss (so gradient) is planted 1000x, a normal step (at half the learning rate), then steps whose
-    planted log-prob gap is 0.5 nats until the guard stops the run."""
+    step whose loss (so gradient) is planted 1000x, a step whose planted log-prob gap is 0.5 nats, a normal step (at
+    half the learning rate), then gap steps until the guard stops the run."""
     healthy = {"logp_diff_mean": 0.004, "kl_mu_pi": 0.0003}
+    gap = {**healthy, "logp_diff_mean": 0.5}
     out = {"taken": [], "reported_norms": []}
     for k in range(MIN_HISTORY):
         m = engine.step([lm_batch(vocab, seed=500 + k)], loss_fn, guard_stats=lambda: healthy)
@@ -108,23 +109,26 @@ def _guard_sequence(engine, loss_fn, model, vocab: int, log: list) -> dict:
         loss_sum, n, metrics = loss_fn(logits, mb)
         return loss_sum * 1000.0, n, metrics
 
-    before, calls = _params(model), len(log)
+    calls = len(log)
     m = engine.step([lm_batch(vocab, seed=600)], spiked, guard_stats=lambda: healthy)
-    after = _params(model)
+    seen = sum(float(gr.double().pow(2).sum()) for gr in log[-1]["grads"].values()) ** 0.5
     out["spike"] = {"guarded": m["guarded"], "skipped": m["skipped"], "reason": m.get("guard_reason"),
-                    "unchanged": all(torch.equal(before[n], after[n]) for n in before),
-                    "optimizer_steps": len(log) - calls, "history_unchanged": engine.guard.history["grad_norm"]
-                    == out["history_norms"]}
+                    "optimizer_steps": len(log) - calls, "seen_norm": seen,
+                    "norm_joined": engine.guard.history["grad_norm"][-1]}
+    before, calls = _params(model), len(log)
+    m = engine.step([lm_batch(vocab, seed=601)], loss_fn, guard_stats=lambda: gap)
+    after = _params(model)
+    out["gap_skip"] = {"skipped": m["skipped"], "reason": m.get("guard_reason"), "optimizer_steps": len(log) - calls,
+                       "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
     scheduled = [g["lr"] for g in engine.optimizer.param_groups]
-    m = engine.step([lm_batch(vocab, seed=601)], loss_fn, guard_stats=lambda: healthy)
-    out["after_spike"] = (m["guarded"], m["guard_lr_scale"], log[-1]["lr"], scheduled,
-                          [g["lr"] for g in engine.optimizer.param_groups])
+    m = engine.step([lm_batch(vocab, seed=602)], loss_fn, guard_stats=lambda: healthy)
+    out["after_gap"] = (m["guarded"], m["guard_lr_scale"], log[-1]["lr"], scheduled,
+                        [g["lr"] for g in engine.optimizer.param_groups])
     counters = engine.counters()
     gaps = []
     try:
         for _ in range(10):
-            gaps.append(engine.step([lm_batch(vocab, seed=602)], loss_fn,
-                                    guard_stats=lambda: {**healthy, "logp_diff_mean": 0.5})["guarded"])
+            gaps.append(engine.step([lm_batch(vocab, seed=603)], loss_fn, guard_stats=lambda: gap)["guarded"])
         out["collapse"] = None
     except CollapseError as e:
         out["collapse"] = str(e)

@@ -256,24 +256,31 @@ def test_a_missing_eval_path_is_an_error_naming_the_file(tmp_path):
         build_task(cfg, ByteTokenizer(), with_reward=False)
 
 
-def test_the_step_guard_skips_a_planted_spike_takes_the_next_steps_smaller_and_stops_at_max_guarded_steps(rl_run):
+def test_the_step_guard_clips_a_planted_gradient_spike_skips_a_gap_spike_and_stops_at_max_guarded_steps(rl_run):
     g = rl_run["guard"]
     assert g["taken"] == [0.0] * len(g["taken"])  # no step is guarded before its history exists
     # The norm the guard measured before the update is the one the optimizer's own step measured for its clipping.
     assert g["history_norms"] == pytest.approx(g["reported_norms"], rel=1e-6)
+    median = sorted(g["history_norms"])[len(g["history_norms"]) // 2 - 1:len(g["history_norms"]) // 2 + 1]
+    median = sum(median) / 2
+    # A gradient 1000x its history's: taken, with the gradient the optimizer sees scaled to 5x the median.
     spike = g["spike"]
-    assert spike["guarded"] == 1.0 and spike["skipped"] is True and spike["unchanged"]
-    assert spike["optimizer_steps"] == 0 and spike["history_unchanged"]  # no update, and not the new normal
+    assert spike["guarded"] == 1.0 and spike["skipped"] is False and spike["optimizer_steps"] == 1
     assert spike["reason"].startswith("the gradient norm (grad_norm ") and "trainer.spike_factor=5" in spike["reason"]
-    assert spike["reason"].endswith("; the next steps at 0.5x the learning rate")
+    assert spike["reason"].endswith(f"; its gradient scaled to {5 * median:.4g} (taken)")
     ratio = float(spike["reason"].split(" is ")[1].split("x")[0])
     assert 500 < ratio < 2000  # the planted 1000x, against the median of the history
-    # The next normal step is taken at half the scheduler's rate; the scheduler's own rate is left as it was.
-    guarded, scale, used, scheduled, after = g["after_spike"]
+    assert spike["seen_norm"] == pytest.approx(5 * median, rel=1e-4)
+    assert spike["norm_joined"] == pytest.approx(5 * median, rel=1e-12)  # the clipped norm joins the history
+    # A gap of 0.5 nats (125x the history's): skipped, the next normal step taken at half the scheduler's rate (the
+    # scheduler's own rate left as it was).
+    assert g["gap_skip"]["skipped"] is True and g["gap_skip"]["unchanged"] and g["gap_skip"]["optimizer_steps"] == 0
+    assert g["gap_skip"]["reason"].endswith("; skipped, the next steps at 0.5x the learning rate")
+    guarded, scale, used, scheduled, after = g["after_gap"]
     assert guarded == 0.0 and scale == 0.5 and used == pytest.approx([0.5 * r for r in scheduled], rel=1e-12)
     assert after == scheduled == pytest.approx([0.01] * len(scheduled))
-    # A gap of 0.5 nats (125x the history's): guarded, halving again; at 3 halvings net (one step taken restored
-    # 2^0.1 of one) the guard stops the run (trainer.max_guarded_steps=3).
+    # More gaps: skipped, halving again; at 3 halvings net (the step taken restored 2^0.1 of one) the guard stops the
+    # run (trainer.max_guarded_steps=3).
     assert g["gaps"] == [1.0, 1.0]
     assert g["collapse"].startswith("the collapse guard skipped 4 RL steps (3 in a row) and halved the step size to "
                                     "1/15 of the learning rate (limit trainer.max_guarded_steps=3 halvings)")
@@ -290,7 +297,7 @@ def test_a_guarded_step_is_one_line_and_a_collapse_names_the_checkpoint_to_resum
     ex.echo, ex.last_checkpoint = lines.append, lambda: "step_00000350"
     ex.rl = SimpleNamespace(step=lambda batch: {"loss": 0.1, "skipped": True, "guarded": 1.0, "guard_reason": "why"})
     metrics = ex.step(None, 55)
-    assert lines == ["megatron-rl: warning: step 55 skipped by the collapse guard: why"]
+    assert lines == ["megatron-rl: warning: step 55, collapse guard: why"]
     assert "guard_reason" not in metrics and metrics["guarded"] == 1.0  # the row keeps numbers only
     ex.rl = SimpleNamespace(step=lambda batch: {"loss": 0.1, "skipped": False, "guarded": 0.0})
     ex.step(None, 56)

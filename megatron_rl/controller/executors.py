@@ -153,8 +153,8 @@ class TrainerExecutor:
         return {"tokens": toks, "loss_mask": mask}
 
     def step(self, batch, step: int) -> dict:
-        """RL step `step` on `batch`; a step the collapse guard skips is one line, and a run of them stops the job
-        naming the checkpoint to resume from (`training/guard.py`)."""
+        """RL step `step` on `batch`; a step the collapse guard skips or scales is one line, and a run of skipped
+        steps stops the job naming the checkpoint to resume from (`training/guard.py`)."""
         try:
             metrics = self.rl.step(batch)
         except CollapseError as e:
@@ -164,7 +164,7 @@ class TrainerExecutor:
             raise CollapseError(f"{e}; {where}") from None
         reason = metrics.pop("guard_reason", None)
         if reason is not None:
-            self.echo(f"megatron-rl: warning: step {step} skipped by the collapse guard: {reason}")
+            self.echo(f"megatron-rl: warning: step {step}, collapse guard: {reason}")
         return metrics
 
 

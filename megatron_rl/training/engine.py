@@ -331,9 +331,9 @@ class TrainEngine:
         no weight push, no checkpoint.
 
         With `guard_stats` (the step's token statistics, the same on every rank; RL steps) and a `guard`, the
-        gradient norm is measured before the update and the guard (`training/guard.py`) may skip the step: then
-        "guarded" is 1 and "guard_reason" says why; a step it takes runs at its `lr_scale` of the scheduler's rate
-        ("guard_lr_scale"). (The optimizer's own step measures the norm again, for its clipping: one more pass over
+        gradient norm is measured before the update and the guard (`training/guard.py`) may skip the step or scale
+        its gradient down: then "guarded" is 1 and "guard_reason" says why; a step it takes runs at its `lr_scale` of
+        the scheduler's rate ("guard_lr_scale"). (The optimizer's own step measures the norm again, for its clipping: one more pass over
         this rank's gradient shard.)
         """
         self._zero_grad()
@@ -353,17 +353,20 @@ class TrainEngine:
                     "nonfinite_total": self.nonfinite_total}
         self.nonfinite_in_a_row = 0
         lr = self.optimizer.param_groups[0]["lr"]
-        scale = 1.0
+        scale, verdict = 1.0, None
         if self.guard is not None and guard_stats is not None:
             self.optimizer.prepare_grads()  # the main gradients, as the optimizer's step makes them (idempotent)
-            grad_norm = float(self.optimizer.get_grad_norm())
+            grad_norm = measured = float(self.optimizer.get_grad_norm())
             scale = self.guard.lr_scale  # this step's (taking it restores some for the next)
-            reason = self.guard.check({"grad_norm": grad_norm, **guard_stats()})
-            if reason is not None:
+            verdict = self.guard.check({"grad_norm": grad_norm, **guard_stats()})
+            if verdict.skip:
                 self._zero_grad()
                 return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": True, "guarded": 1.0,
-                        "guard_lr_scale": self.guard.lr_scale, "guard_reason": reason,
+                        "guard_lr_scale": self.guard.lr_scale, "guard_reason": verdict.reason,
                         "nonfinite_total": self.nonfinite_total}
+            if verdict.grad_scale < 1.0:  # the model's gradient buffers: the optimizer's step reads its grads there
+                for b in self.model.buffers + self.model.expert_parallel_buffers:
+                    b.grad_data.mul_(verdict.grad_scale)
         rates = [g["lr"] for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:  # the guard's smaller step, for this update only
             g["lr"] *= scale
@@ -381,9 +384,12 @@ class TrainEngine:
         if update_successful:
             self.scheduler.step(increment=1)
             self.steps_done += 1
-        return {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                "lr": self.optimizer.param_groups[0]["lr"], "skipped": not update_successful, "guarded": 0.0,
-                "guard_lr_scale": scale, "nonfinite_total": self.nonfinite_total}
+        out = {"loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+               "lr": self.optimizer.param_groups[0]["lr"], "skipped": not update_successful, "guarded": 0.0,
+               "guard_lr_scale": scale, "nonfinite_total": self.nonfinite_total}
+        if verdict is not None and verdict.reason is not None:  # its gradient scaled: the norm as measured
+            out.update(grad_norm=measured, guarded=1.0, guard_reason=verdict.reason)
+        return out
 
     def counters(self) -> dict:
         """What a checkpoint keeps of the engine beside the optimizer and scheduler: its step counters and the

@@ -1,6 +1,6 @@
-"""The step guard: an RL update whose statistics spike far outside their recent history is skipped, as large
-pretraining runs skip loss spikes, and the steps after it are taken smaller; a run of such steps stops the job before
-the policy collapses for good.
+"""The step guard: an RL update whose statistics spike far outside their recent history is skipped, and the steps
+after it taken smaller, or has its gradient scaled down, as large pretraining runs skip or clip loss spikes; a run of
+skipped steps stops the job before the policy collapses for good.
 
 What an RL run drifts into before it collapses (docs/benchmarks.md, "The collapse guard"): one update far larger than
 its neighbours (its gradient norm 10-15x theirs), after which the trainer-generator log-prob gap of the next batches
@@ -12,17 +12,20 @@ measures before the optimizer applies it:
     logp_diff_mean   the mean |logp_pi - logp_mu| over the batch's response tokens
     kl_mu_pi         the mean of logp_mu - logp_pi (the KL of the behaviour policy from the trainer's)
 
-A step is guarded when one of them is more than `factor` times its median over the last `WINDOW` accepted steps, and
-above its floor (`FLOORS`: the gap and KL of a healthy run sit near the numeric noise, where a factor alone would
-flag noise); no step is guarded before `MIN_HISTORY` accepted ones. A guarded step changes nothing (no update, no
-scheduler step) and leaves the history as it was, so a spike cannot become the new normal; and it halves the step
-size of the steps after it (`lr_scale`, applied to the scheduler's learning rate), which each step taken restores by
-a factor of 2^(1/`RECOVERY_STEPS`). Skipping alone is not enough: at 1e-3 the guessing game's updates, once they had
-grown too large, alternated with guarded steps (each taken step moved the policy too far, each next one was skipped)
-and the policy collapsed between them; a smaller step is what keeps the next gap in its band. When the guard has
-halved the step size `max_halvings` times more than the steps taken have restored (that many guarded steps in a row,
-or in short succession), it raises `CollapseError`: at 1/2^max_halvings of its learning rate the run is not
-learning, and going on would train a policy that is no longer the one the run learned.
+Two kinds of spike, two answers. A gap or KL more than `factor` times its median over the last `WINDOW` steps taken
+(a median of at least `FLOORS`; from the second RL step on: SmolLM2's calculator recipe at twice its learning rate
+had moved 0.13 nats a token after one update, and collapsed within 8) says the last update moved the policy too far: the step is skipped (no update, no scheduler step), and the step size
+of the steps after it is halved (`lr_scale`, applied to the scheduler's learning rate), which each step taken
+restores by a factor of 2^(1/`RECOVERY_STEPS`). Skipping alone is not enough: at 1e-3 the guessing game's updates,
+once they had grown too large, alternated with skipped steps (each taken step moved the policy too far, each next
+one was skipped) and the policy collapsed between them; a smaller step keeps the next gap in its band. A gradient
+norm more than `factor` times its median says only that this batch pulls harder: the step is taken with its gradient
+scaled down to `factor` times the median (an adaptive clip), and that norm joins the history. Skipping such steps
+was measured to stop a healthy run: once the policy had moved, its batches kept a norm 6-8x the old median while the
+gap and the reward stayed where they were, and five skips in a row ended it. The gradient norm has no scale of its
+own: it is judged only after `MIN_HISTORY` steps taken. When the step size has been halved `max_halvings` times more than the steps taken have restored (that
+many skipped steps in a row, or in short succession), the guard raises `CollapseError`: at 1/2^max_halvings of its
+learning rate the run is not learning, and going on would train a policy that is no longer the one the run learned.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from typing import Optional
 WINDOW = 20  # accepted steps whose median is the reference
 MIN_HISTORY = 10  # accepted steps before any step is guarded
 RECOVERY_STEPS = 10  # steps taken that undo one halving of the step size
-FLOORS = {"grad_norm": 0.0, "logp_diff_mean": 0.02, "kl_mu_pi": 0.02}  # below these a step is never guarded
+# The smallest median the factor multiplies: a healthy run's gap and KL sit near the numeric noise (0.001-0.01
+# nats), where a factor alone would flag noise; 0.01 x 5 = 0.05 nats is the least gap a step is skipped for.
+FLOORS = {"grad_norm": 0.0, "logp_diff_mean": 0.01, "kl_mu_pi": 0.01}
 NAMES = {"grad_norm": "the gradient norm", "logp_diff_mean": "the trainer-generator log-prob gap",
          "kl_mu_pi": "the KL of the behaviour policy"}
 
@@ -44,9 +49,19 @@ class CollapseError(RuntimeError):
 
 
 @dataclass
+class Verdict:
+    """What the guard makes of a step: take it (with its gradient scaled by `grad_scale`, 1 or less) or skip it;
+    `reason` is the one line saying why it acted (None when it did not)."""
+
+    skip: bool = False
+    grad_scale: float = 1.0
+    reason: Optional[str] = None
+
+
+@dataclass
 class StepGuard:
-    """Decides, from a step's statistics, whether to take it (`check`) and at what fraction of the learning rate
-    (`lr_scale`); its state (the history, the scale, the counters) is part of a checkpoint (`state_dict`), so a
+    """Decides, from a step's statistics, whether and how to take it (`check`) and at what fraction of the learning
+    rate (`lr_scale`); its state (the history, the scale, the counters) is part of a checkpoint (`state_dict`), so a
     resumed run guards as the uninterrupted one would."""
 
     factor: float
@@ -56,18 +71,28 @@ class StepGuard:
     in_a_row: int = 0
     total: int = 0
 
-    def check(self, values: dict[str, float]) -> Optional[str]:
-        """None to take the step (its values join the history), or why it is skipped (one line). Raises
-        CollapseError when the step size has been halved `max_halvings` times net."""
-        reason = self._spike(values)
-        if reason is None:
-            self.in_a_row = 0
-            self.lr_scale = min(1.0, self.lr_scale * 2 ** (1 / RECOVERY_STEPS))
-            for name in FLOORS:
-                v = values[name]
-                if name != "grad_norm" or v > 0:  # a step without signal (zero advantages) has no gradient
-                    self.history[name] = (self.history[name] + [v])[-WINDOW:]
-            return None
+    def check(self, values: dict[str, float]) -> Verdict:
+        """The step's verdict (module docstring); a step taken adds its values to the history. Raises CollapseError
+        when the step size has been halved `max_halvings` times net."""
+        drift = self._spike(values, ("logp_diff_mean", "kl_mu_pi"))
+        if drift is not None:
+            return self._skip(drift)
+        self.in_a_row = 0
+        self.lr_scale = min(1.0, self.lr_scale * 2 ** (1 / RECOVERY_STEPS))
+        verdict = Verdict()
+        pull = self._spike(values, ("grad_norm",))
+        if pull is not None:
+            target = self.factor * statistics.median(self.history["grad_norm"])
+            verdict = Verdict(grad_scale=target / values["grad_norm"],
+                              reason=f"{pull}; its gradient scaled to {target:.4g} (taken)")
+            values = {**values, "grad_norm": target}
+        for name in FLOORS:
+            v = values[name]
+            if name != "grad_norm" or v > 0:  # a step without signal (zero advantages) has no gradient
+                self.history[name] = (self.history[name] + [v])[-WINDOW:]
+        return verdict
+
+    def _skip(self, reason: str) -> Verdict:
         self.in_a_row += 1
         self.total += 1
         self.lr_scale /= 2
@@ -76,19 +101,21 @@ class StepGuard:
                                 f"halved the step size to 1/{round(1 / self.lr_scale)} of the learning rate (limit "
                                 f"trainer.max_guarded_steps={self.max_halvings} halvings); the last: {reason}. The "
                                 f"policy is collapsing")
-        return f"{reason}; the next steps at {self.lr_scale:.3g}x the learning rate"
+        return Verdict(skip=True, reason=f"{reason}; skipped, the next steps at {self.lr_scale:.3g}x the learning "
+                                         f"rate")
 
-    def _spike(self, values: dict[str, float]) -> Optional[str]:
-        for name, floor in FLOORS.items():
+    def _spike(self, values: dict[str, float], names: tuple[str, ...]) -> Optional[str]:
+        for name in names:
             past = self.history[name]
-            if len(past) < MIN_HISTORY:
+            if not past or (name == "grad_norm" and len(past) < MIN_HISTORY):
                 continue
             median = statistics.median(past)
             v = values[name]
-            if v > floor and v > self.factor * max(median, 0.0):
-                times = f"{v / median:.1f}x" if median > 0 else "far above"
-                return (f"{NAMES[name]} ({name} {v:.4g}) is {times} its median over the last {len(past)} steps "
-                        f"({median:.4g}; trainer.spike_factor={self.factor:g})")
+            ref = max(median, FLOORS[name])
+            if v > self.factor * ref:
+                what = "its median" if median >= FLOORS[name] else f"{ref:g}, the least median it is compared with"
+                return (f"{NAMES[name]} ({name} {v:.4g}) is {v / ref:.1f}x {what} (median over the last {len(past)} "
+                        f"steps {median:.4g}; trainer.spike_factor={self.factor:g})")
         return None
 
     def state_dict(self) -> dict:
