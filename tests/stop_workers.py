@@ -44,7 +44,7 @@ _KEPT = []  # pools a rank leaves running (a module global: a local would be clo
 
 def starts_reward_workers(rank, world_size, close):
     """Starts a reward worker pool and closes it, or leaves it running, as a Job that never closed its task did."""
-    from megatron_rl.rewards.workers import WorkerPool
+    from megatron_rl.sandbox import WorkerPool
 
     pool = WorkerPool("stop_workers:exact_answer", num_workers=1)
     if close:

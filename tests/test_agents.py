@@ -88,7 +88,7 @@ def test_a_calculator_agents_requests_extend_the_conversation_as_the_endpoint_re
     from megatron_rl.agents.calculator import TOOL
     from megatron_rl.agents.play import _after
     from megatron_rl.agents.workers import _run_agent
-    from megatron_rl.rewards.workers import resolve_function
+    from megatron_rl.sandbox import resolve
     from megatron_rl.serving.protocol import ChatRequest, chat_body, normalize_message
     from megatron_rl.serving.server import Endpoint
     from megatron_rl.tokenizers.turns import tools_message
@@ -116,7 +116,7 @@ def test_a_calculator_agents_requests_extend_the_conversation_as_the_endpoint_re
     endpoint.open_session("s", handler)
     try:
         module, _, name = spec.rpartition(":")
-        fn = resolve_function(f"{Path(__file__).resolve().parents[1] / module}:{name}" if module.endswith(".py")
+        fn = resolve(f"{Path(__file__).resolve().parents[1] / module}:{name}" if module.endswith(".py")
                               else spec)
         reward = _run_agent(fn, {"prompt": "What is 2 + 3?", "reference": "5"}, 0, endpoint.session_url("s"), "k")
     finally:

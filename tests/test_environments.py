@@ -130,7 +130,7 @@ class _W:
     ([5, None], ["idle", "idle"], 1, 0),  # a preference for no such worker is none
 ])
 def test_which_call_an_idle_worker_takes(prefer, workers, taker, expected):
-    from megatron_rl.rewards.workers import _Queue
+    from megatron_rl.sandbox.pool import _Queue
 
     queue = _Queue(prefer, num_workers=len(workers))
     assert queue.take(taker, [w if w is None else _W(w) for w in workers]) == expected

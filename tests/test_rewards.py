@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from megatron_rl.rewards import (FunctionReward, GSM8KReward, MathReward, RewardFunctionError, SyntheticReward,
+from megatron_rl.rewards import (FunctionReward, GSM8KReward, MathReward, SyntheticReward,
                                  extract_gsm8k_answer, get_reward_fn, gsm8k_reward, last_boxed, leading_integer,
                                  normalize_answer, synthetic_reward)
+from megatron_rl.sandbox import SpecError
 
 
 # ---- functions run inside worker processes ------------------------------------------------------------------------
@@ -359,7 +360,7 @@ def test_user_function_from_a_file(tmp_path):
     ("/nonexistent/reward.py:f", "not found"),
 ])
 def test_bad_reward_function_fails_fast_with_one_line(spec, message):
-    with pytest.raises(RewardFunctionError) as e:
+    with pytest.raises(SpecError) as e:
         FunctionReward(spec)
     assert message in str(e.value) and "\n" not in str(e.value)
 
@@ -497,7 +498,7 @@ def test_a_reward_function_that_takes_the_record_gets_every_field_of_it(tmp_path
 def test_a_workers_log_holds_their_prints_and_stays_bounded(tmp_path):
     """What a reward function prints goes to the pool's log, not the caller's console, and a log past its bound is
     emptied before the next batch (a function printing on every call would fill the run's disk)."""
-    from megatron_rl.rewards.workers import WorkerPool
+    from megatron_rl.sandbox import WorkerPool
 
     log = tmp_path / "workers.log"
     with WorkerPool("reward_fns:always_raises", num_workers=1, timeout_s=5.0, log_path=str(log),

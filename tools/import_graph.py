@@ -37,7 +37,7 @@ PACKAGE = "megatron_rl"
 # The package's layers, lowest first, by the name under `megatron_rl` (a subpackage or a top-level module).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("settings", "run_settings", "quiet", "failpoints", "compat", "rollout", "formats"),  # foundations
-    ("parallel", "launch"),  # process groups and layouts; starting and stopping processes
+    ("parallel", "launch", "sandbox"),  # process groups and layouts; starting and stopping processes; user code's
     # The components, each layer using only those below it:
     ("tokenizers", "data", "algorithms"),  # text and ids, prompt records, the RL objective's math
     ("models",),  # the GPTModel, its presets, families and parameter names

@@ -9,7 +9,9 @@ runs its episodes in threads of its own; the processes are what the job can kill
 
 Agent code is as untrusted as reward code: workers start with `forkserver` (never `fork`: the job's process holds
 torch threads), import the function themselves (a spec that cannot be used fails at start-up with one line), ignore
-Ctrl-C (the job decides), and write their output and each failure's traceback to the run's `workers.log`. The pool
+Ctrl-C (the job decides), and write their output and each failure's traceback to the run's `workers.log`, as the
+sandbox's workers do (`sandbox.start_worker`); they are processes of their own rather than a `sandbox.WorkerPool`
+because an agent's call lasts its whole episode and a worker runs many at once. The pool
 reports every episode's end once: its reward, or one line (raised, ill-typed result, its worker died). Time limits
 are the caller's (`agents/play.py`): it stops waiting for an agent that is late and the pool `retire`s the worker
 that still runs it once its batch is over, replacing it.
@@ -23,7 +25,6 @@ import logging
 import math
 import numbers
 import os
-import signal
 import sys
 import threading
 import time
@@ -31,9 +32,8 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Callable, Optional
 
-from megatron_rl.rewards.worker_log import write_to_log
 from megatron_rl.environments.pool import agent_problem
-from megatron_rl.rewards.workers import RewardFunctionError, default_start_method, resolve_function
+from megatron_rl.sandbox import SpecError, default_start_method, messages, resolve, start_worker
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +66,13 @@ def _run_agent(fn, record, seed, base_url: str, key: str) -> float:
 def _worker_main(spec: str, conn, log_path: Optional[str], label: str) -> None:
     """Import the agent, then run each ("run", episode, record, seed, base_url, key) in a thread of its own,
     answering (episode, "ok", reward) or (episode, "error", line)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if log_path is not None:
-        try:
-            write_to_log(log_path, label)
-        except OSError as e:
-            conn.send(("error", f"cannot write the workers' log {log_path}: {e}"))
-            return
+    if not start_worker(conn, log_path, label):
+        return
     problem = agent_problem(spec)
     if problem:
         conn.send(("error", f"{label}: {problem}"))
         return
-    fn = resolve_function(spec)
+    fn = resolve(spec, "agent")
     import openai  # noqa: F401 - imported before the first episode, whose first request has env.timeout_s
     conn.send(("ready", os.getpid()))
     sending = threading.Lock()
@@ -95,13 +90,7 @@ def _worker_main(spec: str, conn, log_path: Optional[str], label: str) -> None:
             except (OSError, EOFError):
                 pass
 
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
+    for msg in messages(conn):
         threading.Thread(target=run, args=msg[1:], daemon=True, name=f"agent-{msg[1]}").start()
 
 
@@ -126,14 +115,14 @@ class AgentWorkers:
         try:
             for proc, conn in self._workers:
                 if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    raise RewardFunctionError(f"{self.label}: a worker did not start within {startup_timeout_s:g} s")
+                    raise SpecError(f"{self.label}: a worker did not start within {startup_timeout_s:g} s")
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     proc.join(timeout=5)
                     msg = ("error", f"{self.label}: a worker exited with code {proc.exitcode} during start-up")
                 if msg[0] != "ready":
-                    raise RewardFunctionError(msg[1])
+                    raise SpecError(msg[1])
         except BaseException:
             self.close()
             raise

@@ -8,7 +8,7 @@ number) and whether the episode is over. `Environment` writes the interface down
 checked against its calls' signatures when the job's configuration is (`environment_problem`), before any process
 starts.
 
-Environment code is as untrusted as reward code, so it runs in the worker processes of `rewards.workers.WorkerPool`:
+Environment code is as untrusted as reward code, so it runs in the sandbox's worker processes (`sandbox.WorkerPool`):
 per-call and per-batch deadlines, a hung or dead worker killed and replaced, every call answered. Each worker imports
 the class when it starts, so a spec that cannot be used fails at construction with one line. Whatever an
 environment does wrong in a call (raises, hangs, kills its process, returns something ill-typed) ends that episode
@@ -25,7 +25,7 @@ nothing and a resumed run redraws exactly. Replaying costs O(turns^2) steps per 
 instances it stepped last (up to LIVE_PER_WORKER, keyed by the episode and its responses so far), and the pool
 sends each call to the worker that answered the episode's previous one (`WorkerPool.map(prefer=)`): a call finds its
 episode live and steps it once, and replays only when it ran elsewhere (its worker was busy with two or more calls
-waiting and another was idle, see `rewards.workers._Queue`), or the instance was evicted, or its worker replaced. A
+waiting and another was idle, see `sandbox.pool._Queue`), or the instance was evicted, or its worker replaced. A
 call's deadline covers its replay.
 """
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -46,16 +47,14 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence, Union
 
-from megatron_rl.rewards.workers import (MAX_FAILING_BATCHES, RewardFunctionError, WorkerPool, failing_batches,
-                                         resolve_function)
+from megatron_rl.sandbox import MAX_FAILING_BATCHES, SpecError, WorkerPool, failing_batches, resolve
 
 log = logging.getLogger(__name__)
 
 LIVE_PER_WORKER = 256  # environment instances a worker keeps between calls (least recently stepped evicted first)
-_RUNNER_PREFIX = "cls_"  # `RUNNERS.cls_<the class's spec in hex>`: the worker-side function of one class
 
 
-class EnvironmentSpecError(ValueError):
+class EnvironmentSpecError(SpecError):
     """An environment spec that cannot be used (bad form, import fails, not a class, no `reset` or `step`)."""
 
 
@@ -121,11 +120,9 @@ def environment_problem(spec: str) -> Optional[str]:
     if problem:
         return problem
     try:
-        cls = resolve_function(spec)
-    except RewardFunctionError as e:  # its lines say "reward function 'spec': ..."; the reason follows
-        return str(e).removeprefix(f"reward function {spec!r}").lstrip(": ")
-    except (Exception, SystemExit) as e:  # what importing a user's module may raise besides ImportError
-        return f"importing it raised {type(e).__name__}: {e}"
+        cls = resolve(spec, "env")
+    except SpecError as e:
+        return e.reason
     attr = spec.rpartition(":")[2]
     if not isinstance(cls, type):
         return f"{attr!r} is {_a(type(cls).__name__)}, not a class"
@@ -155,11 +152,9 @@ def agent_problem(spec: str) -> Optional[str]:
     if not module or not attr:
         return "must look like 'module:function' (or 'path/file.py:function')"
     try:
-        fn = resolve_function(spec)
-    except RewardFunctionError as e:
-        return str(e).removeprefix(f"reward function {spec!r}").lstrip(": ")
-    except (Exception, SystemExit) as e:
-        return f"importing it raised {type(e).__name__}: {e}"
+        fn = resolve(spec, "agent")
+    except SpecError as e:
+        return e.reason
     if isinstance(fn, type):
         return f"{attr!r} is a class: an agent is a function (record, seed, client) -> reward"
     try:
@@ -175,8 +170,8 @@ def resolve_environment(spec: str) -> type:
     """The environment class `spec` names, imported; EnvironmentSpecError (one line) when it cannot be used."""
     problem = environment_problem(spec) if isinstance(spec, str) else "must be a string 'module:Class'"
     if problem:
-        raise EnvironmentSpecError(f"env {spec!r}: {problem}")
-    return resolve_function(spec)
+        raise EnvironmentSpecError.of("env", spec, problem)
+    return resolve(spec, "env")
 
 
 def as_message(value: Any) -> Optional[dict]:
@@ -253,7 +248,7 @@ class _Answer:
     replayed: int = 0
 
 
-class _Runner:
+class Runner:
     """The worker-side function of one environment class: (record, seed, responses) -> _Answer; reset when
     `responses` is empty. Keeps the instances it stepped last, keyed by (episode, responses so far)."""
 
@@ -327,31 +322,14 @@ class _Runner:
             raise _Failed(f"{where} message {e}") from None
 
 
-class _Runners:
-    """The workers' entry points: attribute `cls_<the spec in hex>` is the `_Runner` of that class, made (and the
-    class imported) on first access. A WorkerPool worker resolves its function when it starts, so naming the class
-    in the function's spec (`worker_spec`) makes each worker import it then: under the start-up deadline, as reward
-    workers import their function, and a class that cannot be used is reported to the pool, which fails at
-    construction. Only worker processes touch it."""
-
-    def __getattr__(self, name: str) -> _Runner:
-        if not name.startswith(_RUNNER_PREFIX):
-            raise AttributeError(name)
-        spec = bytes.fromhex(name[len(_RUNNER_PREFIX):]).decode()
-        problem = environment_problem(spec)
-        if problem:  # a worker sends a RewardFunctionError's text to the pool as it is
-            raise RewardFunctionError(f"env {spec!r}: {problem}")
-        runner = _Runner(spec, resolve_function(spec))
-        setattr(self, name, runner)
-        return runner
-
-
-RUNNERS = _Runners()
-
-
-def worker_spec(spec: str) -> str:
-    """The spec of the worker-side function that runs environment class `spec` (see `_Runners`)."""
-    return f"{__name__}:RUNNERS.{_RUNNER_PREFIX}{spec.encode().hex()}"
+def runner(spec: str) -> Runner:
+    """What each environment worker runs (`WorkerPool`'s target, with the class's spec): the class checked and
+    imported in the worker, when it starts (under the start-up deadline, as reward workers import their function;
+    a class that cannot be used is one `SpecError` line, which fails the pool at construction), in its `Runner`."""
+    problem = environment_problem(spec)
+    if problem:
+        raise SpecError.of("env", spec, problem)
+    return Runner(spec, resolve(spec, "env"))
 
 
 # ---- the controller side ------------------------------------------------------------------------------------------
@@ -361,7 +339,7 @@ class EnvironmentPool:
     """Worker processes running environment class `spec` (`module:Class` or `path/file.py:Class`): `first` starts
     episodes, `step` answers the model's latest responses; one `Turn` per episode, in order, never an exception for
     what the environment does (see the module's docstring). `timeout_s` bounds one call, `batch_timeout_s` (None:
-    `rewards.workers.default_batch_timeout`) a batch.
+    `sandbox.default_batch_timeout`) a batch.
 
     Not thread-safe: one thread drives it. Keep one per run and `close()` it at the end (or use `with`)."""
 
@@ -371,13 +349,12 @@ class EnvironmentPool:
         if problem:
             raise EnvironmentSpecError(f"env {spec!r} {problem}")
         self.spec = spec
-        worker = worker_spec(spec)
         try:
-            self._pool = WorkerPool(worker, num_workers=num_workers, timeout_s=timeout_s, start_method=start_method,
-                                    batch_timeout_s=batch_timeout_s, label=f"env {spec!r}", log_path=log_path)
-        except RewardFunctionError as e:  # the workers' own lines name the class; the pool's name its function
-            line = str(e).replace(f"reward function {worker!r}", f"env {spec!r}")
-            raise EnvironmentSpecError(line if line.startswith("env ") else f"env {spec!r}: {line}") from None
+            self._pool = WorkerPool(functools.partial(runner, spec), num_workers=num_workers, timeout_s=timeout_s,
+                                    start_method=start_method, batch_timeout_s=batch_timeout_s, label=f"env {spec!r}",
+                                    log_path=log_path)
+        except SpecError as e:  # its line names the class ("env 'spec': ...")
+            raise EnvironmentSpecError(str(e), e.reason) from None
         self.log_path = log_path
         self.failures = 0  # episodes of the last call that failed
         self.failing_batches = 0  # batches in a row in which more than half of the episodes failed (`end_batch`)

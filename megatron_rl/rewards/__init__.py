@@ -1,4 +1,5 @@
-"""Reward functions: GSM8K and MATH verifiers, the synthetic-task reward, and user functions in worker processes.
+"""Reward functions: GSM8K and MATH verifiers, the synthetic-task reward, and user functions in worker processes
+(`sandbox.WorkerPool`).
 
 Every scorer has `score(list of (prompt, response, reference)) -> list[float]`; `get_reward_fn` picks one by kind.
 sympy is imported only inside worker processes (see `math_answer.py`), never by importing this package.
@@ -11,11 +12,10 @@ from megatron_rl.rewards.latex import canonical, last_boxed, normalize_answer, q
 from megatron_rl.rewards.math_answer import MathReward, reference_answer
 from megatron_rl.rewards.registry import REWARD_KINDS, get_reward_fn, kind_for_dataset
 from megatron_rl.rewards.synthetic import SyntheticReward, leading_integer, synthetic_reward
-from megatron_rl.rewards.workers import Outcome, RewardFunctionError, WorkerPool, resolve_function
 
 __all__ = [
-    "REWARD_KINDS", "FunctionReward", "GSM8KReward", "MathReward", "Outcome", "PerItemReward", "RewardFunction",
-    "RewardFunctionError", "RewardItem", "SyntheticReward", "WorkerPool", "canonical", "extract_gsm8k_answer",
-    "get_reward_fn", "gsm8k_reward", "kind_for_dataset", "last_boxed", "leading_integer", "normalize_answer",
-    "parse_reference", "quick_equal", "reference_answer", "resolve_function", "synthetic_reward",
+    "REWARD_KINDS", "FunctionReward", "GSM8KReward", "MathReward", "PerItemReward", "RewardFunction", "RewardItem",
+    "SyntheticReward", "canonical", "extract_gsm8k_answer", "get_reward_fn", "gsm8k_reward", "kind_for_dataset",
+    "last_boxed", "leading_integer", "normalize_answer", "parse_reference", "quick_equal", "reference_answer",
+    "synthetic_reward",
 ]

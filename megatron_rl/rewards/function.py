@@ -8,22 +8,21 @@ of worker processes, never in the controller, a batch's responses on all workers
 finite number is a failure: it scores 0.0, is logged and counted (`failures`, per batch), and the run goes on. A
 function that fails on more than half of a batch's responses in MAX_FAILING_BATCHES batches in a row is broken, not
 unlucky: `score` raises RewardFailureError, one line, and the run stops. A spec that cannot be imported fails at
-construction with one clear line (RewardFunctionError).
+construction with one clear line (`sandbox.SpecError`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
 from typing import Optional, Sequence
 
 from megatron_rl.rewards.base import RewardFunction, RewardItem
-from megatron_rl.rewards.workers import (MAX_FAILING_BATCHES, RewardFunctionError, WorkerPool, failing_batches,
-                                         resolve_function)
+from megatron_rl.sandbox import MAX_FAILING_BATCHES, FORM, SpecError, WorkerPool, failing_batches, resolve
 
 log = logging.getLogger(__name__)
-
 
 
 class RewardFailureError(RuntimeError):
@@ -62,21 +61,10 @@ class _WithRecord:
         return self.fn(prompt, response, reference, record) if self.takes else self.fn(prompt, response, reference)
 
 
-class _Adapters:
-    """The workers' entry points: attribute `fn_<the user's spec in hex>` is that function wrapped by `_WithRecord`,
-    imported on first access. A worker resolves its function when it starts, so naming the user's function in the
-    spec makes each worker import it then (a spec that cannot be used fails the pool at construction, with the
-    user's spec in its line), and the controller never imports it."""
-
-    def __getattr__(self, name: str) -> _WithRecord:
-        if not name.startswith("fn_"):
-            raise AttributeError(name)
-        adapter = _WithRecord(resolve_function(bytes.fromhex(name[3:]).decode()))
-        setattr(self, name, adapter)
-        return adapter
-
-
-ADAPTERS = _Adapters()
+def with_record(spec: str) -> _WithRecord:
+    """What each reward worker runs (`WorkerPool`'s target, with the user's spec): the user's function, imported
+    in the worker, called with the record where it takes it. The controller never imports it."""
+    return _WithRecord(resolve(spec, "reward function"))
 
 
 class FunctionReward(RewardFunction):
@@ -86,9 +74,9 @@ class FunctionReward(RewardFunction):
                  batch_timeout_s: Optional[float] = None, log_path: Optional[str] = None):
         self.spec = spec
         self.log_path = log_path  # where the workers write (`WorkerPool`), named in the failure lines
-        if not isinstance(spec, str) or ":" not in spec:  # checked here: the adapter's spec always has one
-            raise RewardFunctionError(f"reward function {spec!r} must look like 'module:function'")
-        self._pool = WorkerPool(f"{__name__}:ADAPTERS.fn_{spec.encode().hex()}", num_workers=num_workers,
+        if not isinstance(spec, str) or ":" not in spec:  # before any process starts
+            raise SpecError.of("reward function", spec, FORM)
+        self._pool = WorkerPool(functools.partial(with_record, spec), num_workers=num_workers,
                                 timeout_s=timeout_s, start_method=start_method, batch_timeout_s=batch_timeout_s,
                                 label=f"reward function {spec!r}", log_path=log_path)
         self.failures = 0  # responses of the last `score` call that failed (scored 0.0)

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from megatron_rl.rewards.base import RewardFunction, RewardItem
 from megatron_rl.rewards.latex import canonical, last_boxed, quick_equal
-from megatron_rl.rewards.workers import WorkerPool
+from megatron_rl.sandbox import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class MathReward(RewardFunction):
     def _workers(self) -> WorkerPool:
         if self._pool is None:
             self._pool = WorkerPool(self.checker, num_workers=self.num_workers, timeout_s=self.timeout_s,
-                                    start_method=self.start_method, log_path=self.log_path)
+                                    start_method=self.start_method, log_path=self.log_path,
+                                    label=f"math checker {self.checker!r}")
         return self._pool
 
     def equivalent(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:

@@ -38,7 +38,7 @@ def get_reward_fn(kind: str, function: Optional[str] = None, timeout_s: float = 
 
     kind: "gsm8k", "math", "synthetic", "function" (needs `function="module:function"`), "reward-model" (needs
     `model`, a Hugging Face sequence-classification directory), "auto" (by `dataset`). `log_path`: where the worker
-    processes of "function" and "math" write (`rewards.workers.WorkerPool`).
+    processes of "function" and "math" write (`sandbox.WorkerPool`).
     """
     if kind not in REWARD_KINDS:
         close = difflib.get_close_matches(str(kind), REWARD_KINDS, n=1)

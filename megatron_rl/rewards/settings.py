@@ -117,12 +117,10 @@ class RewardSettings(Section):
 
 def _function_problems(spec: str) -> list[str]:
     """Import the user's reward function here, as each reward worker will."""
-    from megatron_rl.rewards.workers import RewardFunctionError, resolve_function
+    from megatron_rl.sandbox import SpecError, resolve
 
     try:
-        resolve_function(spec)
-    except RewardFunctionError as e:
+        resolve(spec, "reward function")
+    except SpecError as e:
         return [str(e)]
-    except (Exception, SystemExit) as e:  # what importing a user's module may raise besides ImportError
-        return [f"reward function {spec!r}: importing it raised {type(e).__name__}: {e}"]
     return []

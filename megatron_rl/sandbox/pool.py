@@ -1,24 +1,26 @@
-"""Run a `module:function` in worker processes, each call under a time limit.
+"""Run user code in worker processes, each call under a time limit: the sandbox of reward functions, environments
+and agents.
 
-Reward code is the least trusted code in a run: user functions can hang, crash the interpreter or raise, and even
-our own sympy-based checks can spin for minutes on an adversarial expression. None of that may stop training. So
-such code runs in separate processes that the controller can kill: the calls of a batch run on all workers at
-once, every call has a deadline and so does the batch (a function that hangs costs a batch its batch timeout, not
-one call timeout per response), a worker that misses a deadline is killed and replaced, and a worker that dies is
-replaced too. The caller always gets one `Outcome` per call.
+User code is the least trusted code in a run: reward functions and environments can hang, crash the interpreter or
+raise, and even our own sympy-based checks can spin for minutes on an adversarial expression. None of that may stop
+training. So such code runs in separate processes that the controller can kill: the calls of a batch run on all
+workers at once, every call has a deadline and so does the batch (a function that hangs costs a batch its batch
+timeout, not one call timeout per response), a worker that misses a deadline is killed and replaced, and a worker
+that dies is replaced too. The caller always gets one `Outcome` per call.
 
 Workers are started with the `forkserver` (or `spawn`) method, never plain `fork`: the controller process holds
-torch threads and process groups, and forking a threaded process is unsafe. Because nothing is inherited, the
-function travels as its import spec and each worker imports it itself; an import that fails is reported back at
-start-up, so a bad spec fails fast in the parent with one clear line.
+torch threads and process groups, and forking a threaded process is unsafe. Because nothing is inherited, what a
+worker runs travels as its `target`: a `module:function` spec, or a picklable callable (a module-level function or
+a `functools.partial` of one, such as `environments.pool.Runner.build` with the class's spec) that each worker
+calls once at start-up to build the function it then runs, importing the user's code itself. A target that cannot
+be built is reported back at start-up (a `SpecError`'s line as it is), so a bad spec fails fast in the parent with
+one clear line.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
-import importlib
-import importlib.util
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -29,83 +31,33 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
-from megatron_rl.rewards.worker_log import LOG_MAX_BYTES, bound_log, write_to_log
+from megatron_rl.sandbox.imports import SpecError, resolve
+from megatron_rl.sandbox.log import LOG_MAX_BYTES, bound_log, write_to_log
 
 log = logging.getLogger(__name__)
 
-
-class RewardFunctionError(ValueError):
-    """A reward function spec that cannot be used (bad syntax, missing module or attribute, not callable)."""
+Target = Union[str, Callable[[], Callable]]  # a `module:function` spec, or what builds the function in the worker
 
 
-def resolve_function(spec: str) -> Callable:
-    """Import `module:function` (or `path/to/file.py:function`); the attribute may be dotted (`Class.method`).
-
-    Raises RewardFunctionError with a one-line message naming the spec and what is wrong.
-    """
-    if not isinstance(spec, str) or ":" not in spec:
-        raise RewardFunctionError(f"reward function {spec!r} must look like 'module:function'")
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
-        raise RewardFunctionError(f"reward function {spec!r} must look like 'module:function'")
-    if module_name.endswith(".py") or "/" in module_name:
-        path = os.path.abspath(module_name)
-        if not os.path.isfile(path):
-            raise RewardFunctionError(f"reward function {spec!r}: file {path} not found")
-        # A private, path-derived module name: two files with the same basename must not collide.
-        name = "_megatron_rl_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-        module = sys.modules.get(name)
-        if module is None:
-            file_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(file_spec)
-            sys.modules[name] = module
-            try:
-                file_spec.loader.exec_module(module)
-            except Exception as e:
-                del sys.modules[name]
-                raise RewardFunctionError(
-                    f"reward function {spec!r}: loading {path} raised {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-                raise RewardFunctionError(f"reward function {spec!r}: no module named {module_name!r}") from None
-            raise RewardFunctionError(
-                f"reward function {spec!r}: importing {module_name!r} failed: {e}") from None
-        except Exception as e:
-            raise RewardFunctionError(
-                f"reward function {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RewardFunctionError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardFunctionError(f"reward function {spec!r}: {attr!r} is not callable")
-    return obj
-
-
-def _worker_main(spec: str, conn, log_path: Optional[str] = None, label: str = "") -> None:
-    """Worker loop: import once, then answer (call_id, args) messages until None or the pipe closes. With
-    `log_path`, what the worker writes goes there (`write_to_log`), and so does the traceback of every call that
-    raised (its one line goes to the pool)."""
-    # Ctrl-C goes to the whole process group; the parent decides what happens to its workers.
+def start_worker(conn, log_path: Optional[str], label: str) -> bool:
+    """A sandboxed worker's first steps, before it imports anything of the user's: Ctrl-C ignored (it goes to the
+    whole process group; the parent decides what happens to its workers), and with `log_path` its standard output
+    and error pointed at the run's workers' log. False (with the reason sent to the parent) if the log cannot be
+    written."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_path is not None:
         try:
-            write_to_log(log_path, label or spec)
+            write_to_log(log_path, label)
         except OSError as e:
             conn.send(("error", f"cannot write the workers' log {log_path}: {e}"))
-            return
-    try:
-        fn = resolve_function(spec)
-    except BaseException as e:  # noqa: BLE001 - everything must be reported, nothing may escape
-        conn.send(("error", str(e) if isinstance(e, RewardFunctionError) else f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready", os.getpid()))
+            return False
+    return True
+
+
+def messages(conn):
+    """A worker's messages from its pool, until the pool says stop (None) or the pipe closes."""
     while True:
         try:
             msg = conn.recv()
@@ -113,31 +65,32 @@ def _worker_main(spec: str, conn, log_path: Optional[str] = None, label: str = "
             return
         if msg is None:
             return
-        call_id, args = msg
+        yield msg
+
+
+def _worker_main(target: Target, conn, log_path: Optional[str] = None, label: str = "") -> None:
+    """Worker loop: build the function once, then answer (call_id, args) messages until None or the pipe closes.
+    With `log_path`, what the worker writes goes there (`write_to_log`), and so does the traceback of every call
+    that raised (its one line goes to the pool)."""
+    if not start_worker(conn, log_path, label):
+        return
+    try:
+        fn = resolve(target) if isinstance(target, str) else target()
+    except BaseException as e:  # noqa: BLE001 - everything must be reported, nothing may escape
+        conn.send(("error", str(e) if isinstance(e, SpecError) else f"{label}: {type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", os.getpid()))
+    for call_id, args in messages(conn):
         try:
             value = fn(*args)
             conn.send((call_id, "ok", value))
         except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from user code included
             if log_path is not None:  # in one write: the pool's workers share the file
-                sys.stderr.write(f"{label or spec} raised:\n{''.join(traceback.format_exception(e))}")
+                sys.stderr.write(f"{label} raised:\n{''.join(traceback.format_exception(e))}")
             try:
                 conn.send((call_id, "error", f"{type(e).__name__}: {e}"))
             except (OSError, EOFError):
                 return
-
-
-MAX_FAILING_BATCHES = 3  # batches in a row with more than half of their calls failing stop the run
-
-
-def failing_batches(errors: list[str], calls: int, streak: int, warn: Callable[[str], None]) -> int:
-    """The rule the pools' callers (reward functions, environments) share for one batch of `calls` calls, `errors`
-    of which failed (one line each): the failures logged in one line, each distinct error once (`warn(text)`), and
-    the new count of batches in a row in which more than half the calls failed (`streak` before this one); the caller
-    stops at MAX_FAILING_BATCHES, a function broken rather than unlucky."""
-    if errors:
-        counts = collections.Counter(errors)
-        warn("; ".join(f"{e} (x{n})" if n > 1 else e for e, n in counts.items()))
-    return streak + 1 if 2 * len(errors) > calls else 0
 
 
 @dataclass
@@ -169,6 +122,12 @@ def default_start_method() -> str:
 def default_batch_timeout(timeout_s: float) -> float:
     """The deadline of a whole batch when none is given: as long as four calls that time out."""
     return 4 * timeout_s
+
+
+def _name_of(target: Callable) -> str:
+    fn = target.func if isinstance(target, functools.partial) else target
+    args = target.args if isinstance(target, functools.partial) else ()
+    return f"{getattr(fn, '__qualname__', repr(fn))}{args!r}" if args else getattr(fn, "__qualname__", repr(fn))
 
 
 class _Queue:
@@ -207,8 +166,9 @@ class _Queue:
 
 
 class WorkerPool:
-    """N worker processes running one function; `map` scores a batch with a per-call and a per-batch timeout
-    (`batch_timeout_s`, None for `default_batch_timeout(timeout_s)`).
+    """N worker processes running one function, built in each worker from `target` (the module's docstring); `map`
+    runs a batch of calls with a per-call and a per-batch timeout (`batch_timeout_s`, None for
+    `default_batch_timeout(timeout_s)`).
 
     `log_path`: a file the workers' standard output and error are appended to (a job's `workers.log` in its run
     directory), with the traceback of each call that raised; None leaves them where this process's go. Before each
@@ -218,7 +178,7 @@ class WorkerPool:
     imports the function's module), so keep one per run and `close()` it at the end (or use `with`).
     """
 
-    def __init__(self, spec: str, num_workers: int = 1, timeout_s: float = 5.0, start_method: Optional[str] = None,
+    def __init__(self, target: Target, num_workers: int = 1, timeout_s: float = 5.0, start_method: Optional[str] = None,
                  startup_timeout_s: float = 120.0, batch_timeout_s: Optional[float] = None,
                  label: Optional[str] = None, log_path: Optional[str] = None, log_max_bytes: int = LOG_MAX_BYTES):
         if num_workers < 1:
@@ -227,10 +187,12 @@ class WorkerPool:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         if batch_timeout_s is not None and not batch_timeout_s > 0:
             raise ValueError(f"batch_timeout_s={batch_timeout_s} must be > 0")
-        self.spec = spec
-        # What the log and the process names call the function ("reward function 'mod:f'" by default; the
-        # environments' pool names its class rather than the runner it imports).
-        self.label = label or f"reward function {spec!r}"
+        if not isinstance(target, str) and not callable(target):
+            raise TypeError(f"target must be a 'module:function' spec or a callable, not {type(target).__name__}")
+        self.target = target
+        # What the log lines and the process names call what the workers run (the caller's words: "reward function
+        # 'mod:f'", "env 'mod:Class'"; by default the spec, or the name of what builds the function).
+        self.label = label or (f"function {target!r}" if isinstance(target, str) else _name_of(target))
         # Where the workers' standard output and error go (appended; None: where this process's go).
         self.log_path = None if log_path is None else str(log_path)
         self.log_max_bytes = log_max_bytes
@@ -257,7 +219,7 @@ class WorkerPool:
 
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(self.spec, child, self.log_path, self.label), daemon=True,
+        proc = self._ctx.Process(target=_worker_main, args=(self.target, child, self.log_path, self.label), daemon=True,
                                  name=f"worker[{self.label}]")
         proc.start()
         child.close()  # keep only the worker's copy, so its death shows up as EOF on ours
@@ -279,14 +241,14 @@ class WorkerPool:
             msg = w.conn.recv()
         except (EOFError, OSError):
             w.process.join(timeout=5)
-            msg = ("error", f"worker exited with code {w.process.exitcode} during start-up")
+            msg = ("error", f"{self.label}: a worker exited with code {w.process.exitcode} during start-up")
         if msg[0] == "ready":
             w.state = "idle"
             return
         self._kill(w)
         self._workers[i] = None
         if fail_fast:
-            raise RewardFunctionError(msg[1])
+            raise SpecError(msg[1])
         log.error("a worker of %s could not restart: %s", self.label, msg[1])
 
     def _await_startup(self, fail_fast: bool) -> None:
@@ -305,7 +267,7 @@ class WorkerPool:
                     self._workers[i] = None
                     message = f"{self.label}: worker did not start within {self.startup_timeout_s:g} s"
                     if fail_fast:
-                        raise RewardFunctionError(message)
+                        raise SpecError(message)
                     log.error("%s", message)
 
     def _replace(self, i: int) -> None:
