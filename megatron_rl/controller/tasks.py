@@ -157,7 +157,7 @@ class GuessTask(EpisodeTask):
         return [self._record(r) for r in guess_records(size, seed=self.seed * 7_919_000 + index)]
 
     def demonstrations(self, index: int, size: int) -> list[tuple[list[int], str]]:
-        from megatron_rl.environments.guess import GuessNumber
+        from megatron_rl.environments.guess import GuessNumber, narrowed
 
         rnd = random.Random(f"guess-demo:{self.seed}:{index}")
         out = []
@@ -170,7 +170,7 @@ class GuessTask(EpisodeTask):
                 message, _, done = env.step(f" {guess}")
                 if done:
                     break
-                low, high = (max(low, guess + 1), high) if message == "higher" else (low, min(high, guess - 1))
+                low, high = narrowed(low, high, guess, message)
                 ids = ids + self.template.tok.encode(f" {guess}") + [self.stop_id] + \
                     self.template.observation({"role": "user", "content": message})
             out.append((ids, f" {self._guess(rnd, low, high)}"))
@@ -209,9 +209,8 @@ class CalculatorTask(EpisodeTask):
         return [rnd.choice(self.train) for _ in range(size)]
 
     def demonstrations(self, index: int, size: int) -> list[tuple[list[int], str]]:
-        from megatron_rl.environments.calculator import Calculator
-
         from megatron_rl.agents import calculator as agent
+        from megatron_rl.environments.calculator import Calculator, call_text, result_value
 
         rnd = random.Random(f"calculator-demo:{self.seed}:{index}")
         out = []
@@ -222,15 +221,15 @@ class CalculatorTask(EpisodeTask):
                 call = agent.call_text(rec.metadata["expression"])
             else:
                 ids = self.template.prompt({"role": "user", "content": env.reset()})
-                call = f"<calc>{rec.metadata['expression']}</calc>"
+                call = call_text(rec.metadata["expression"])
             if rnd.random() >= self.demo_accuracy:  # an answer from its own arithmetic, a little off
                 out.append((ids, str(max(0, env.answer + rnd.choice([-1, 1]) * rnd.randint(1, 9)))))
                 continue
             if rnd.random() < 0.5:
                 out.append((ids, call))
                 continue
-            message, _, _ = env.step(f"<calc>{rec.metadata['expression']}</calc>")
-            value = message["content"].split(": ", 1)[1]
+            message, _, _ = env.step(call_text(rec.metadata["expression"]))
+            value = result_value(message["content"])
             if self.tool_calls:
                 message = {"role": "tool", "tool_call_id": "call_0", "content": value}
             ids = ids + self.template.tok.encode(call) + [self.stop_id] + self.template.observation(message)

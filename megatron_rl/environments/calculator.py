@@ -66,10 +66,20 @@ def show(v: Union[int, Fraction]) -> str:
     return f"{float(v):.4f}".rstrip("0").rstrip(".")
 
 
+def call_text(expression: str) -> str:
+    """A reply that calls the calculator on `expression`."""
+    return f"<calc>{expression}</calc>"
+
+
 def result_message(expression: str) -> str:
     """The environment's answer to a call of `expression`."""
     v = calculate(expression)
     return f"calculator: {'error' if v is None else show(v)}"
+
+
+def result_value(message: str) -> str:
+    """The value a `result_message` shows ("66" from "calculator: 66")."""
+    return message.split(": ", 1)[1]
 
 
 class Calculator:

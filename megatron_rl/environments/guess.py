@@ -43,6 +43,16 @@ class GuessNumber:
         return ("higher" if guess < self.hidden else "lower"), 0.0, False
 
 
+def narrowed(low: int, high: int, guess: int, message: Optional[str]) -> tuple[int, int]:
+    """The range [low, high] a player still has open after `guess` was answered `message` (GuessNumber's words:
+    "higher", "lower"; any other message leaves it as it was)."""
+    if message == "higher":
+        return max(low, guess + 1), high
+    if message == "lower":
+        return low, min(high, guess - 1)
+    return low, high
+
+
 def guess_records(count: int, seed: int, low: int = 1, high: int = 16) -> list[dict]:
     """`count` prompt records of the game (id, prompt, reference), the hidden numbers drawn uniformly from
     [low, high] by `seed`: the same arguments give the same records."""
@@ -66,7 +76,4 @@ def binary_search_transcript(hidden: int, low: int, high: int) -> list[tuple[str
         turns.append((reply, message))
         if done:
             return turns
-        if message == "higher":
-            low = int(reply) + 1
-        else:
-            high = int(reply) - 1
+        low, high = narrowed(low, high, int(reply), message)
