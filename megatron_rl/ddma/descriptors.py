@@ -154,9 +154,8 @@ def check_layout(cfg: "ModelConfig | ModelShape", layout: ParallelLayout, role: 
     if m.num_attention_heads % m.num_query_groups:
         problems.append(f"{m.num_attention_heads} heads are not divisible by {m.num_query_groups} query groups")
     for p in layout_problems(m, layout):
-        if p.field == "tp x dp":  # the expert grid: etp x ep ranks must tile each stage's tp x dp ranks
-            problems.append(f"etp x ep = {layout.etp} x {layout.ep} does not divide the {p.count} ranks of a stage "
-                            f"(tp x dp = {layout.tp} x {layout.dp})")
+        if p.field == "tp x dp":  # the expert grid
+            problems.append(layout.expert_grid_problem())
         else:
             problems.append(str(p) if p.field in (None, "dense")
                             else f"{p.dim}={p.size} does not divide {_DIM_WORDS[p.field].format(p.count)}")

@@ -35,6 +35,15 @@ class ParallelLayout:
         r = tp_rank + self.tp * dp_rank
         return r % self.etp, (r // self.etp) % self.ep
 
+    def expert_grid_problem(self) -> Optional[str]:
+        """Why the expert grid does not fit this layout (None when it does): its etp x ep ranks must tile each
+        stage's tp x dp ranks, the rest being expert-data-parallel. The one home of that rule (`layout_problems`
+        reports it with the model's; the process groups check it before they are built)."""
+        if (self.tp * self.dp) % (self.etp * self.ep):
+            return (f"etp x ep = {self.etp} x {self.ep} does not divide the {self.tp * self.dp} ranks of a stage "
+                    f"(tp x dp = {self.tp} x {self.dp})")
+        return None
+
     @property
     def expert_dp(self) -> int:
         """The expert-data-parallel size: a stage's tp x dp ranks over etp x ep (the ranks that hold the same
@@ -135,6 +144,6 @@ def layout_problems(model: ModelDims, layout: ParallelLayout) -> list[LayoutProb
     out = [LayoutProblem(dim, getattr(layout, dim), name, getattr(model, name))
            for dim, names in SPLIT_DIMS.items() for name in names
            if getattr(model, name, None) is not None and getattr(model, name) % getattr(layout, dim)]
-    if (layout.tp * layout.dp) % (layout.ep * layout.etp):
+    if layout.expert_grid_problem():
         out.append(LayoutProblem("etp x ep", layout.ep * layout.etp, "tp x dp", layout.tp * layout.dp))
     return out

@@ -141,10 +141,8 @@ def _expert_groups(placement: ExecutorPlacement, backend: Optional[str]) -> tupl
     world): expert TP, EP, expert TP x EP, that x PP, and expert-data-parallel, from Megatron-Core's expert grid
     "tp-ep-dp-pp" over each stage's tp x dp ranks (`ParallelLayout.expert_coords`'s rule)."""
     layout = placement.layout
-    per_stage = layout.tp * layout.dp
-    if per_stage % (layout.etp * layout.ep):
-        raise ValueError(f"{placement.name}: etp x ep = {layout.etp} x {layout.ep} does not divide the {per_stage} "
-                         f"ranks of a stage")
+    if layout.expert_grid_problem():
+        raise ValueError(f"{placement.name}: {layout.expert_grid_problem()}")
     grid = HyperCommGrid([layout.etp, layout.ep, layout.expert_dp, layout.pp],
                          ["tp", "ep", "dp", "pp"], rank_offset=placement.first_rank, backend=backend)
     timeout = world_timeout()
