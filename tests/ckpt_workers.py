@@ -9,10 +9,11 @@ import torch
 from megatron_rl.algorithms import AIPOSettings
 from megatron_rl.checkpointing.training import TrainCheckpointer
 from megatron_rl.models import build_gpt_model, get_preset
-from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
+from megatron_rl.models.sharding import load_full_state_dict
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 from megatron_rl.training.settings import LRSchedule, TrainerSettings
 from megatron_rl.training.rl_trainer import RLTrainer, RLTrainerSettings
+from full_state import gather_full_state_dict
 from rl_workers import make_rollouts
 
 

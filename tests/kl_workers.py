@@ -11,10 +11,11 @@ from megatron_rl.checkpointing.layout import CheckpointError
 from megatron_rl.checkpointing.megatron_state import saved_with_reference
 from megatron_rl.checkpointing.training import TrainCheckpointer
 from megatron_rl.models import build_gpt_model, get_preset
-from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
+from megatron_rl.models.sharding import load_full_state_dict
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 from megatron_rl.training.settings import LRSchedule, TrainerSettings
 from megatron_rl.training.reference import make_reference
+from full_state import gather_full_state_dict
 from rl_workers import make_rollouts
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.models import build_gpt_model
-from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
+from full_state import gather_full_state_dict
+from megatron_rl.models.sharding import load_full_state_dict
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 from megatron_rl.training.engine import model_forward
 

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models import build_gpt_model, get_preset
-from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
+from full_state import gather_full_state_dict
+from megatron_rl.models.sharding import load_full_state_dict
 from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
 from megatron_rl.training.engine import TrainEngine
 from megatron_rl.training.settings import LRSchedule, TrainerSettings

@@ -150,7 +150,7 @@ def _real_not_last(mb: dict, batch) -> torch.Tensor:
 
 def rl_step_worker(rank, world_size, cfg, full, batch, layout_kw, packed, micro):
     """One AIPO step with routing replay at `layout_kw`: its metrics and the weights after it."""
-    from megatron_rl.models.sharding import gather_full_state_dict
+    from full_state import gather_full_state_dict
 
     g, model, trainer = _trainer(cfg, full, layout_kw, True, packed, micro)
     metrics = trainer.step(batch)

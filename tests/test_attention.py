@@ -9,7 +9,8 @@ from megatron_rl.launch.spawn import run_local
 
 def _model_worker(rank, world_size):
     from megatron_rl.models import build_gpt_model, get_preset
-    from megatron_rl.models.sharding import gather_full_state_dict, load_full_state_dict
+    from full_state import gather_full_state_dict
+    from megatron_rl.models.sharding import load_full_state_dict
     from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
     from megatron_rl.training.engine import model_forward
 

@@ -75,7 +75,7 @@ def _logits_worker(rank, world_size, ckpt, layout_kw, tokens):
 
 def _tp1_worker(rank, world_size, ckpts, tokens):
     """Each checkpoint loaded into a TP=1 model: its full state dict and logits."""
-    from megatron_rl.models.sharding import gather_full_state_dict
+    from full_state import gather_full_state_dict
 
     out = []
     for ckpt in ckpts:
