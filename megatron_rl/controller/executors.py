@@ -280,16 +280,18 @@ class GeneratorExecutor:
             self.episodes.end_batch(turns)
         return outs, turns
 
-    def _scored_groups(self, records: list, drawn_from: int, positions: list[int], outs: list, turns) -> list:
-        """The leader's `SampledGroup`s of sampled records (raw rewards: the verifier's, or the episodes' returns)."""
+    def _scored_groups(self, records: list, drawn_from: int, positions: list[int], outs: list, turns,
+                       tally: dict) -> list:
+        """The leader's `SampledGroup`s of sampled records (raw rewards: the verifier's, or the episodes' returns);
+        the round's episode statistics and reward failures added to the batch's `tally`."""
         n = self.cfg.rollout.samples_per_prompt
         if turns is not None:
             rewards = turns.returns()
-            self._round_stats.append(turns.statistics(outs))
+            tally["episodes"].append(turns.statistics(outs))
         else:
             rewards = self.task.score([records[j // n] for j in range(len(outs))],
                                       [self.tok.decode(o.token_ids) for o in outs])
-            self._round_failures += self.task.score_failures
+            tally["reward_failures"] += self.task.score_failures
         return [SampledGroup(rec, pos, outs[k * n:(k + 1) * n], rewards[k * n:(k + 1) * n], drawn_from)
                 for k, (rec, pos) in enumerate(zip(records, positions))]
 
@@ -298,17 +300,17 @@ class GeneratorExecutor:
         """`generate` with groups without signal refilled from further prompts (`controller/dynamic_sampling.py`):
         the leader scores each round here, and the batch goes on with its raw rewards."""
         r, seed = self.cfg.rollout, self.cfg.run.seed
-        self._round_stats, self._round_failures = [], 0
+        tally = {"episodes": [], "reward_failures": 0}  # over the batch's rounds, on the leader
         records = [problems[i] for i in mine]
         outs, turns = self._sample(records, [rollout_seed(seed, batch, i) for i in mine])
-        first = self._scored_groups(records, batch, mine, outs, turns) if self.is_leader else None
+        first = self._scored_groups(records, batch, mine, outs, turns, tally) if self.is_leader else None
 
         def draw(round_: int, count: int) -> Optional[list]:
             index = refill_index(batch, round_)
             pool = self.task.train_batch(index, r.prompts_per_step)
             positions = mine[:count]
             outs, turns = self._sample([pool[i] for i in positions], [rollout_seed(seed, index, i) for i in positions])
-            return self._scored_groups([pool[i] for i in positions], index, positions, outs, turns) \
+            return self._scored_groups([pool[i] for i in positions], index, positions, outs, turns, tally) \
                 if self.is_leader else None
 
         share = self.episodes.share if self.episodes is not None else self._share
@@ -321,12 +323,12 @@ class GeneratorExecutor:
         ids = [g.group for g in groups for _ in g.outputs]
         episodes = {}
         if turns is not None:
-            totals = {k: sum(st[k] for st in self._round_stats) for k in self._round_stats[0]}
+            totals = {k: sum(st[k] for st in tally["episodes"]) for k in tally["episodes"][0]}
             episodes = dict(returns=rewards, episodes=totals, prompts=self._prompt_texts(outs))
         return UnscoredRollouts(batch, version, [g.record for g in groups for _ in g.outputs], ids, outs,
                                 [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes,
                                 occupancy=self.generator.stats.get("occupancy"), rewards=rewards,
-                                reward_failures=self._round_failures, sampling=report)
+                                reward_failures=tally["reward_failures"], sampling=report)
 
     def _share(self, obj):
         """The leader's `obj` on every rank of the replica (a broadcast over its model-parallel group)."""
