@@ -138,9 +138,9 @@ def test_eval_greedy_at_tp2_ep2_from_an_ep2_conversion_writes_what_transformers_
 
 def test_train_from_a_converted_qwen3_moe_at_ep2_checks_every_push_and_resumes_at_ep1(tmp_path):
     """`megatron-rl train model.checkpoint=<a converted tiny Qwen3-MoE> trainer.ep=2`: a DP2 x EP2 trainer and a
-    TP1 generator, every weight push checked, routing replay on; then the same run resumed at trainer.ep=1 (the
-    checkpoint's experts read back over other ranks) to one more step, its generator in int8 (experts quantized as
-    DDMA writes them, the router in full precision)."""
+    TP1 generator, every weight push checked, routing replay on, after a short warm start; then the same run resumed
+    at trainer.ep=1 (the checkpoint's experts read back over other ranks) to one more step, its generator in int8
+    (experts quantized as DDMA writes them, the router in full precision)."""
     import json
 
     import warm_cli
@@ -150,9 +150,11 @@ def test_train_from_a_converted_qwen3_moe_at_ep2_checks_every_push_and_resumes_a
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     convert(tmp_path / "hf", tmp_path / "meg", "megatron", ep=2)
     args = ["train", f"model.checkpoint={tmp_path / 'meg'}", "model.tokenizer=byte", "trainer.tp=1", "trainer.dp=2",
-            "generator.tp=1", "trainer.sft_warmup_steps=0", "rollout.prompts_per_step=4",
+            "generator.tp=1", "trainer.sft_warmup_steps=3", "rollout.prompts_per_step=4",
             "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "generator.push_check_interval=1",
             "checkpoint.save_interval=1", f"checkpoint.dir={tmp_path}", "run.name=moe"]
+    # The EP2 run starts with a short warm start, whose experts' dispatcher all-gathers over the DP ranks
+    # (`test_warm_start_rows_have_one_width_over_expert_parallel_ranks`).
     for ep, steps, generator in ((2, 2, "none"), (1, 3, "int8")):
         job = warm_cli.run([*args, f"trainer.ep={ep}", f"run.steps={steps}", f"generator.quantization={generator}"])
         assert job.returncode == 0, job.stderr[-3000:]
@@ -217,3 +219,34 @@ def test_moe_aux_loss_is_the_switch_loss_of_transformers(moe_models):
     got, want, hooked = run_local(balance_worker, 1, cfg, full, moe_batch(cfg.vocab_size, seed=1), 0.0)[0]
     assert hooked and 1.0 <= want < cfg.num_moe_experts / cfg.moe_router_topk
     assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_warm_start_rows_have_one_width_over_expert_parallel_ranks():
+    """With experts split over DP ranks (trainer.ep > 1) the MoE layers' dispatcher all-gathers every DP rank's
+    tokens, which needs one shape on all of them: each rank's warm-start rows are padded to the longest row of the
+    whole step (a DP2 x EP2 tiny-MoE job's warm start crashed gloo at step 54, where the two ranks' longest rows
+    first differed). The rows themselves are the ones a dense trainer gets, and a dense trainer (EP1) keeps its
+    own width."""
+    from types import SimpleNamespace
+
+    from megatron_rl.controller.executors import SFT_BATCH_SIZE, TrainerExecutor
+    from megatron_rl.parallel import ParallelLayout
+    from megatron_rl.tokenizers.byte import ByteTokenizer
+
+    tok = ByteTokenizer()
+    rows = [("1+1=", "2")] * SFT_BATCH_SIZE + [("12+34=", "46")] * SFT_BATCH_SIZE  # rank 1's are longer
+    task = SimpleNamespace(demonstrations=lambda step, n: rows[:n])
+
+    def batch(ep: int, rank: int) -> dict:
+        me = SimpleNamespace(task=task, tok=tok, encode=tok.encode,
+                             groups=SimpleNamespace(layout=ParallelLayout(dp=2, ep=ep), dp_rank=rank))
+        return TrainerExecutor._demonstration_batch(me, 0)
+
+    dense = [batch(1, r) for r in (0, 1)]
+    experts = [batch(2, r) for r in (0, 1)]
+    assert dense[0]["tokens"].shape[1] < dense[1]["tokens"].shape[1]
+    assert experts[0]["tokens"].shape == experts[1]["tokens"].shape == dense[1]["tokens"].shape
+    for d, e in zip(dense, experts):
+        w = d["tokens"].shape[1]
+        assert torch.equal(e["tokens"][:, :w], d["tokens"]) and (e["tokens"][:, w:] == tok.pad_id).all()
+        assert torch.equal(e["loss_mask"][:, :w], d["loss_mask"]) and not e["loss_mask"][:, w:].any()

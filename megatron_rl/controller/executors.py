@@ -140,12 +140,18 @@ class TrainerExecutor:
         """This DP rank's share of warm-start step `step`: the demonstrations' prompt and answer tokens, right-padded,
         with the loss on the answer (and its end-of-sequence token). Each tensor is built from padded lists in one
         call: per-row copies cost a tensor operation per row, a share of the step to notice on a CPU."""
-        bs, dp = SFT_BATCH_SIZE, self.groups.layout.dp
-        mine = self.task.demonstrations(step, bs * dp)[self.groups.dp_rank * bs:(self.groups.dp_rank + 1) * bs]
+        bs, dp, rank = SFT_BATCH_SIZE, self.groups.layout.dp, self.groups.dp_rank
+        drawn = self.task.demonstrations(step, bs * dp)
+        # Experts split over DP ranks (trainer.ep > 1): the MoE layers' dispatcher all-gathers tokens over those ranks,
+        # which needs the same shape on each, so every rank pads to the longest row of the whole step.
+        together = self.groups.layout.ep > 1
         # (a multi-turn task's prompt is a transcript, as token ids)
         enc = [(prompt if isinstance(prompt, list) else self.encode(prompt),
-                self.tok.encode(answer) + [self.tok.eos_id]) for prompt, answer in mine]
+                self.tok.encode(answer) + [self.tok.eos_id])
+               for prompt, answer in (drawn if together else drawn[rank * bs:(rank + 1) * bs])]
         width = max(len(a) + len(b) for a, b in enc)
+        if together:
+            enc = enc[rank * bs:(rank + 1) * bs]
         toks = torch.tensor([a + b + [self.tok.pad_id] * (width - len(a) - len(b)) for a, b in enc], dtype=torch.long)
         mask = torch.tensor([[0.0] * len(a) + [1.0] * len(b) + [0.0] * (width - len(a) - len(b)) for a, b in enc])
         if torch.cuda.is_available():
