@@ -47,6 +47,13 @@ The package, by concept (`megatron-rl resume-check` starts at `command.run`; `tr
 - `rehearsal.py`: each rank's load matched against the index (`rehearse`), the bytes read, the report.
 - `in_train.py`: the check `train` runs before a resume loads anything (`check_resume`).
 - `command.py`: the command (`run`): its trainer, its checks in order, text or JSON; `progress.py` its progress lines.
+
+From `megatron-rl resume-check CKPT` to the first byte read, by name: `cli.cmd_resume_check` -> `command.run` ->
+`index.read_index` -> `checkpointing.layout.read_meta` (the checkpoint's `megatron_rl.json`, the first file read);
+then the trainer it was saved at (`index.saved_trainer`), whose `Index.tensors` reads `model/.metadata` and
+`optimizer/.metadata` (`Index.metadata` -> `checkpointing.safe_load.read_dcp_metadata`); then `index.check_files`
+(a stat per file the load opens; with `--checksums`, their bytes) and `rehearsal.rehearse` for each stage. No
+shard's bytes are read without `--checksums`.
 """
 
 from megatron_rl.planning.resume_check.command import run
