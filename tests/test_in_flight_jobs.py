@@ -2,7 +2,8 @@
 running sequences, and a checkpoint carries the partly sampled batch (`inference/live.py`). A disjoint TP2 trainer
 with a TP1 generator, killed inside a trainer step, resumes to the uninterrupted run's weights and metrics (the
 caches kept at a push, recomputed at the push after a checkpoint); a colocated job with two generator replicas,
-recomputing at every push, trains within the staleness bound, each replica's batch in flight saved."""
+recomputing at every push, trains within the staleness bound, each replica's batch in flight saved, and resumes
+from a kill the same way."""
 
 import json
 
@@ -56,15 +57,35 @@ def test_a_killed_in_flight_job_resumes_to_the_same_weights_and_metrics(tmp_path
     assert any(r["staleness/older_tokens"] > 0 for r in rows_ref)  # some samples span a weight switch
 
 
-def test_a_colocated_in_flight_job_with_two_replicas_keeps_every_token_within_the_bound(tmp_path):
-    """With the caches recomputed at every push (`rollout.recompute_cache`)."""
+def test_a_colocated_in_flight_job_with_two_replicas_keeps_every_token_within_the_bound_and_resumes(tmp_path):
+    """With the caches recomputed at every push (`rollout.recompute_cache`); killed inside step 3, with each
+    replica's batch in flight in checkpoint 2, it resumes to the uninterrupted run's weights and metrics."""
     # Two replicas of 8 samples a batch, in 12 slots each.
-    run = warm_cli.run(["train", *BASE, "rollout.staleness=1", "generator.colocated=true", "generator.dp=2",
-                        "generator.max_batch_size=12", "rollout.recompute_cache=true", f"checkpoint.dir={tmp_path}",
-                        "run.name=c"])
+    args = [*BASE, "rollout.staleness=1", "generator.colocated=true", "generator.dp=2", "generator.max_batch_size=12",
+            "rollout.recompute_cache=true", f"checkpoint.dir={tmp_path}"]
+
+    def launch(name, failpoint=None):
+        return warm_cli.run_with_failpoint(["train", *args, f"run.name={name}"], failpoint)
+
+    run = launch("c")
     assert run.returncode == 0, run.stderr[-3000:]
     rows = _rows(tmp_path / "c")
     assert [r["step"] for r in rows] == list(range(5))
     assert all(r["staleness"] <= 1 for r in rows) and all(0 <= r["staleness/token_mean"] <= 1 for r in rows)
     saved = _in_flight(tmp_path / "c" / "step_00000004")
     assert sorted(saved) == [0, 1] and all(len(s) == 8 for s in saved.values())  # each replica's batch 4 was queued
+    crash = launch("crash", "train_step:3")
+    assert crash.returncode == 1 and "died with signal 9" in crash.stderr, crash.stderr[-3000:]
+    assert sorted(_in_flight(tmp_path / "crash" / "step_00000002")) == [0, 1]
+    again = launch("crash")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from_step"] == 2
+    (name_ref, w_ref), (name_new, w_new) = _final_weights(tmp_path / "c"), _final_weights(tmp_path / "crash")
+    assert name_ref == name_new == "step_00000005" and w_ref.keys() == w_new.keys()
+    for k in w_ref:
+        assert torch.equal(w_ref[k], w_new[k]), k
+    resumed = _rows(tmp_path / "crash")
+    assert [r["step"] for r in resumed] == list(range(5))
+    for a, b in zip(rows, resumed):
+        for key in ("reward", "loss", "generated_with_version", "response_length", "staleness/token_mean"):
+            assert a[key] == b[key], (a["step"], key)
