@@ -23,19 +23,39 @@ def _params(model) -> dict:
 
 
 def _record_optimizer_steps(optimizer, model, log: list, grads: bool = True) -> None:
-    """Wrap `optimizer.step` to log, per call, the learning rate and weight decay of each group as the step sees
-    them and (with `grads`) every parameter's main gradient and value just before the update."""
-    inner = optimizer.step
+    """Wrap the optimizer's update to log, per update, the learning rate and weight decay of each group as it sees
+    them and (with `grads`) every parameter's main gradient and value just before it. An update is
+    `optimizer.step` (which prepares, measures and clips the gradients, then updates), or `step_with_ready_grads`
+    called alone, as the engine does after measuring the norm itself for the step guard
+    (`TrainEngine._step_measured`); that entry also holds `update_grad_norm`, the norm of the gradients the update
+    applies (after their clipping)."""
+    inner_step, inner_ready = optimizer.step, optimizer.step_with_ready_grads
+    inside: list = []
+
+    def entry() -> dict:
+        out = {"lr": [g["lr"] for g in optimizer.param_groups]}
+        if grads:
+            out["grads"] = {n: p.main_grad.detach().cpu().clone() for n, p in model.named_parameters()}
+            out["before"] = _params(model)
+        return out
 
     def step(*args, **kwargs):
-        entry = {"lr": [g["lr"] for g in optimizer.param_groups]}
-        if grads:
-            entry["grads"] = {n: p.main_grad.detach().cpu().clone() for n, p in model.named_parameters()}
-            entry["before"] = _params(model)
-        log.append(entry)
-        return inner(*args, **kwargs)
+        log.append(entry())
+        inside.append(True)
+        try:
+            return inner_step(*args, **kwargs)
+        finally:
+            inside.pop()
 
-    optimizer.step = step
+    def ready(*args, **kwargs):
+        if not inside:
+            e = entry()
+            e["update_grad_norm"] = sum(float(p.grad.double().pow(2).sum()) for g in optimizer.param_groups
+                                        for p in g["params"] if p.grad is not None) ** 0.5
+            log.append(e)
+        return inner_ready(*args, **kwargs)
+
+    optimizer.step, optimizer.step_with_ready_grads = step, ready
 
 
 def lm_batch(vocab: int, seed: int, batch: int = 4, seq: int = 12) -> dict:
@@ -111,7 +131,7 @@ def _guard_sequence(engine, loss_fn, model, vocab: int, log: list) -> dict:
 
     calls = len(log)
     m = engine.step([lm_batch(vocab, seed=600)], spiked, guard_stats=lambda: healthy)
-    seen = sum(float(gr.double().pow(2).sum()) for gr in log[-1]["grads"].values()) ** 0.5
+    seen = log[-1]["update_grad_norm"]
     out["spike"] = {"guarded": m["guarded"], "skipped": m["skipped"], "reason": m.get("guard_reason"),
                     "optimizer_steps": len(log) - calls, "seen_norm": seen,
                     "norm_joined": engine.guard.history["grad_norm"][-1]}
@@ -161,3 +181,28 @@ def warm_start_worker(rank, world_size, overrides):
         ex.engine.scheduler.step(increment=1)
     return {"warm_lrs": [e["lr"] for e in log], "rl_lrs": rl_lrs,
             "settings": ex.engine.settings}
+
+
+def measured_step_worker(rank, world_size, overrides, state_path, steps):
+    """Per clip_grad (one that clips every step, and one that never does): `steps` RL steps whose statistics the
+    guard accepts, taken by two engines from the same weights, one with the step guard (it prepares and measures
+    the gradients once and finishes the step itself, `TrainEngine._step_measured`) and one without (Megatron-Core's
+    own `optimizer.step`): each one's reported grad norms and, on this rank, its weights after."""
+    import dataclasses
+
+    cfg = load_config(None, overrides)
+    model_cfg = get_preset("tiny")
+    g = build_topology([ExecutorPlacement("trainer", cfg.trainer.layout)])["trainer"]
+    loss_fn = make_lm_loss(g.pgs.tp, model_cfg.vocab_size)
+    healthy = {"logp_diff_mean": 0.004, "kl_mu_pi": 0.0003}
+    out = {}
+    for clip in (0.05, 1e6):
+        for spike in (5.0, 0.0):
+            model = build_policy(cfg, model_cfg, g)
+            load_full_state_dict(model, torch.load(state_path), model_cfg, g.pgs)
+            settings = dataclasses.replace(cfg.trainer, clip_grad=clip, spike_factor=spike)
+            engine = TrainEngine.create(model, g.pgs, settings, lr_schedule(cfg))
+            norms = [engine.step([lm_batch(model_cfg.vocab_size, seed=700 + k)], loss_fn,
+                                 guard_stats=lambda: healthy)["grad_norm"] for k in range(steps)]
+            out[(clip, spike)] = (norms, _params(model))
+    return out

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import megatron_rl.compat.megatron_core  # noqa: F401 - first: Megatron-Core without wandb and Inductor
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -117,7 +118,8 @@ def skip_syncs_of_one_rank(ddp: DistributedDataParallel) -> bool:
     groups = list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups)
 
     def alone(bg) -> bool:
-        group = bg.intra_distributed_optimizer_instance_group if cfg.use_distributed_optimizer else bg.data_parallel_group
+        group = (bg.intra_distributed_optimizer_instance_group if cfg.use_distributed_optimizer
+                 else bg.data_parallel_group)
         return group.size() == 1 and all(b.gradient_scaling_factor == 1.0 for b in bg.buckets)
 
     if (not groups or cfg.num_distributed_optimizer_instances != 1 or cfg.check_for_nan_in_grad
@@ -333,8 +335,8 @@ class TrainEngine:
         With `guard_stats` (the step's token statistics, the same on every rank; RL steps) and a `guard`, the
         gradient norm is measured before the update and the guard (`training/guard.py`) may skip the step or scale
         its gradient down: then "guarded" is 1 and "guard_reason" says why; a step it takes runs at its `lr_scale` of
-        the scheduler's rate ("guard_lr_scale"). (The optimizer's own step measures the norm again, for its clipping: one more pass over
-        this rank's gradient shard.)
+        the scheduler's rate ("guard_lr_scale"). The norm it measured is the one the step clips with
+        (`_step_measured`): the gradients are prepared and measured once.
         """
         self._zero_grad()
         outputs = self.forward_backward(micro_batches, loss_fn)
@@ -353,9 +355,9 @@ class TrainEngine:
                     "nonfinite_total": self.nonfinite_total}
         self.nonfinite_in_a_row = 0
         lr = self.optimizer.param_groups[0]["lr"]
-        scale, verdict = 1.0, None
+        scale, verdict, measured = 1.0, None, None
         if self.guard is not None and guard_stats is not None:
-            self.optimizer.prepare_grads()  # the main gradients, as the optimizer's step makes them (idempotent)
+            self.optimizer.prepare_grads()  # the main gradients, as the optimizer's step makes them
             grad_norm = measured = float(self.optimizer.get_grad_norm())
             scale = self.guard.lr_scale  # this step's (taking it restores some for the next)
             verdict = self.guard.check({"grad_norm": grad_norm, **guard_stats()})
@@ -364,14 +366,14 @@ class TrainEngine:
                 return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": True, "guarded": 1.0,
                         "guard_lr_scale": self.guard.lr_scale, "guard_reason": verdict.reason,
                         "nonfinite_total": self.nonfinite_total}
-            if verdict.grad_scale < 1.0:  # the model's gradient buffers: the optimizer's step reads its grads there
-                for b in self.model.buffers + self.model.expert_parallel_buffers:
-                    b.grad_data.mul_(verdict.grad_scale)
         rates = [g["lr"] for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:  # the guard's smaller step, for this update only
             g["lr"] *= scale
         try:
-            update_successful, grad_norm, _ = self.optimizer.step()
+            if measured is None:
+                update_successful, grad_norm, _ = self.optimizer.step()
+            else:
+                update_successful, grad_norm = self._step_measured(measured, verdict.grad_scale), measured
         except RuntimeError as e:  # torch's Adam: a step size (lr / bias correction) beyond the float range
             if "overflow" not in str(e):
                 raise
@@ -390,6 +392,23 @@ class TrainEngine:
         if verdict is not None and verdict.reason is not None:  # its gradient scaled: the norm as measured
             out.update(grad_norm=measured, guarded=1.0, guard_reason=verdict.reason)
         return out
+
+    def _step_measured(self, norm: float, grad_scale: float) -> bool:
+        """The rest of the optimizer's step once its gradients are prepared and their norm is `norm` (Megatron-Core's
+        `ChainedOptimizer.step` after its norm): each optimizer's gradients clipped by that total norm to
+        `clip_grad`, or where the guard scales the gradient (`grad_scale` < 1) to `grad_scale` x `norm` if that is
+        smaller, then the update. Whether it was taken."""
+        clip = self.optimizer.config.clip_grad
+        if grad_scale < 1.0:
+            max_norm = min(clip, norm * grad_scale) if clip > 0 else norm * grad_scale
+        else:  # exactly the optimizer's own step
+            max_norm = clip
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+            if params and (clip > 0 or grad_scale < 1.0):
+                decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=norm, use_decoupled_grad=decoupled)
+        return self.optimizer.step_with_ready_grads()
 
     def counters(self) -> dict:
         """What a checkpoint keeps of the engine beside the optimizer and scheduler: its step counters and the
