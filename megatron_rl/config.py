@@ -66,12 +66,14 @@ class JobConfig:
         return d
 
     @property
+    def response_budget(self) -> int:
+        """The longest response a sample can have: rollout.max_new_tokens, or an episode's budget (env.max_tokens)."""
+        return self.env.max_tokens if self.env.episodic else self.rollout.max_new_tokens
+
+    @property
     def episode_length(self) -> int:
-        """The generator's context: a prompt and its response, or, with episodes (`env.cls`), a prompt and the
-        episode's token budget."""
-        if not self.env.episodic:
-            return self.rollout.context_length
-        return self.rollout.max_prompt_length + self.env.max_tokens
+        """The generator's context: a prompt and the longest response (`response_budget`)."""
+        return self.rollout.max_prompt_length + self.response_budget
 
     @property
     def world_size_needed(self) -> int:
@@ -351,8 +353,7 @@ def _layout_problems(cfg: JobConfig, model: ModelConfig) -> list[str]:
 
 
 def _trainer_is_bf16(dtype: str) -> bool:
-    """Is the trainer bf16 (an "auto" one where this machine multiplies bf16 natively, as the ranks here resolve
-    it)?"""
+    """Is the trainer bf16 ("auto": where this machine multiplies bf16 natively, as the ranks here resolve it)?"""
     if dtype != "auto":
         return dtype == "bf16"
     from megatron_rl.models.precision import resolve_dtype_name  # imports torch: only for "auto"
@@ -405,7 +406,7 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
         out.append("rollout.in_flight=true runs single responses on a generator of one pipeline stage: episodes "
                    "(env.cls, env.agent) and generator.pp > 1 generate batch by batch (set rollout.in_flight=false)")
     out += cfg.algorithm.job_problems("algorithm", cfg.rollout.in_flight, cfg.reward.model_executor,
-                                      cfg.env.agent is not None, cfg.episode_length - cfg.rollout.max_prompt_length)
+                                      cfg.env.agent is not None, cfg.response_budget)
     if cfg.generator.colocated and cfg.generator.layout.size != cfg.trainer.layout.size:
         out.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp (same ranks)")
     return out
@@ -413,8 +414,7 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
 
 def _episode_problems(cfg: JobConfig, model: Optional[ModelConfig], dataset: Optional[str],
                       cluster_files: bool) -> list[str]:
-    """A job whose rollouts are episodes (`env.cls`): what it cannot be combined with yet, and its class imported
-    here, as its workers will."""
+    """A job of episodes (`env.cls`): what it cannot be combined with yet, and its class imported, as workers will."""
     out = []
     if dataset is None:
         out.append(f"{cfg.env.field} needs prompt records for its episodes: set data.dataset (jsonl, gsm8k, ... or "

@@ -179,7 +179,7 @@ class Job:
         """Trainer ranks: batch k, packed from `parts` with its advantages computed on rank 0
         (`collector.batch_with_advantages`, `algorithm.advantage`) and broadcast to every trainer rank."""
         a = self.cfg.algorithm
-        overlong = (self.cfg.episode_length - self.cfg.rollout.max_prompt_length, a.overlong_buffer, a.overlong_penalty)
+        overlong = (self.cfg.response_budget, a.overlong_buffer, a.overlong_penalty)
         msg = [batch_with_advantages(parts, self.tok.pad_id, a.advantage, overlong) if parts is not None else None]
         dist.broadcast_object_list(msg, src=0, group=self.trainer_group)
         failpoint("train_step", str(k))

@@ -159,8 +159,7 @@ def workload(cfg: JobConfig) -> Workload:
     """Every sequence at its longest: a response of `rollout.max_new_tokens`, or an episode (`env.cls`) of
     `env.max_tokens` after its prompt (the model's tokens and the environments' together)."""
     r = cfg.rollout
-    return Workload(r.prompts_per_step * r.samples_per_prompt, r.max_prompt_length,
-                    cfg.episode_length - r.max_prompt_length)
+    return Workload(r.prompts_per_step * r.samples_per_prompt, r.max_prompt_length, cfg.response_budget)
 
 
 def _trainer_batch(cfg: JobConfig, dp: int) -> tuple[int, int, int]:
