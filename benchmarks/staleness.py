@@ -268,7 +268,8 @@ def _pm(value: float, se: float | None) -> str:
     return f"{value:+.3f} +- " + ("  n/a" if se is None else f"{se:5.3f}")
 
 
-STYLES = {"": "-", "uncorrected": "--", "mask": ":", "decoupled": "-.", "sequence": (0, (6, 2, 1, 2, 1, 2))}
+STYLES = {"": "-", "uncorrected": "--", "mask": ":", "decoupled": "-.", "sequence": (0, (6, 2, 1, 2, 1, 2)),
+          "inflight": (0, (3, 1, 1, 1))}
 
 
 def plot(results: list[dict], path: Path) -> None:
