@@ -63,11 +63,17 @@ class DecodeStep:
                 logger.warning("CUDA graph capture failed (%s); decoding eagerly", e)
                 self.graph = None
 
-    def _body(self):
+    def _body(self, active: Optional[list[int]] = None):
         # A captured graph needs a fixed shape: the whole cache. Eagerly, attention reads up to the furthest
-        # position of any slot (on a CPU reading it back costs nothing).
+        # position of a running slot (on a CPU reading it back costs nothing): never further because of what a free
+        # slot last held, so that a step's results depend on its running sequences alone (a restored engine's free
+        # slots hold nothing).
         gpu = cuda_rules.gpu_path(self.positions, self.cuda_rules_on)
-        kv_len = self.cache.max_len if gpu else int(self.positions.max()) + 1
+        if gpu:
+            kv_len = self.cache.max_len
+        else:
+            live = self.positions if not active else self.positions[torch.tensor(active, device=self.positions.device)]
+            kv_len = int(live.max()) + 1
         logits = self.forward(self.tokens[:, None], self.positions[:, None], self.slots, self.cache,
                                   kv_len=kv_len, all_slots=True)
         routes = self.routes.take()
@@ -149,4 +155,4 @@ class DecodeStep:
         subset = active is not None and (isinstance(self.cache, PagedKVCache) or 2 * len(active) < self.cache.slots)
         if subset and not cuda_rules.gpu_path(self.tokens, self.cuda_rules_on):
             return self._running(active)
-        return self._body()
+        return self._body(active)
