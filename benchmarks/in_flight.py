@@ -2,6 +2,7 @@
 
     python benchmarks/in_flight.py                       # the tiny model and the SmolLM2-135M shape, random weights
     python benchmarks/in_flight.py --cases smollm2-135m --batches 6
+    python benchmarks/in_flight.py --workloads episodes --env-delay-ms 100   # episodes of a slow environment
 
 Workload: `--batches` batches of `--prompts` requests x `--samples` samples, each request's response length fixed
 (no stop token) and spread over 1-16x of `--base` tokens. Batch mode runs `Generator.generate` on each batch in turn
@@ -17,7 +18,15 @@ staleness distribution). The reference: the cost of a decode step at each batch 
 generate call of n sequences for n on a grid, at the workload's shortest and longest context, per step), summed
 over each mode's recorded steps (each one's running sequences and longest context), predicts the time of both
 modes (every measurement is repeated `--rounds` times, in turn, and the fastest kept); `*_predicted_speedup` is batch mode's predicted time over the live engine's, and `*_vs_predicted_ratio` the
-measured speedup over it (1.0: the live engine's gain is all that its occupancy buys). Ends with one JSON line.
+measured speedup over it (1.0: the live engine's gain is all that its occupancy buys).
+
+`--workloads episodes` is a workload of multi-turn episodes whose environment answers after `--env-delay-ms` (a thread that
+sleeps, as a slow tool or simulator would; the decode loop waits for an answer only where it comes later than the
+next step, `inference/episodes.py`): each request plays 1-4 turns of `--base` to 4x `--base` tokens, each answered
+with an 8-token observation. Batch mode plays each batch to its slowest episode; the live engine keeps the next
+batch's episodes beside it and switches weights between batches (caches kept). Printed per mode: slot occupancy,
+samples per second, the share of the wall time the decode loop spent waiting for the environment, and for the live
+engine the share of tokens one version older than their batch. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import os
 import random
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -152,6 +162,87 @@ def _modes(make, model, work: list, max_len: int, sizes: _StepSizes) -> dict:
     return out
 
 
+class DelayedTurns:
+    """Episodes whose environment answers after `delay` seconds with 8 ids that depend on the reply; episode k of its
+    batch ends after 1 + k % 4 turns. `inference.episodes.Turns`, with `empty`/`join` for the live engine; `waited`
+    sums the time `finish` blocked on the answers (the decode loop's wait)."""
+
+    def __init__(self, max_turns: int, max_tokens: int, delay: float, vocab: int, clock: Optional[dict] = None):
+        self.max_turns, self.max_tokens, self.delay, self.vocab = max_turns, max_tokens, delay, vocab
+        self.clock = clock if clock is not None else {"waited": 0.0}
+        self.of: dict = {}  # the engine's request -> (its batch's turns, its number there); batch mode: itself
+        self.count: dict = {}  # (request, sample) -> turns answered
+        self._ended, self._thread = [], None
+
+    def empty(self) -> "DelayedTurns":
+        return DelayedTurns(self.max_turns, self.max_tokens, self.delay, self.vocab, self.clock)
+
+    def join(self, batch: "DelayedTurns", requests: list) -> None:
+        self.of.update({r: (batch, k) for k, r in enumerate(requests) if r is not None})
+
+    def start(self, ended) -> None:
+        import threading
+
+        self._ended = ended
+        self._thread = threading.Thread(target=time.sleep, args=(self.delay,), daemon=True)
+        self._thread.start()
+
+    def resume(self, ended) -> None:
+        self.start(ended)
+
+    def closed(self, request: int, finish: str) -> None:
+        pass
+
+    def finish(self) -> list:
+        t = time.perf_counter()
+        self._thread.join()
+        self.clock["waited"] += time.perf_counter() - t
+        out = []
+        for e in self._ended:
+            batch, k = self.of.get(e.request, (self, e.request))
+            n = batch.count[(k, e.sample)] = batch.count.get((k, e.sample), 0) + 1
+            out.append(None if n >= 1 + k % 4 else [(sum(e.reply) + 31 * n + j) % (self.vocab - 3) + 3
+                                                   for j in range(8)])
+        return out
+
+
+def _episode_modes(make, model, work: list, max_len: int, delay: float, vocab: int, sizes: _StepSizes) -> dict:
+    """Batch mode against the live engine (caches kept) on episodes of a delayed environment, batch by batch in
+    turn: per mode its seconds, the decode loop's wait for the environment, occupancy, tokens and staleness."""
+    from megatron_rl.inference.live import LiveGeneration
+
+    n_turns = 4
+    budget = max_len - len(work[0][0].prompt_ids) - 1
+    batch_gen = make()
+    live = LiveGeneration(make(), max_len, filtering=False, noise=True, version=0)
+    state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    out = {m: {"s": 0.0, "waited": 0.0, "sizes": [], "samples": 0, "older": 0, "total": 0} for m in ("batch", "live")}
+    clocks = {"batch": {"waited": 0.0}, "live": {"waited": 0.0}}
+    turns = lambda m: DelayedTurns(n_turns, budget, delay, vocab, clocks[m])  # noqa: E731
+    sizes.take()
+    queued = {0: live.add(work[0], turns("live"))}
+    for b in range(len(work)):
+        t = time.perf_counter()
+        outs = batch_gen.generate(work[b], turns=turns("batch"))
+        out["batch"]["s"] += time.perf_counter() - t
+        out["batch"]["samples"] += len(outs)
+        out["batch"]["sizes"] += [n for n, _ in sizes.take()]
+        t = time.perf_counter()
+        if b + 1 < len(work):
+            queued[b + 1] = live.add(work[b + 1], turns("live"))
+        outs = live.run(queued.pop(b))
+        model.load_state_dict(state, strict=False)  # the push: the same weights (not timed apart)
+        live.switch(b + 1)
+        out["live"]["s"] += time.perf_counter() - t
+        out["live"]["samples"] += len(outs)
+        out["live"]["sizes"] += [n for n, _ in sizes.take()]
+        out["live"]["older"] += sum(v < b for o in outs for v in o.versions)
+        out["live"]["total"] += sum(len(o.versions) for o in outs)
+    for m in out:
+        out[m]["waited"] = clocks[m]["waited"]
+    return out
+
+
 def run_case(name: str, args) -> dict:
     from megatron_rl.inference import Generator
     from megatron_rl.models import build_gpt_model, get_preset
@@ -213,6 +304,48 @@ def run_case(name: str, args) -> dict:
     return r
 
 
+def run_episode_case(name: str, args) -> dict:
+    from megatron_rl.inference import GenerationRequest, Generator, SamplingParams
+    from megatron_rl.models import build_gpt_model, get_preset
+    from megatron_rl.models.precision import resolve_dtype
+    from megatron_rl.parallel import ExecutorPlacement, ParallelLayout, build_topology
+
+    cfg = get_preset(name)
+    g = build_topology([ExecutorPlacement("generator", ParallelLayout())])["generator"]
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, g.layout, g.pgs, attention="sdpa", params_dtype=resolve_dtype(args.dtype))
+    max_len = -(-(args.prompt_len + 4 * (4 * args.base + 8) + 8) // 16) * 16  # whole blocks of the paged cache
+    make = lambda: Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=args.slots, max_len=max_len,  # noqa: E731
+                             kv_cache_tokens=args.slots * max_len)
+    rnd = random.Random(args.seed)
+    work = [[GenerationRequest([rnd.randrange(1, cfg.vocab_size) for _ in range(args.prompt_len)],
+                               SamplingParams(temperature=1.0, max_new_tokens=args.base * rnd.choice([1, 2, 4]),
+                                              n=args.samples, seed=1000 * b + i))
+             for i in range(args.prompts)] for b in range(args.batches)]
+    sizes = _StepSizes()
+    make().generate(work[0][:1])  # warm
+    r = _episode_modes(make, model, work, max_len, args.env_delay_ms / 1e3, cfg.vocab_size, sizes)
+    occ = lambda xs: sum(xs) / max(len(xs) * args.slots, 1)  # noqa: E731
+    batch, live = r["batch"], r["live"]
+    assert batch["samples"] == live["samples"]
+    key = f"{name}_episodes"
+    out = {f"{key}_batch_occupancy": round(occ(batch["sizes"]), 3), f"{key}_live_occupancy": round(occ(live["sizes"]), 3),
+           f"{key}_batch_samples_per_s": round(batch["samples"] / batch["s"], 2),
+           f"{key}_live_samples_per_s": round(live["samples"] / live["s"], 2),
+           f"{key}_measured_speedup": round(batch["s"] / live["s"], 3),
+           f"{key}_batch_env_wait_share": round(batch["waited"] / batch["s"], 3),
+           f"{key}_live_env_wait_share": round(live["waited"] / live["s"], 3),
+           f"{key}_batch_steps": len(batch["sizes"]), f"{key}_live_steps": len(live["sizes"]),
+           f"{key}_tokens_one_version_older": round(live["older"] / max(live["total"], 1), 3),
+           "env_delay_ms": args.env_delay_ms}
+    print(f"{name}, episodes (environment delay {args.env_delay_ms:g} ms): occupancy {occ(batch['sizes']):.2f} batch, "
+          f"{occ(live['sizes']):.2f} live; samples/s {batch['samples'] / batch['s']:.2f} batch, "
+          f"{live['samples'] / live['s']:.2f} live ({batch['s'] / live['s']:.2f}x); waiting for the environment "
+          f"{batch['waited'] / batch['s']:.0%} of the time batch, {live['waited'] / live['s']:.0%} live; "
+          f"{live['older'] / max(live['total'], 1):.1%} of live tokens one version older", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="tiny,smollm2-135m")
@@ -225,6 +358,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2, help="each measurement's rounds (the fastest is kept)")
+    p.add_argument("--workloads", default="spread", help="spread (responses of 1-16x --base), episodes (of a delayed "
+                   "environment), or both: spread,episodes")
+    p.add_argument("--env-delay-ms", type=float, default=100.0, help="the environment's answer time (episodes)")
     args = p.parse_args(argv)
     import torch.distributed as dist
 
@@ -236,7 +372,10 @@ def main(argv=None) -> int:
               "threads": torch.get_num_threads(), **{k: getattr(args, k) for k in ("batches", "prompts", "samples",
                                                                                  "slots", "base", "prompt_len")}}
     for name in args.cases.split(","):
-        result.update(run_case(name, args))
+        if "spread" in args.workloads.split(","):
+            result.update(run_case(name, args))
+        if "episodes" in args.workloads.split(","):
+            result.update(run_episode_case(name, args))
     emit(result)
     return 0
 

@@ -402,9 +402,9 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
         longest = "env.max_tokens" if cfg.env.episodic else "rollout.max_new_tokens"
         out.append(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step can hold "
                    f"({cfg.episode_length} tokens: rollout.max_prompt_length + {longest}), whole in a micro-batch")
-    if cfg.rollout.in_flight and (cfg.env.episodic or cfg.generator.pp > 1):
-        out.append("rollout.in_flight=true runs single responses on a generator of one pipeline stage: episodes "
-                   "(env.cls, env.agent) and generator.pp > 1 generate batch by batch (set rollout.in_flight=false)")
+    if cfg.rollout.in_flight and (cfg.env.agent is not None or cfg.generator.pp > 1):
+        why = "agents (env.agent) generate" if cfg.env.agent is not None else "a generator of pp > 1 generates"
+        out.append(f"rollout.in_flight=true: {why} batch by batch (set rollout.in_flight=false)")
     out += cfg.algorithm.job_problems("algorithm", cfg.rollout.in_flight, cfg.reward.model_executor,
                                       cfg.env.agent is not None, cfg.response_budget)
     if cfg.generator.colocated and cfg.generator.layout.size != cfg.trainer.layout.size:

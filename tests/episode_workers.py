@@ -39,6 +39,84 @@ class ScriptedTurns(Turns):
         return out
 
 
+class JoinedTurns(ScriptedTurns):
+    """A live engine's `Turns` over several batches' `ScriptedTurns` (`Turns.empty`/`join`): each turn answered as
+    its own batch would answer it, the episode's turn count kept in that batch's turns."""
+
+    def __init__(self, max_turns: int, max_tokens: int):
+        super().__init__(max_turns, max_tokens)
+        self.of: dict = {}  # the live engine's request -> (its batch's turns, its request there)
+
+    def join(self, batch: ScriptedTurns, requests: list) -> None:
+        self.of.update({r: (batch, k) for k, r in enumerate(requests) if r is not None})
+
+    def finish(self) -> list[Optional[list[int]]]:
+        out = []
+        for e in self.started:
+            batch, k = self.of[e.request]
+            t = batch.turns[(k, e.sample)] = batch.turns.get((k, e.sample), 0) + 1
+            out.append(observation(k, e.sample, t, e.reply))
+        self.started = []
+        return out
+
+
+ScriptedTurns.empty = lambda self: JoinedTurns(self.max_turns, self.max_tokens)
+
+
+def live_episodes_worker(rank, world_size, cfg, full, tp, lookahead, a_new, b_new):
+    """Two batches of scripted episodes in the live engine (`inference/live.py`): batch A run while batch B plays
+    beside it, then new weights (`live_weights`) switched in with B's episodes mid-flight (their caches recomputed),
+    then B run; again with the state snapshotted after A (B's environments' answers outstanding) and restored into a
+    fresh generator. `a_new`, `b_new`: each request's tokens a turn (B's of 1 or 2, so that some of them end at
+    the step at which A's last episode ends: the snapshot then holds answers not yet taken). Returns the outputs, batch A played batch
+    by batch (`Generator.generate`, the reference), the outstanding answers at the snapshot, and each output re-scored
+    teacher-forced under each version's weights."""
+    import copy
+
+    from megatron_rl.inference.live import LiveGeneration
+    from megatron_rl.models.sharding import load_full_state_dict
+    from gen_workers import live_weights, scored_by_version
+
+    batch_a = [GenerationRequest(list(range(3 + i, 9 + i)), SamplingParams(temperature=1.0, max_new_tokens=new,
+                                                                            seed=i)) for i, new in enumerate(a_new)]
+    batch_b = [GenerationRequest(list(range(20 + i, 25 + i)), SamplingParams(temperature=1.0, max_new_tokens=new,
+                                                                              seed=10 + i)) for i, new in enumerate(b_new)]
+    as_tuples = lambda xs: [(o.token_ids, o.logprobs, o.policy_mask, o.versions, o.finish_reason, o.turns)  # noqa
+                            for o in xs]
+
+    def fresh():
+        g, model = _setup(cfg, full, tp)
+        gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=64, lookahead=lookahead)
+        return g, model, LiveGeneration(gen, 64, filtering=False, noise=True, version=0)
+
+    g, model = _setup(cfg, full, tp)
+    reference = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=64).generate(
+        batch_a, turns=ScriptedTurns(4, 30))
+
+    def play(restore: bool):
+        g, model, live = fresh()
+        ta, tb = ScriptedTurns(4, 30), ScriptedTurns(4, 30)
+        a, b = live.add(batch_a, ta), live.add(batch_b, tb)
+        out_a = live.run(a)
+        outstanding = len(live.episodes.answering)
+        if restore:
+            state, counts = live.snapshot({"b": b}), copy.deepcopy(tb.turns)  # what a checkpoint holds
+            g, model, live = fresh()
+            b = live.restore(state)["b"]
+            tb = ScriptedTurns(4, 30)
+            tb.turns = counts
+            live.rejoin(b, tb)
+        load_full_state_dict(model, live_weights(full), cfg, g.pgs)
+        live.switch(1, recompute=True)
+        return out_a + live.run(b), outstanding, (g, model), live.gen.lookahead
+
+    outs, outstanding, (g, model), used_lookahead = play(False)
+    restored, _, _, _ = play(True)
+    scored = scored_by_version(model, cfg, g, full, outs)
+    return {"outs": as_tuples(outs), "restored": as_tuples(restored), "reference": as_tuples(reference),
+            "outstanding": outstanding, "scored": scored, "lookahead": used_lookahead}
+
+
 def episodes_worker(rank, world_size, cfg, full, tp, requests, max_batch, max_turns, max_tokens, lookahead=None,
                     count_prefill=False, kv_cache_tokens=None):
     """Episodes from one `generate` call: (tokens, logprobs, policy mask, finish reason, turns) each; and, with

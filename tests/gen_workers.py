@@ -228,15 +228,7 @@ def live_worker(rank, world_size, cfg, full, tp, kv_cache_tokens=None, cuda_rule
 
     outs, occupancy, (g, model) = play(False)
     restored, _, _ = play(True)
-    scored = {}
-    for version, weights in ((0, full), (1, live_weights(full))):
-        load_full_state_dict(model, weights, cfg, g.pgs)
-        scored[version] = []
-        for o in outs:
-            seq = torch.tensor([o.prompt_ids + o.token_ids])
-            with torch.no_grad():
-                lp = target_logprobs(model_forward(model, seq, False), seq, g.pgs.tp, cfg.vocab_size, 1.0)
-            scored[version].append(lp[0, len(o.prompt_ids):].tolist())
+    scored = scored_by_version(model, cfg, g, full, outs)
     kept = [kept_cache_logprobs(model, cfg, g, full, o) for o in outs] if not recompute else None
     # An abort: a running sequence's slot and blocks are free at once.
     gen = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=64, kv_cache_tokens=kv_cache_tokens)
@@ -254,6 +246,21 @@ def live_worker(rank, world_size, cfg, full, tp, kv_cache_tokens=None, cuda_rule
     return {"outs": as_tuples(outs), "restored": as_tuples(restored), "scored": scored, "occupancy": occupancy,
             "lookahead": gen.lookahead, "kept": kept,
             "abort": (victim.finish, blocks, free_before, free_after), "rest": [o.finish_reason for o in rest]}
+
+
+def scored_by_version(model, cfg, g, full, outs) -> dict:
+    """version -> each output's tokens' log-probs (temperature 1), teacher-forced under that version's weights (0:
+    `full`, 1: `live_weights(full)`); the model is left with version 1's."""
+    scored = {}
+    for version, weights in ((0, full), (1, live_weights(full))):
+        load_full_state_dict(model, weights, cfg, g.pgs)
+        scored[version] = []
+        for o in outs:
+            seq = torch.tensor([o.prompt_ids + o.token_ids])
+            with torch.no_grad():
+                lp = target_logprobs(model_forward(model, seq, False), seq, g.pgs.tp, cfg.vocab_size, 1.0)
+            scored[version].append(lp[0, len(o.prompt_ids):].tolist())
+    return scored
 
 
 def live_weights(full: dict) -> dict:

@@ -7,6 +7,7 @@ import pytest
 
 from megatron_rl.launch.spawn import run_local
 from gen_workers import live_worker
+from episode_workers import live_episodes_worker
 
 pytest.importorskip("transformers")
 
@@ -53,3 +54,37 @@ def test_a_kept_cache_makes_the_tokens_after_a_switch_the_new_weights_over_the_o
             elif len(set(versions)) == 2:  # a token after the switch, in a sequence that spans it
                 gap_to_v1 = max(gap_to_v1, abs(logprobs[j] - scored[1][i][j]))
     assert gap_to_v1 > 1e-3  # the old cache shows: version 1's teacher-forced log-probs differ
+
+
+# Each turn's length is fixed (no stop token) and so is each observation's: which step a turn ends at does not depend
+# on what the model samples. These lengths make a turn of B end at the step at which A's last episode ends (read one
+# step later with lookahead).
+@pytest.mark.parametrize("lookahead, a_new, b_new", [(False, (3,), (1, 2, 1, 2, 1)), (True, (5,), (2, 1, 1, 2, 1))],
+                         ids=["read-each-step", "lookahead"])
+def test_episodes_in_the_live_engine_span_a_switch_and_resume_with_their_answers_outstanding(tiny_hf, lookahead,
+                                                                                             a_new, b_new):
+    """Episodes (`Turns.empty`/`join`): batch A's equal batch mode's; batch B's, played beside A and across a switch,
+    tag each token with the version that sampled it (an observation with its reply's) and score by it exactly; a
+    snapshot taken with B's answers outstanding, restored into a fresh generator, goes on bit for bit. With
+    lookahead, the turns a switch or the end of a `run` reads are answered at the next step."""
+    _, cfg, full = tiny_hf
+    got = run_local(live_episodes_worker, 1, cfg, full, 1, lookahead, a_new, b_new)[0]
+    outs, scored = got["outs"], got["scored"]
+    assert got["lookahead"] == lookahead
+    assert got["outstanding"] > 0  # the snapshot cut B's environments off mid-answer
+    assert got["restored"] == outs
+    for (tokens, lps, mask, versions, finish, turns), (r_tokens, r_lps, r_mask, _, r_finish, r_turns) in zip(
+            outs[:len(a_new)], got["reference"], strict=True):
+        assert (tokens, mask, finish, turns) == (r_tokens, r_mask, r_finish, r_turns)
+        assert max(abs(x - y) for x, y in zip(lps, r_lps)) < 1e-5
+        assert set(versions) == {0}
+    spanning = 0
+    for i, (tokens, lps, mask, versions, finish, turns) in enumerate(outs):
+        assert len(versions) == len(tokens) and versions == sorted(versions) and turns >= 2, i
+        for j, v in enumerate(versions):
+            if mask[j]:
+                assert abs(lps[j] - scored[v][i][j]) < 1e-5, (i, j, v)
+            else:  # an observation: the version of the reply before it
+                assert j > 0 and v == versions[j - 1], (i, j)
+        spanning += len(set(versions)) == 2
+    assert spanning >= 1  # an episode of B sampled under both versions

@@ -42,6 +42,7 @@ from typing import Optional
 from megatron_rl.environments.play import EpisodeTurns, Episodes, _Episode
 from megatron_rl.environments.pool import episode_failure_rule
 from megatron_rl.inference import SamplingParams
+from megatron_rl.inference.episodes import Turns
 from megatron_rl.inference.sequence import Restart
 from megatron_rl.serving.protocol import ChatRequest, ProtocolError, chat_body, normalize_message, reply_body
 
@@ -214,6 +215,11 @@ class AgentTurns(EpisodeTurns):
     def __init__(self, owner: Agents, episodes: list[_AgentEpisode]):
         super().__init__(owner, episodes)
         self._settled = False
+
+    def empty(self):
+        """Agents play batch by batch (the config refuses rollout.in_flight with env.agent): an agent's episode may
+        be split by a rewritten conversation, which a live engine's checkpoint does not store mid-flight."""
+        return Turns.empty(self)
 
     def start(self, ended) -> None:
         self._ended = ended

@@ -11,6 +11,7 @@ loop       the RL loop, top to bottom: generate, score, advantages, AIPO step, p
 schedule   the whole run written down as data: which batch with which weight version, when weights move
 job        one rank of the job: its place in the world, its executors, the collectives that span them
 executors  what a rank builds: trainer, generator, weight push, reward-model executor
+live_batches  the generator's training batches in its live engine (rollout.in_flight), and their checkpoint
 scoring    every reward a sample gets (verifiers, user functions, a reward model) and the messages that carry them
 collector  rank 0's bookkeeping: scored rollouts in, batches with advantages and metric rows out
 tasks      what the job learns: prompts, how a prompt is shown, its reward

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import JobConfig
 from megatron_rl.controller.dynamic_sampling import SampledGroup, fill, refill_index
+from megatron_rl.controller.live_batches import LiveBatches
 from megatron_rl.controller.rundir import worker_log
 from megatron_rl.controller.scoring import Evaluated, ModelScores, ScoreRequest, UnscoredRollouts, model_scores
 from megatron_rl.controller.tasks import Task
@@ -203,10 +204,6 @@ class GeneratorExecutor:
                                    record_routes=model_cfg.is_moe and cfg.trainer.routing_replay)
         self.episodes = None  # with env.cls: the replica's environments (`environments/play.py`); env.agent: agents
         self.version = 0  # of the weights the generator holds
-        # With rollout.in_flight: the live engine (`inference/live.py`, opened at the first batch) and the batches
-        # queued in it (batch -> its handles).
-        self.live = None
-        self.live_batches: Optional[dict] = {} if cfg.rollout.in_flight else None
         if cfg.env.episodic:
             if cfg.env.agent is not None:  # the user's agents, through the replica leader's OpenAI endpoint
                 from megatron_rl.agents.play import Agents as Play
@@ -216,6 +213,12 @@ class GeneratorExecutor:
             chat = tokenizer.has_chat_template if cfg.data.chat is None else cfg.data.chat
             self.episodes = Play(cfg.env, tokenizer, chat, groups.pgs.mp, self.is_leader, self._sampling(0, 1),
                                      log_path=str(worker_log(cfg)))
+        # With rollout.in_flight: the batches in the live engine (`controller/live_batches.py`).
+        self.live: Optional[LiveBatches] = None
+        if cfg.rollout.in_flight:
+            r = cfg.rollout
+            self.live = LiveBatches(self.generator, cfg.episode_length, r.top_p < 1 or r.top_k > 0, cfg.run.steps,
+                                    self._batch_requests, self.episodes.restored if self.episodes else None)
 
     @property
     def is_leader(self) -> bool:
@@ -239,8 +242,8 @@ class GeneratorExecutor:
 
     def generate(self, batch: int, version: int) -> Optional[UnscoredRollouts]:
         """This replica's samples of training batch `batch` (episodes with env.cls); None on ranks other than the
-        leader. With `rollout.in_flight`, from the live engine (`_generate_live`); the batch's version is then its
-        oldest token's. With `algorithm.dynamic_sampling`, groups without signal are refilled
+        leader. With `rollout.in_flight`, from the live engine (`controller/live_batches.py`); the batch's version
+        is then its oldest token's. With `algorithm.dynamic_sampling`, groups without signal are refilled
         (`_dynamic_sampling`)."""
         r = self.cfg.rollout
         problems = self.task.train_batch(batch, r.prompts_per_step)
@@ -249,12 +252,14 @@ class GeneratorExecutor:
         if self.cfg.algorithm.dynamic_sampling:
             return self._dynamic_sampling(batch, version, problems, mine, t0)
         turns = None
-        if self.episodes is not None:
+        if self.live is not None:
+            outs, turns = self.live.generate(batch, self.version)
+            if turns is not None and self.is_leader:
+                self.episodes.end_batch(turns)
+            version = min((min(o.versions) for o in outs if o.versions), default=version)
+        elif self.episodes is not None:
             outs, turns = self._sample([problems[i] for i in mine], [rollout_seed(self.cfg.run.seed, batch, i)
                                                                     for i in mine])
-        elif self.live_batches is not None:
-            outs = self._generate_live(batch)
-            version = min((min(o.versions) for o in outs if o.versions), default=version)
         else:
             outs = self.generator.generate(self._requests(batch, problems))
         gen_s = time.perf_counter() - t0
@@ -354,24 +359,15 @@ class GeneratorExecutor:
                                   self._sampling(rollout_seed(self.cfg.run.seed, batch, i), r.samples_per_prompt))
                 for i in r.replica_prompts(self.groups.dp_rank, self.groups.layout.dp)]
 
-    def _generate_live(self, batch: int) -> list:
-        """Batch `batch` from the live engine: queued now (or while the batch before it drained), with the next
-        batch queued behind it so that its sequences take the slots this one frees; run until its last sequence
-        ends (the next batch's go on in their slots, and see the next weight push land)."""
-        live = self._live()
-        for b in (batch, batch + 1):
-            if b < self.cfg.run.steps and b not in self.live_batches:
-                self.live_batches[b] = live.add(self._requests(b))
-        return live.run(self.live_batches.pop(batch))
-
-    def _live(self):
-        if self.live is None:
-            from megatron_rl.inference.live import LiveGeneration
-
-            r = self.cfg.rollout
-            self.live = LiveGeneration(self.generator, self.cfg.episode_length, filtering=r.top_p < 1 or r.top_k > 0,
-                                       noise=True, version=self.version)
-        return self.live
+    def _batch_requests(self, batch: int) -> tuple[list, Optional[object]]:
+        """This replica's requests of training batch `batch` and, with episodes, their turns (else None)."""
+        if self.episodes is None:
+            return self._requests(batch), None
+        r = self.cfg.rollout
+        problems = self.task.train_batch(batch, r.prompts_per_step)
+        mine = r.replica_prompts(self.groups.dp_rank, self.groups.layout.dp)
+        return self.episodes.requests([problems[i] for i in mine],
+                                      [rollout_seed(self.cfg.run.seed, batch, i) for i in mine], r.samples_per_prompt)
 
     def weights_changed(self, version: int, recompute: bool) -> None:
         """A push wrote weights `version`: the live engine's running sequences go on under them, their caches kept
@@ -381,15 +377,15 @@ class GeneratorExecutor:
             self.live.switch(version, recompute)
 
     def live_state(self) -> Optional[dict]:
-        """With `rollout.in_flight`: the live engine's sequences (the batches queued, partly sampled) as plain
-        containers, for the checkpoint; None before the first batch."""
-        return self.live.snapshot(self.live_batches) if self.live is not None else None
+        """With `rollout.in_flight`: the live engine's sequences (the batches queued, partly sampled) and their
+        episodes as plain containers, for the checkpoint; None before the first batch."""
+        return self.live.state() if self.live is not None else None
 
     def restore_live(self, state: Optional[dict]) -> None:
         """Go on from `live_state` (a resume; its caches are recomputed at the first weight push)."""
         if state is not None:
             self.version = state["engine"]["version"]
-            self.live_batches = {int(b): hs for b, hs in self._live().restore(state).items()}
+            self.live.restore(state)
 
     def evaluate(self) -> Optional[Evaluated]:
         """Responses to the held-out problems, sampled as in training (every replica sees the same set and holds
@@ -402,8 +398,8 @@ class GeneratorExecutor:
         else:
             reqs = [GenerationRequest(self.encode(self.task.prompt_text(p)), self._sampling(eval_seed(i), n))
                     for i, p in enumerate(problems)]
-        if self.live_batches is not None:
-            outs = self._live().run(self._live().add(reqs))
+        if self.live is not None:
+            outs = self.live.run(reqs, turns, self.version)
         else:
             outs = self.generator.generate(reqs, turns=turns)
         if not self.is_leader:

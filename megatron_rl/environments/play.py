@@ -21,6 +21,7 @@ lost it (`environments/pool.py`), and so does a resumed run.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -133,6 +134,10 @@ class Episodes:
     def _turns(self, episodes: list) -> "EpisodeTurns":
         return EpisodeTurns(self, episodes)
 
+    def restored(self, state: list[dict]) -> "EpisodeTurns":
+        """A batch's `EpisodeTurns` as a checkpoint saved it (`EpisodeTurns.state`), mid-flight."""
+        return self._turns([self._episode(**e) for e in state])
+
     def end_batch(self, turns: "EpisodeTurns") -> None:
         """On the leader, once a training batch's episodes are over: the environment's failure rule over them
         (`EnvironmentPool.end_batch`: one line for the batch's failures; EnvironmentFailureError, which stops the
@@ -145,7 +150,8 @@ class EpisodeTurns(Turns):
     """`inference.episodes.Turns` for one batch of episodes (see the module docstring)."""
 
     def __init__(self, owner: Episodes, episodes: list[_Episode]):
-        self.owner, self.episodes = owner, episodes
+        self.owner, self.episodes = owner, episodes  # `episodes`: the batch's, in request order (its returns)
+        self.playing: dict[int, _Episode] = dict(enumerate(episodes))  # request -> the episode `start` answers
         self.max_turns, self.max_tokens = owner.env.max_turns, owner.env.max_tokens
         self._ended: list[EndedTurn] = []
         self._thread: Optional[threading.Thread] = None
@@ -153,18 +159,21 @@ class EpisodeTurns(Turns):
         self._error: Optional[BaseException] = None  # what the step thread raised, raised again by `finish`
 
     def start(self, ended: list[EndedTurn]) -> None:
+        if self.owner.is_leader:
+            tok, stops = self.owner.tok, self.owner.tok.stop_ids
+            for turn in ended:
+                reply = list(turn.reply)
+                while reply and reply[-1] in stops:
+                    reply.pop()
+                self.playing[turn.request].replies.append(tok.decode(reply))
+        self.resume(ended)
+
+    def resume(self, ended: list[EndedTurn]) -> None:
+        """The environment calls for `ended`, whose replies the episodes hold already (`start`, or a checkpoint)."""
         self._ended = ended
         if not self.owner.is_leader:
             return
-        tok, stops = self.owner.tok, self.owner.tok.stop_ids
-        calls = []
-        for turn in ended:
-            e = self.episodes[turn.request]
-            reply = list(turn.reply)
-            while reply and reply[-1] in stops:
-                reply.pop()
-            e.replies.append(tok.decode(reply))
-            calls.append((e.record, e.seed, list(e.replies)))
+        calls = [(e.record, e.seed, list(e.replies)) for e in (self.playing[turn.request] for turn in ended)]
         self._answers, self._error = [], None
 
         def step():
@@ -184,12 +193,28 @@ class EpisodeTurns(Turns):
                 raise self._error
             observations = []
             for turn, answer in zip(self._ended, self._answers, strict=True):
-                e = self.episodes[turn.request]
+                e = self.playing[turn.request]
                 e.rewards.append(answer.reward)
                 e.took(answer)
                 done = answer.done or answer.message is None
                 observations.append(None if done else self.owner.template.observation(answer.message))
         return self.owner.share(observations)
+
+    def closed(self, request: int, finish: str) -> None:
+        self.playing.pop(request, None)
+
+    # ---- a live engine's (`inference.episodes.Turns`: `empty`, `join`) and its checkpoints ------------------------
+    def empty(self) -> "EpisodeTurns":
+        return EpisodeTurns(self.owner, [])
+
+    def join(self, batch: "EpisodeTurns", requests: list[Optional[int]]) -> None:
+        if batch.owner is not self.owner:
+            raise ValueError("a live engine's batches of episodes must share their environments")
+        self.playing.update({r: e for r, e in zip(requests, batch.episodes, strict=True) if r is not None})
+
+    def state(self) -> list[dict]:
+        """The batch's episodes as plain containers (a checkpoint of a live engine; `Episodes.restored` reads it)."""
+        return [copy.deepcopy(e.__dict__) for e in self.episodes]
 
     # ---- on the leader, once the batch has been generated ----------------------------------------------------------
     def returns(self) -> list[float]:

@@ -174,6 +174,12 @@ class Engine:
         self.decode.admit([q for q in seqs if self.running.get(q.slot) is q])
         return ended
 
+    def holds(self, seq: Sequence) -> bool:
+        """Whether `seq` is still in the engine: waiting, in a slot (an episode held for its answer or about to
+        resume, too)."""
+        return (self.running.get(seq.slot) is seq or self.held.get(seq.slot) is seq
+                or any(q is seq for q in self.waiting))
+
     def sequences(self) -> list[Sequence]:
         """Every sequence the engine holds (waiting, in a slot, or about to resume)."""
         return [*self.waiting, *self.running.values(), *self.held.values()]

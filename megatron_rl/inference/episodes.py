@@ -39,8 +39,8 @@ class EndedTurn:
 
 
 class Turns(ABC):
-    """The environments of one `Generator.generate` call (one batch of episodes), as every rank of a generator
-    replica sees them. `max_turns`: the most model turns an episode has; `max_tokens`: its budget of tokens after
+    """The environments of one `Generator.generate` call (one batch of episodes), or of a live engine's batches
+    joined together (`empty`, `join`), as every rank of a generator replica sees them. `max_turns`: the most model turns an episode has; `max_tokens`: its budget of tokens after
     the prompt (the model's and the environments' together)."""
 
     max_turns: int
@@ -61,6 +61,24 @@ class Turns(ABC):
         """Episode `request` is over after the answer `finish` took (`Sequence.observe`: "done", or "turns" and
         "length" where the job ended it with an observation unused). Every rank calls it; nothing by default."""
 
+    # ---- for a live engine (`inference/live.py`), which plays the episodes of several batches at once ----------
+    # One `Turns` answers them all (`empty`, then `join` per batch), so that the turns of every batch that end at a
+    # step are answered by one `start`: an environment's workers are driven by one thread at a time.
+    def empty(self) -> "Turns":
+        """A `Turns` of no episode yet, over the same environments, to `join` batches into."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be played by a live engine (no `empty`/`join`)")
+
+    def join(self, batch: "Turns", requests: list[Optional[int]]) -> None:
+        """Play `batch`'s episodes too: its request k is this one's `requests[k]` (None: not played, such as a request
+        the generator refused, or an episode a checkpoint saved already over). Their answers are recorded where
+        `batch` keeps them (its returns are its episodes')."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be played by a live engine (no `empty`/`join`)")
+
+    def resume(self, ended: list[EndedTurn]) -> None:
+        """`start` the answers to `ended` again, in a resumed run: a checkpoint was saved after their turns were
+        handed to `start` and before `finish` took the answers (which it does not hold). By default, `start`."""
+        self.start(ended)
+
 
 class EpisodeLoop:
     """Episodes as a client of the one-stage engine (`inference/engine.py`), keeping `Turns`' timing contract: after
@@ -75,7 +93,7 @@ class EpisodeLoop:
     def after_step(self, engine, ended: list) -> None:
         """Between two engine steps: `ended` are the sequences whose turns ended at the step just run."""
         if self.answering:
-            for seq, obs in zip(self.answering, self.turns.finish()):
+            for seq, obs in zip(self.answering, self.turns.finish(), strict=True):  # an answer for every turn
                 if seq.observe(obs, self.turns.max_turns, self.max_len):
                     engine.resume(seq)
                 else:

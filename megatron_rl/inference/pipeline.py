@@ -181,7 +181,7 @@ class PipelinedDecode:
         then start these. Returns the start now outstanding."""
         if asked is not None and (ended or asked[0] == m):
             lane, episodes = lanes[asked[0]], asked[1]
-            for seq, obs in zip(episodes, turns.finish()):
+            for seq, obs in zip(episodes, turns.finish(), strict=True):
                 if seq.observe(obs, turns.max_turns, self.stops.max_len):
                     lane.resumed.append(seq)
                 else:

@@ -87,8 +87,8 @@ class RolloutSettings(Section):
     temperature: float = ranged(1.0, "> 0", "(use top_k=1 for greedy)")
     top_p: float = ranged(1.0, "in (0, 1]")
     top_k: int = ranged(0, ">= 0", "(0 disables it)")
-    # The generator as a live engine (`inference/live.py`): the next batch's prompts take the slots the current
-    # batch's finished sequences free, and pushed weights land under running sequences, which keep their caches;
+    # The generator as a live engine (`inference/live.py`): the next batch's prompts (or episodes) take the slots the
+    # current batch's finished sequences free, and pushed weights land under running sequences, which keep their caches;
     # `staleness` then bounds each sample's oldest token (`schedule_staleness`). `recompute_cache`: recompute the
     # running sequences' caches under the new weights at every push (one prefill of each), so that every token's
     # log-prob is exactly its version's (without it, only at the push after a checkpoint: `Engine.switch`).
