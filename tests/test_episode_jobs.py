@@ -79,6 +79,15 @@ def test_a_colocated_episode_job_runs_the_calculator_task(tmp_path):
 def test_episode_settings_that_cannot_work_are_one_line_each(tmp_path):
     # A pipelined generator plays episodes (`inference/pipeline.py`): generator.pp=2 is no problem of its own.
     assert problems(load_config(overrides=[*GUESS, "generator.pp=2", f"checkpoint.dir={tmp_path}"]))[1] == []
+    # Environments' episodes play in the live engine; agents and a pipelined generator run batch by batch.
+    live = [*GUESS, "rollout.in_flight=true", f"checkpoint.dir={tmp_path}"]
+    assert problems(load_config(overrides=live))[1] == []
+    (line,) = problems(load_config(overrides=[*live, "generator.pp=2"]))[1]
+    assert line == "rollout.in_flight=true: a generator of pp > 1 generates batch by batch (set rollout.in_flight=false)"
+    (line,) = [x for x in problems(load_config(overrides=[*live, "env.cls=null",
+                                                          "env.agent=megatron_rl.agents.guess:play"]))[1]
+               if "in_flight" in x]
+    assert line.startswith("rollout.in_flight=true: agents (env.agent) generate batch by batch")
     proc = warm_cli.run(["train", "data.dataset=guess-number", "reward.kind=gsm8k", "generator.pp=2",
                          "env.cls=megatron_rl.environments.guess:GuessNumber", f"checkpoint.dir={tmp_path}"])
     assert proc.returncode == 2
