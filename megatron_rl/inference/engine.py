@@ -171,7 +171,9 @@ class Engine:
             # Routes are not recorded again: each position keeps the experts of the forward that sampled after it.
             self.forward(c.tokens, c.positions, c.slots, self.cache, kv_len=c.kv_len, logits=False)
             self.switched_tokens += sum(q.length - 1 for q in seqs)
-        self.decode.admit([q for q in seqs if self.running.get(q.slot) is q])
+        # The held episodes' slots too: a step over every slot feeds them (its results unread), writing at their
+        # positions, which must lie past what their caches hold (a restored engine's step buffers say position 0).
+        self.decode.admit(seqs)
         return ended
 
     def holds(self, seq: Sequence) -> bool:
