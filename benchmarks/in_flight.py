@@ -2,7 +2,7 @@
 
     python benchmarks/in_flight.py                       # the tiny model and the SmolLM2-135M shape, random weights
     python benchmarks/in_flight.py --cases smollm2-135m --batches 6
-    python benchmarks/in_flight.py --workloads episodes --env-delay-ms 100   # episodes of a slow environment
+    python benchmarks/in_flight.py --workloads episodes --env-delay-ms 100 --answer-steps 1,32   # a slow environment
 
 Workload: `--batches` batches of `--prompts` requests x `--samples` samples, each request's response length fixed
 (no stop token) and spread over 1-16x of `--base` tokens. Batch mode runs `Generator.generate` on each batch in turn
@@ -20,13 +20,14 @@ over each mode's recorded steps (each one's running sequences and longest contex
 modes (every measurement is repeated `--rounds` times, in turn, and the fastest kept); `*_predicted_speedup` is batch mode's predicted time over the live engine's, and `*_vs_predicted_ratio` the
 measured speedup over it (1.0: the live engine's gain is all that its occupancy buys).
 
-`--workloads episodes` is a workload of multi-turn episodes whose environment answers after `--env-delay-ms` (a thread that
-sleeps, as a slow tool or simulator would; the decode loop waits for an answer only where it comes later than the
-next step, `inference/episodes.py`): each request plays 1-4 turns of `--base` to 4x `--base` tokens, each answered
-with an 8-token observation. Batch mode plays each batch to its slowest episode; the live engine keeps the next
-batch's episodes beside it and switches weights between batches (caches kept). Printed per mode: slot occupancy,
-samples per second, the share of the wall time the decode loop spent waiting for the environment, and for the live
-engine the share of tokens one version older than their batch. Ends with one JSON line.
+`--workloads episodes` is a workload of multi-turn episodes whose environment answers after `--env-delay-ms` (a
+thread that sleeps, as a slow tool or simulator would, one per start; the decode loop waits for an answer only where
+it comes later than `--answer-steps` steps after its turn ended: `env.answer_steps`, `inference/episodes.py`): each
+request plays 1-4 turns of `--base` to 4x `--base` tokens, each answered with an 8-token observation. Batch mode
+plays each batch to its slowest episode; the live engine keeps the next batch's episodes beside it and switches
+weights between batches (caches kept). Printed per mode and `--answer-steps` value: slot occupancy, samples per
+second, the share of the wall time the decode loop spent waiting for the environment, and for the live engine the
+share of tokens one version older than their batch. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -167,15 +168,17 @@ class DelayedTurns:
     batch ends after 1 + k % 4 turns. `inference.episodes.Turns`, with `empty`/`join` for the live engine; `waited`
     sums the time `finish` blocked on the answers (the decode loop's wait)."""
 
-    def __init__(self, max_turns: int, max_tokens: int, delay: float, vocab: int, clock: Optional[dict] = None):
+    def __init__(self, max_turns: int, max_tokens: int, delay: float, vocab: int, clock: Optional[dict] = None,
+                 answer_steps: int = 1):
         self.max_turns, self.max_tokens, self.delay, self.vocab = max_turns, max_tokens, delay, vocab
+        self.answer_steps = answer_steps  # up to this many starts outstanding, each answered by its own thread
         self.clock = clock if clock is not None else {"waited": 0.0}
         self.of: dict = {}  # the engine's request -> (its batch's turns, its number there); batch mode: itself
         self.count: dict = {}  # (request, sample) -> turns answered
-        self._ended, self._thread = [], None
+        self._rounds: list = []  # the outstanding starts: (their turns, the thread answering them)
 
     def empty(self) -> "DelayedTurns":
-        return DelayedTurns(self.max_turns, self.max_tokens, self.delay, self.vocab, self.clock)
+        return DelayedTurns(self.max_turns, self.max_tokens, self.delay, self.vocab, self.clock, self.answer_steps)
 
     def join(self, batch: "DelayedTurns", requests: list) -> None:
         self.of.update({r: (batch, k) for k, r in enumerate(requests) if r is not None})
@@ -183,9 +186,9 @@ class DelayedTurns:
     def start(self, ended) -> None:
         import threading
 
-        self._ended = ended
-        self._thread = threading.Thread(target=time.sleep, args=(self.delay,), daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=time.sleep, args=(self.delay,), daemon=True)
+        thread.start()
+        self._rounds.append((ended, thread))
 
     def resume(self, ended) -> None:
         self.start(ended)
@@ -194,11 +197,12 @@ class DelayedTurns:
         pass
 
     def finish(self) -> list:
+        ended, thread = self._rounds.pop(0)
         t = time.perf_counter()
-        self._thread.join()
+        thread.join()
         self.clock["waited"] += time.perf_counter() - t
         out = []
-        for e in self._ended:
+        for e in ended:
             batch, k = self.of.get(e.request, (self, e.request))
             n = batch.count[(k, e.sample)] = batch.count.get((k, e.sample), 0) + 1
             out.append(None if n >= 1 + k % 4 else [(sum(e.reply) + 31 * n + j) % (self.vocab - 3) + 3
@@ -206,7 +210,8 @@ class DelayedTurns:
         return out
 
 
-def _episode_modes(make, model, work: list, max_len: int, delay: float, vocab: int, sizes: _StepSizes) -> dict:
+def _episode_modes(make, model, work: list, max_len: int, delay: float, vocab: int, sizes: _StepSizes,
+                   answer_steps: int = 1) -> dict:
     """Batch mode against the live engine (caches kept) on episodes of a delayed environment, batch by batch in
     turn: per mode its seconds, the decode loop's wait for the environment, occupancy, tokens and staleness."""
     from megatron_rl.inference.live import LiveGeneration
@@ -218,7 +223,7 @@ def _episode_modes(make, model, work: list, max_len: int, delay: float, vocab: i
     state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     out = {m: {"s": 0.0, "waited": 0.0, "sizes": [], "samples": 0, "older": 0, "total": 0} for m in ("batch", "live")}
     clocks = {"batch": {"waited": 0.0}, "live": {"waited": 0.0}}
-    turns = lambda m: DelayedTurns(n_turns, budget, delay, vocab, clocks[m])  # noqa: E731
+    turns = lambda m: DelayedTurns(n_turns, budget, delay, vocab, clocks[m], answer_steps)  # noqa: E731
     sizes.take()
     queued = {0: live.add(work[0], turns("live"))}
     for b in range(len(work)):
@@ -324,11 +329,18 @@ def run_episode_case(name: str, args) -> dict:
              for i in range(args.prompts)] for b in range(args.batches)]
     sizes = _StepSizes()
     make().generate(work[0][:1])  # warm
-    r = _episode_modes(make, model, work, max_len, args.env_delay_ms / 1e3, cfg.vocab_size, sizes)
+    out = {"env_delay_ms": args.env_delay_ms}
+    for steps in [int(x) for x in str(args.answer_steps).split(",")]:
+        r = _episode_modes(make, model, work, max_len, args.env_delay_ms / 1e3, cfg.vocab_size, sizes, steps)
+        out.update(_episode_line(name, args, r, steps))
+    return out
+
+
+def _episode_line(name: str, args, r: dict, steps: int) -> dict:
     occ = lambda xs: sum(xs) / max(len(xs) * args.slots, 1)  # noqa: E731
     batch, live = r["batch"], r["live"]
     assert batch["samples"] == live["samples"]
-    key = f"{name}_episodes"
+    key = f"{name}_episodes" + (f"_answer_steps_{steps}" if steps != 1 else "")
     out = {f"{key}_batch_occupancy": round(occ(batch["sizes"]), 3), f"{key}_live_occupancy": round(occ(live["sizes"]), 3),
            f"{key}_batch_samples_per_s": round(batch["samples"] / batch["s"], 2),
            f"{key}_live_samples_per_s": round(live["samples"] / live["s"], 2),
@@ -336,9 +348,8 @@ def run_episode_case(name: str, args) -> dict:
            f"{key}_batch_env_wait_share": round(batch["waited"] / batch["s"], 3),
            f"{key}_live_env_wait_share": round(live["waited"] / live["s"], 3),
            f"{key}_batch_steps": len(batch["sizes"]), f"{key}_live_steps": len(live["sizes"]),
-           f"{key}_tokens_one_version_older": round(live["older"] / max(live["total"], 1), 3),
-           "env_delay_ms": args.env_delay_ms}
-    print(f"{name}, episodes (environment delay {args.env_delay_ms:g} ms): occupancy {occ(batch['sizes']):.2f} batch, "
+           f"{key}_tokens_one_version_older": round(live["older"] / max(live["total"], 1), 3)}
+    print(f"{name}, episodes (environment delay {args.env_delay_ms:g} ms, answers {steps} steps later): occupancy {occ(batch['sizes']):.2f} batch, "
           f"{occ(live['sizes']):.2f} live; samples/s {batch['samples'] / batch['s']:.2f} batch, "
           f"{live['samples'] / live['s']:.2f} live ({batch['s'] / live['s']:.2f}x); waiting for the environment "
           f"{batch['waited'] / batch['s']:.0%} of the time batch, {live['waited'] / live['s']:.0%} live; "
@@ -361,6 +372,8 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default="spread", help="spread (responses of 1-16x --base), episodes (of a delayed "
                    "environment), or both: spread,episodes")
     p.add_argument("--env-delay-ms", type=float, default=100.0, help="the environment's answer time (episodes)")
+    p.add_argument("--answer-steps", default="1", help="the decode steps after a turn at which its observation "
+                   "enters (env.answer_steps; episodes), one or a list: 1,16")
     args = p.parse_args(argv)
     import torch.distributed as dist
 

@@ -429,6 +429,9 @@ def _episode_problems(cfg: JobConfig, model: Optional[ModelConfig], dataset: Opt
                    "(its score of the whole episode, times reward.model_coef, is added to the return)")
     if cfg.env.agent is not None and cfg.generator.pp > 1:  # (its restart of a split episode is not built)
         out.append("env.agent plays on a generator of one pipeline stage: set generator.pp=1")
+    if cfg.env.answer_steps > 1 and cfg.generator.pp > 1:  # (the lanes' rounds answer at the next round)
+        out.append(f"env.answer_steps={cfg.env.answer_steps} needs generator.pp=1: a pipelined generator takes each "
+                   f"observation at the lane's next round (set env.answer_steps=1)")
     if model is not None and cfg.episode_length > model.max_position_embeddings:
         out.append(f"rollout.max_prompt_length + env.max_tokens = {cfg.episode_length} exceeds "
                    f"model.max_position_embeddings={model.max_position_embeddings}")

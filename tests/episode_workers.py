@@ -20,22 +20,24 @@ def observation(request: int, sample: int, turn: int, reply: tuple) -> Optional[
 
 
 class ScriptedTurns(Turns):
-    def __init__(self, max_turns: int, max_tokens: int):
-        self.max_turns, self.max_tokens = max_turns, max_tokens
+    """`started`: the outstanding starts, oldest first (up to `answer_steps` of them); `log`: every start's turns."""
+
+    def __init__(self, max_turns: int, max_tokens: int, answer_steps: int = 1):
+        self.max_turns, self.max_tokens, self.answer_steps = max_turns, max_tokens, answer_steps
         self.turns: dict = {}
-        self.started: list = []
+        self.started: list[list[EndedTurn]] = []
         self.log: list[list[EndedTurn]] = []
 
     def start(self, ended: list[EndedTurn]) -> None:
-        self.started = ended
+        assert len(self.started) < self.answer_steps, "more starts outstanding than answer_steps"
+        self.started.append(list(ended))
         self.log.append(list(ended))
 
     def finish(self) -> list[Optional[list[int]]]:
         out = []
-        for e in self.started:
+        for e in self.started.pop(0):
             t = self.turns[(e.request, e.sample)] = self.turns.get((e.request, e.sample), 0) + 1
             out.append(observation(e.request, e.sample, t, e.reply))
-        self.started = []
         return out
 
 
@@ -43,8 +45,8 @@ class JoinedTurns(ScriptedTurns):
     """A live engine's `Turns` over several batches' `ScriptedTurns` (`Turns.empty`/`join`): each turn answered as
     its own batch would answer it, the episode's turn count kept in that batch's turns."""
 
-    def __init__(self, max_turns: int, max_tokens: int):
-        super().__init__(max_turns, max_tokens)
+    def __init__(self, max_turns: int, max_tokens: int, answer_steps: int = 1):
+        super().__init__(max_turns, max_tokens, answer_steps)
         self.of: dict = {}  # the live engine's request -> (its batch's turns, its request there)
 
     def join(self, batch: ScriptedTurns, requests: list) -> None:
@@ -52,18 +54,17 @@ class JoinedTurns(ScriptedTurns):
 
     def finish(self) -> list[Optional[list[int]]]:
         out = []
-        for e in self.started:
+        for e in self.started.pop(0):
             batch, k = self.of[e.request]
             t = batch.turns[(k, e.sample)] = batch.turns.get((k, e.sample), 0) + 1
             out.append(observation(k, e.sample, t, e.reply))
-        self.started = []
         return out
 
 
-ScriptedTurns.empty = lambda self: JoinedTurns(self.max_turns, self.max_tokens)
+ScriptedTurns.empty = lambda self: JoinedTurns(self.max_turns, self.max_tokens, self.answer_steps)
 
 
-def live_episodes_worker(rank, world_size, cfg, full, tp, lookahead, a_new, b_new):
+def live_episodes_worker(rank, world_size, cfg, full, tp, lookahead, a_new, b_new, answer_steps=1):
     """Two batches of scripted episodes in the live engine (`inference/live.py`): batch A run while batch B plays
     beside it, then new weights (`live_weights`) switched in with B's episodes mid-flight (their caches recomputed),
     then B run; again with the state snapshotted after A (B's environments' answers outstanding) and restored into a
@@ -91,19 +92,19 @@ def live_episodes_worker(rank, world_size, cfg, full, tp, lookahead, a_new, b_ne
 
     g, model = _setup(cfg, full, tp)
     reference = Generator(model, cfg.vocab_size, g.pgs.tp, max_batch_size=4, max_len=64).generate(
-        batch_a, turns=ScriptedTurns(4, 30))
+        batch_a, turns=ScriptedTurns(4, 30, answer_steps))
 
     def play(restore: bool):
         g, model, live = fresh()
-        ta, tb = ScriptedTurns(4, 30), ScriptedTurns(4, 30)
+        ta, tb = ScriptedTurns(4, 30, answer_steps), ScriptedTurns(4, 30, answer_steps)
         a, b = live.add(batch_a, ta), live.add(batch_b, tb)
         out_a = live.run(a)
-        outstanding = len(live.episodes.answering)
+        outstanding = sum(len(seqs) for _, seqs in live.episodes.answering)
         if restore:
             state, counts = live.snapshot({"b": b}), copy.deepcopy(tb.turns)  # what a checkpoint holds
             g, model, live = fresh()
             b = live.restore(state)["b"]
-            tb = ScriptedTurns(4, 30)
+            tb = ScriptedTurns(4, 30, answer_steps)
             tb.turns = counts
             live.rejoin(b, tb)
         load_full_state_dict(model, live_weights(full), cfg, g.pgs)
@@ -118,7 +119,7 @@ def live_episodes_worker(rank, world_size, cfg, full, tp, lookahead, a_new, b_ne
 
 
 def episodes_worker(rank, world_size, cfg, full, tp, requests, max_batch, max_turns, max_tokens, lookahead=None,
-                    count_prefill=False, kv_cache_tokens=None):
+                    count_prefill=False, kv_cache_tokens=None, answer_steps=1):
     """Episodes from one `generate` call: (tokens, logprobs, policy mask, finish reason, turns) each; and, with
     `count_prefill`, the positions each prefill call filled (with `kv_cache_tokens`, a paged cache)."""
     g, model = _setup(cfg, full, tp)
@@ -132,7 +133,7 @@ def episodes_worker(rank, world_size, cfg, full, tp, requests, max_batch, max_tu
             return prefill(engine, admitted)
 
         Engine.prefill = counting
-    turns = ScriptedTurns(max_turns, max_tokens)
+    turns = ScriptedTurns(max_turns, max_tokens, answer_steps)
     try:
         outs = gen.generate(requests, turns=turns)
     finally:

@@ -364,3 +364,55 @@ def test_calculator_demonstrations_call_the_problems_arithmetic_and_answer_its_r
             env.step(call.group(0))
             assert env.step(answer) == (None, 1.0, True)
     assert 0.4 < calls / len(demos) < 0.6
+
+
+def test_one_thread_drives_the_workers_merging_the_step_calls_queued_behind_a_running_one():
+    """`PoolCalls` (`environments/play.py`): calls never overlap in the pool (it is not thread-safe), run in order,
+    the step calls queued while one runs go together as one batch, and a failure reaches each caller of its batch."""
+    import threading
+
+    from megatron_rl.environments.play import PoolCalls
+
+    class Pool:
+        def __init__(self):
+            self.inside, self.batches, self.overlaps = threading.Lock(), [], 0
+
+        def _call(self, method, calls):
+            if not self.inside.acquire(blocking=False):
+                self.overlaps += 1
+                self.inside.acquire()
+            try:
+                self.batches.append((method, list(calls)))
+                time.sleep(0.05)
+                if "boom" in calls:
+                    raise RuntimeError("boom")
+                return [f"{method}:{c}" for c in calls]
+            finally:
+                self.inside.release()
+
+        def first(self, calls):
+            return self._call("first", calls)
+
+        def step(self, calls):
+            return self._call("step", calls)
+
+    pool = Pool()
+    driver = PoolCalls(lambda: pool)
+    a = driver.submit("step", ["a1", "a2"])
+    time.sleep(0.01)  # a runs; the next three queue behind it
+    b, c, d = driver.submit("step", ["b"]), driver.submit("step", ["c"]), driver.submit("first", ["d"])
+    e = driver.submit("step", ["e"])
+    assert d.result() == ["first:d"] and e.result() == ["step:e"]
+    assert a.result() == ["step:a1", "step:a2"] and b.result() == ["step:b"] and c.result() == ["step:c"]
+    assert pool.batches == [("step", ["a1", "a2"]), ("step", ["b", "c"]), ("first", ["d"]), ("step", ["e"])]
+    x = driver.submit("step", ["x"])
+    time.sleep(0.01)
+    y, z = driver.submit("step", ["boom"]), driver.submit("step", ["z"])
+    assert x.result() == ["step:x"]
+    for call in (y, z):  # one batch: its error is each one's
+        with pytest.raises(RuntimeError, match="boom"):
+            call.result()
+    driver.close()
+    assert pool.overlaps == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        driver.submit("step", ["late"])

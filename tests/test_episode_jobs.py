@@ -88,6 +88,17 @@ def test_episode_settings_that_cannot_work_are_one_line_each(tmp_path):
                                                           "env.agent=megatron_rl.agents.guess:play"]))[1]
                if "in_flight" in x]
     assert line.startswith("rollout.in_flight=true: agents (env.agent) generate batch by batch")
+    # Observations that enter some steps after their turns (`env.answer_steps`): environments on one stage only.
+    assert problems(load_config(overrides=[*live, "env.answer_steps=4"]))[1] == []
+    (line,) = problems(load_config(overrides=[*GUESS, "env.answer_steps=4", "generator.pp=2",
+                                              f"checkpoint.dir={tmp_path}"]))[1]
+    assert line.startswith("env.answer_steps=4 needs generator.pp=1")
+    agents = [*GUESS, "env.cls=null", "env.agent=megatron_rl.agents.guess:play", "env.answer_steps=2",
+              f"checkpoint.dir={tmp_path}"]
+    assert any(x.startswith("env.answer_steps=2: an agent's next request")
+               for x in problems(load_config(overrides=agents))[1])
+    (line,) = problems(load_config(overrides=["env.answer_steps=2", f"checkpoint.dir={tmp_path}"]))[1]
+    assert line == "env.answer_steps=2 times the answers of episodes: set env.cls too"
     proc = warm_cli.run(["train", "data.dataset=guess-number", "reward.kind=gsm8k", "generator.pp=2",
                          "env.cls=megatron_rl.environments.guess:GuessNumber", f"checkpoint.dir={tmp_path}"])
     assert proc.returncode == 2

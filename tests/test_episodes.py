@@ -22,14 +22,17 @@ def test_greedy_episodes_equal_replaying_the_history_every_turn(tiny_hf):
     _, cfg, full = tiny_hf
     want = run_local(reference_worker, 1, cfg, full, 1, _greedy(), 3, 40)[0]
     assert {w[3] for w in want} >= {"done", "turns"} and max(w[4] for w in want) == 3
-    # The last: a paged cache of 64 tokens (the longest episode's) for 5 slots: episodes wait for blocks, and those
-    # held between turns keep theirs (preemption: test_generator.py).
-    cases = ((1, False, 2, None), (1, True, 3, None), (2, False, 8, None), (1, False, 5, 64))
-    for tp, lookahead, slots, paged in cases:
-        got = run_local(episodes_worker, tp, cfg, full, tp, _greedy(), slots, 3, 40, lookahead, False, paged)
+    # A paged cache of 64 tokens (the longest episode's) for 5 slots: episodes wait for blocks, and those held between
+    # turns keep theirs (preemption: test_generator.py). The last: each observation enters 3 steps after its turn
+    # ended (`env.answer_steps`), up to 3 starts outstanding, with lookahead.
+    cases = ((1, False, 2, None, 1), (1, True, 3, None, 1), (2, False, 8, None, 1), (1, False, 5, 64, 1),
+             (1, True, 4, None, 3))
+    for tp, lookahead, slots, paged, answer_steps in cases:
+        got = run_local(episodes_worker, tp, cfg, full, tp, _greedy(), slots, 3, 40, lookahead, False, paged,
+                        answer_steps)
         for episodes, _ in got:  # every rank of the replica
             for (tokens, lps, mask, finish, turns), (wt, wl, wm, wf, wturns) in zip(episodes, want):
-                assert (tokens, mask, finish, turns) == (wt, wm, wf, wturns), (tp, lookahead)
+                assert (tokens, mask, finish, turns) == (wt, wm, wf, wturns), (tp, lookahead, answer_steps)
                 assert max(abs(a - b) for a, b in zip(lps, wl)) < 1e-4
                 assert all(lp == 0.0 for lp, m in zip(lps, mask) if not m)
 

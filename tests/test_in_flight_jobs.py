@@ -93,9 +93,10 @@ def test_a_colocated_in_flight_job_with_two_replicas_keeps_every_token_within_th
 
 def test_a_killed_in_flight_episode_job_resumes_to_the_same_weights_and_metrics(tmp_path):
     """Episodes of the guessing game in the live engine (disjoint: trainer TP2, generator TP1): 8 episodes a batch
-    in 12 slots, so 4 of the next batch's play beside each batch and see the push land mid-episode."""
+    in 12 slots, so 4 of the next batch's play beside each batch and see the push land mid-episode; each
+    observation enters 2 steps after its turn (`env.answer_steps`), so a checkpoint may hold two starts outstanding."""
     args = [*GUESS, "run.steps=5", "checkpoint.save_interval=2", "rollout.in_flight=true", "rollout.staleness=2",
-            "generator.max_batch_size=12", f"checkpoint.dir={tmp_path}"]
+            "generator.max_batch_size=12", "env.answer_steps=2", f"checkpoint.dir={tmp_path}"]
 
     def launch(name, failpoint=None):
         return warm_cli.run_with_failpoint(["train", *args, f"run.name={name}"], failpoint)

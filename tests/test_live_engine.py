@@ -59,16 +59,20 @@ def test_a_kept_cache_makes_the_tokens_after_a_switch_the_new_weights_over_the_o
 # Each turn's length is fixed (no stop token) and so is each observation's: which step a turn ends at does not depend
 # on what the model samples. These lengths make a turn of B end at the step at which A's last episode ends (read one
 # step later with lookahead).
-@pytest.mark.parametrize("lookahead, a_new, b_new", [(False, (3,), (1, 2, 1, 2, 1)), (True, (5,), (2, 1, 1, 2, 1))],
-                         ids=["read-each-step", "lookahead"])
+# With answer_steps=3 (`env.answer_steps`) the snapshot holds several starts, each with the steps it has left.
+@pytest.mark.parametrize("lookahead, a_new, b_new, answer_steps",
+                         [(False, (3,), (1, 2, 1, 2, 1), 1), (True, (5,), (2, 1, 1, 2, 1), 1),
+                          (False, (3,), (1, 2, 1, 2, 1), 3)],
+                         ids=["read-each-step", "lookahead", "answers-3-steps-later"])
 def test_episodes_in_the_live_engine_span_a_switch_and_resume_with_their_answers_outstanding(tiny_hf, lookahead,
-                                                                                             a_new, b_new):
+                                                                                             a_new, b_new,
+                                                                                             answer_steps):
     """Episodes (`Turns.empty`/`join`): batch A's equal batch mode's; batch B's, played beside A and across a switch,
     tag each token with the version that sampled it (an observation with its reply's) and score by it exactly; a
     snapshot taken with B's answers outstanding, restored into a fresh generator, goes on bit for bit. With
     lookahead, the turns a switch or the end of a `run` reads are answered at the next step."""
     _, cfg, full = tiny_hf
-    got = run_local(live_episodes_worker, 1, cfg, full, 1, lookahead, a_new, b_new)[0]
+    got = run_local(live_episodes_worker, 1, cfg, full, 1, lookahead, a_new, b_new, answer_steps)[0]
     outs, scored = got["outs"], got["scored"]
     assert got["lookahead"] == lookahead
     assert got["outstanding"] > 0  # the snapshot cut B's environments off mid-answer

@@ -21,6 +21,7 @@ lost it (`environments/pool.py`), and so does a resumed run.
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ class Episodes:
         self._starting = threading.Thread(target=self._start_pool, name="megatron-rl-env-start", daemon=True)
         if is_leader:
             self._starting.start()
+        self.calls = PoolCalls(lambda: self.pool)  # on the leader: the one thread that drives the workers
 
     def _start_pool(self) -> None:
         from megatron_rl.environments.pool import EnvironmentPool
@@ -94,6 +96,7 @@ class Episodes:
 
     def close(self) -> None:
         if self.is_leader:
+            self.calls.close()
             self._starting.join()
             if self._pool is not None:
                 self._pool.close()
@@ -126,7 +129,7 @@ class Episodes:
     _episode = _Episode
 
     def _first_prompts(self, episodes: list) -> list[Optional[list[int]]]:
-        firsts = self.pool.first([(e.record, e.seed) for e in episodes])
+        firsts = self.calls.submit("first", [(e.record, e.seed) for e in episodes]).result()
         for e, t in zip(episodes, firsts):
             e.took(t)
         return [self.template.prompt(t.message) if t.error is None else None for t in firsts]
@@ -153,10 +156,9 @@ class EpisodeTurns(Turns):
         self.owner, self.episodes = owner, episodes  # `episodes`: the batch's, in request order (its returns)
         self.playing: dict[int, _Episode] = dict(enumerate(episodes))  # request -> the episode `start` answers
         self.max_turns, self.max_tokens = owner.env.max_turns, owner.env.max_tokens
-        self._ended: list[EndedTurn] = []
-        self._thread: Optional[threading.Thread] = None
-        self._answers: list = []
-        self._error: Optional[BaseException] = None  # what the step thread raised, raised again by `finish`
+        self.answer_steps = owner.env.answer_steps
+        self._ended: list[EndedTurn] = []  # the turns of the last `start` (agents' `finish` reads them)
+        self._rounds: collections.deque = collections.deque()  # outstanding starts: (their turns, the call or None)
 
     def start(self, ended: list[EndedTurn]) -> None:
         if self.owner.is_leader:
@@ -166,33 +168,25 @@ class EpisodeTurns(Turns):
                 while reply and reply[-1] in stops:
                     reply.pop()
                 self.playing[turn.request].replies.append(tok.decode(reply))
+        self._ended = ended
         self.resume(ended)
 
     def resume(self, ended: list[EndedTurn]) -> None:
-        """The environment calls for `ended`, whose replies the episodes hold already (`start`, or a checkpoint)."""
-        self._ended = ended
-        if not self.owner.is_leader:
-            return
-        calls = [(e.record, e.seed, list(e.replies)) for e in (self.playing[turn.request] for turn in ended)]
-        self._answers, self._error = [], None
-
-        def step():
-            try:
-                self._answers = self.owner.pool.step(calls)
-            except BaseException as e:  # noqa: BLE001 - raised again in the decode loop's thread, by `finish`
-                self._error = e
-
-        self._thread = threading.Thread(target=step, name="megatron-rl-environments", daemon=True)
-        self._thread.start()
+        """The environment calls for `ended`, whose replies the episodes hold already (`start`, or a checkpoint):
+        queued on the leader's one thread that drives the workers (`PoolCalls`), and answered, in order, by
+        `finish` (up to `answer_steps` of them outstanding)."""
+        call = None
+        if self.owner.is_leader:
+            calls = [(e.record, e.seed, list(e.replies)) for e in (self.playing[turn.request] for turn in ended)]
+            call = self.owner.calls.submit("step", calls)
+        self._rounds.append((ended, call))
 
     def finish(self) -> list[Optional[list[int]]]:
+        ended, call = self._rounds.popleft()
         observations = None
         if self.owner.is_leader:
-            self._thread.join()
-            if self._error is not None:
-                raise self._error
             observations = []
-            for turn, answer in zip(self._ended, self._answers, strict=True):
+            for turn, answer in zip(ended, call.result(), strict=True):
                 e = self.playing[turn.request]
                 e.rewards.append(answer.reward)
                 e.took(answer)
@@ -230,3 +224,76 @@ class EpisodeTurns(Turns):
         return {"episodes": len(outputs), "turns": sum(o.turns for o in outputs), "policy_tokens": policy,
                 "env_tokens": total - policy, "env_s": sum(e.env_s for e in self.episodes),
                 "failures": sum(e.failures for e in self.episodes)}
+
+
+class PoolCall:
+    """One batch of environment calls handed to `PoolCalls`: `result()` waits for their `Turn`s (or raises what the
+    pool raised)."""
+
+    def __init__(self, method: str, calls: list):
+        self.method, self.calls = method, calls
+        self.turns: Optional[list] = None
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
+
+    def result(self) -> list:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.turns
+
+
+class PoolCalls:
+    """The one thread that drives a replica's environment workers (`EnvironmentPool` is not thread-safe): what is
+    `submit`ted runs in order, off the decode loop's thread. The step calls queued while an earlier batch runs go to
+    the workers together, as one batch (an episode has at most one call outstanding, so they never collide): a slow
+    environment answers the turns that ended at nearby decode steps side by side (`env.answer_steps`), and a live
+    engine's answers never overlap the next batch's `first` calls. `pool()`: the workers, once started."""
+
+    def __init__(self, pool):
+        self._pool = pool
+        self._cv = threading.Condition()
+        self._queue: list[PoolCall] = []
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, method: str, calls: list) -> PoolCall:
+        """Queue `calls` to `EnvironmentPool.<method>` ("first" or "step")."""
+        call = PoolCall(method, calls)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the environments are closed")
+            self._queue.append(call)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drive, name="megatron-rl-environments", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return call
+
+    def _drive(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                batch = [self._queue.pop(0)]
+                while batch[0].method == "step" and self._queue and self._queue[0].method == "step":
+                    batch.append(self._queue.pop(0))
+            try:
+                turns = getattr(self._pool(), batch[0].method)([c for call in batch for c in call.calls])
+                for call in batch:
+                    call.turns, turns = turns[:len(call.calls)], turns[len(call.calls):]
+            except BaseException as e:  # noqa: BLE001 - raised again where the answer is taken (`result`)
+                for call in batch:
+                    call.error = e
+            for call in batch:
+                call.done.set()
+
+    def close(self) -> None:
+        """Stop the thread once the calls queued are done."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()

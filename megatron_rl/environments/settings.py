@@ -17,7 +17,13 @@ class EnvSettings(Section):
     client)` with an OpenAI client bound to it, returning its reward (`agents/`); neither: single-turn rollouts
     scored by the reward. An episode ends when the environment (or agent) says so, after
     `max_turns` model turns, or when its tokens after the first prompt (the model's and the environment's together)
-    reach `max_tokens`. `timeout_s` bounds one environment call; `num_workers` processes run the calls."""
+    reach `max_tokens`. `timeout_s` bounds one environment call; `num_workers` processes run the calls.
+
+    answer_steps: the decode steps after a turn ends at which its observation enters (`inference/episodes.py`):
+    1, the next step; an environment that answers later makes the generator wait for it. An environment slower than
+    a decode step answers while the other sequences decode when this is that many steps (its answers to turns that
+    end at nearby steps computed together); each episode's slot stands idle that many steps a turn. Fixed in
+    steps, not seconds, so a batch of episodes stays a pure function of its requests, seeds and environments."""
 
     SECTION: ClassVar[str] = "env"
     cls: Optional[str] = None
@@ -26,6 +32,7 @@ class EnvSettings(Section):
     max_tokens: int = ranged(512, ">= 1", "(an episode's token budget after its first prompt)")
     timeout_s: float = ranged(10.0, "> 0")
     num_workers: int = ranged(2, ">= 1")
+    answer_steps: int = ranged(1, ">= 1", "(decode steps between a turn's end and its observation)")
 
     @property
     def episodic(self) -> bool:
@@ -40,6 +47,11 @@ class EnvSettings(Section):
     def rules(self, path: str) -> list[str]:
         if self.cls is not None and self.agent is not None:
             return [f"{path}.cls and {path}.agent are two ways to play an episode: set one"]
+        if self.answer_steps != 1 and not self.episodic:
+            return [f"{path}.answer_steps={self.answer_steps} times the answers of episodes: set {path}.cls too"]
+        if self.agent is not None and self.answer_steps != 1:
+            return [f"{path}.answer_steps={self.answer_steps}: an agent's next request enters at the next step "
+                    f"(env.agent answers batch by batch); set it with env.cls"]
         if self.agent is not None:
             module, _, attr = self.agent.rpartition(":")
             return [] if module and attr else [f"{path}.agent={self.agent!r} must look like 'module:function' (or "

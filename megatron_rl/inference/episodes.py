@@ -8,12 +8,13 @@ cache slot: only the observation's tokens are prefilled, never the history. The 
 the ids of one chat turn) and keeps the episode's rewards.
 
 Timing is part of the contract, for exactness: the turns that end at decode iteration i are handed to `start` at
-iteration i, on every rank of the replica, and their observations are taken with `finish` at iteration i + 1, after
-that iteration's decode step has been launched (so the environment calls overlap a decode step), also on every
-rank. A sequence that waits for its environment keeps its slot while the others decode. Because the iteration at
+iteration i, on every rank of the replica, and their observations are taken with `finish` at iteration
+i + `answer_steps` (1 by default: the next), after that iteration's decode step has been launched (so the
+environment calls overlap the decode steps between), also on every rank; up to `answer_steps` starts are
+outstanding at once, finished in the order they were started. A sequence that waits for its environment keeps its slot while the others decode. Because the iteration at
 which an observation enters is fixed, which sequences share a decode step never depends on how long an environment
 took, and a batch of episodes is a pure function of its requests, seeds and environments: a resumed run draws the
-same episodes. (An environment slower than a decode step makes the generator wait for it at iteration i + 1.) A
+same episodes. (An environment slower than `answer_steps` decode steps makes the generator wait for it.) A
 pipelined generator keeps the same order of calls, with a lane's round for an iteration, and finishes a start as late
 as the next start or the round its observations enter (`inference/pipeline.py`).
 """
@@ -45,6 +46,7 @@ class Turns(ABC):
 
     max_turns: int
     max_tokens: int
+    answer_steps: int = 1  # the iterations from a turn's `start` to its `finish` (module docstring)
 
     @abstractmethod
     def start(self, ended: list[EndedTurn]) -> None:
@@ -82,23 +84,31 @@ class Turns(ABC):
 
 class EpisodeLoop:
     """Episodes as a client of the one-stage engine (`inference/engine.py`), keeping `Turns`' timing contract: after
-    each engine step, the observations of the turns handed to `start` at the last step are taken (`finish`: this
-    step's decode has been launched meanwhile) and applied, each episode resumed in its slot at the next step or
-    released, and then the turns that ended at this step are started."""
+    each engine step, the observations of the turns handed to `start` `answer_steps` steps ago are taken (`finish`:
+    this step's decode has been launched meanwhile) and applied, each episode resumed in its slot at the next step
+    or released, and then the turns that ended at this step are started."""
 
     def __init__(self, turns: Turns, max_len: int):
         self.turns, self.max_len = turns, max_len
-        self.answering: list = []  # the sequences of the outstanding `start`, in its order
+        # The outstanding starts, oldest first: [the iterations left until its `finish`, its sequences in order].
+        self.answering: list[list] = []
 
     def after_step(self, engine, ended: list) -> None:
         """Between two engine steps: `ended` are the sequences whose turns ended at the step just run."""
-        if self.answering:
-            for seq, obs in zip(self.answering, self.turns.finish(), strict=True):  # an answer for every turn
+        for round_ in self.answering:
+            round_[0] -= 1
+        if self.answering and (self.answering[0][0] <= 0
+                               or not (engine.running or engine.resumed or engine.waiting)):
+            # Due, or nothing decodes meanwhile (every sequence in a slot waits for an answer): waiting for it now
+            # changes no step's batch.
+            _, seqs = self.answering.pop(0)
+            for seq, obs in zip(seqs, self.turns.finish(), strict=True):  # an answer for every turn
                 if seq.observe(obs, self.turns.max_turns, self.max_len):
                     engine.resume(seq)
                 else:
                     engine.release(seq)
                     self.turns.closed(seq.req, seq.finish)
-        self.answering = [s for s in ended if s.episode]
-        if self.answering:
-            self.turns.start([s.ended_turn() for s in self.answering])
+        seqs = [s for s in ended if s.episode]
+        if seqs:
+            self.answering.append([self.turns.answer_steps, seqs])
+            self.turns.start([s.ended_turn() for s in seqs])

@@ -17,10 +17,11 @@ at the push after every checkpoint), so a killed run resumes to the same tokens.
 
 Episodes (`env.cls`) run in it too: each batch's `Turns` is `join`ed into one that answers every batch's turns that
 end at a step with one `start` (`Turns.empty`/`join`), and the engine's steps keep `Turns`' timing contract
-(`inference/episodes.py`) across batches and across `run` calls: a turn that ended at the last step of a `run` is
-answered at the first step of the next one, the environment working meanwhile (beside the trainer's step). A snapshot
-holds the episodes whose answers were outstanding; a restored engine starts those calls again (`Turns.resume`; an
-environment is deterministic given its replies). An episode's observation tokens carry the version of the reply
+(`inference/episodes.py`) across batches and across `run` calls, the steps counted over them: a turn that ended at
+the last step of a `run` is answered `answer_steps` steps into the next one, the environment working meanwhile
+(beside the trainer's step). A snapshot holds the outstanding starts, each with its episodes and the steps it has
+left; a restored engine starts those calls again (`Turns.resume`; an environment is deterministic given its
+replies). An episode's observation tokens carry the version of the reply
 before them.
 
 On a generator of one pipeline stage: pipelined decoding runs batch by batch (`Generator.generate`), and so do
@@ -51,7 +52,7 @@ class LiveGeneration:
         self._n = 0  # handles added so far (a sequence's `req` is its handle's number: unique over the run)
         self.episodes: Optional[EpisodeLoop] = None  # with episodes: the loop over every joined batch's `Turns`
         self._ended: list[Sequence] = []  # episodes whose turns ended in a step read outside `run` (lookahead)
-        self._resumed: Optional[list[Sequence]] = None  # restored: the episodes whose answers are to start again
+        self._resumed: Optional[list] = None  # restored: the outstanding starts (`EpisodeLoop.answering`), to start again
 
     def add(self, requests: list[GenerationRequest], turns: Optional[Turns] = None) -> list:
         """Queue the requests' samples (with `turns`, episodes); returns their handles (n per request), for `run`."""
@@ -89,7 +90,8 @@ class LiveGeneration:
                 if self.episodes is None:
                     raise RuntimeError("a restored live engine with episodes runs before rejoin() gave it their turns")
                 self.episodes.answering, self._resumed = self._resumed, None
-                self.episodes.turns.resume([q.ended_turn() for q in self.episodes.answering])
+                for _, seqs in self.episodes.answering:
+                    self.episodes.turns.resume([q.ended_turn() for q in seqs])
             while not all(self._over(s) for s in mine):
                 ended, self._ended = self._ended + self.engine.step(), []
                 if self.episodes is not None:
@@ -124,7 +126,8 @@ class LiveGeneration:
         answering = self._resumed if self._resumed is not None else (self.episodes.answering if self.episodes else [])
         return {"sequences": [q.state() for q in seqs], "added": self._n, "engine": self.engine.snapshot(index),
                 "groups": {k: [encode(h) for h in hs] for k, hs in groups.items()},
-                "answering": [index[id(q)] for q in answering], "ended": [index[id(q)] for q in self._ended]}
+                "answering": [[left, [index[id(q)] for q in seqs]] for left, seqs in answering],
+                "ended": [index[id(q)] for q in self._ended]}
 
     def restore(self, state: dict) -> dict:
         """Go on from a `snapshot`: returns its groups, with handles to the restored sequences."""
@@ -132,7 +135,10 @@ class LiveGeneration:
         self.engine.restore(state["engine"], seqs)
         self._n = state["added"]
         self._ended = [seqs[i] for i in state.get("ended", [])]
-        self._resumed = [seqs[i] for i in state.get("answering", [])] or None
+        answering = state.get("answering", [])
+        if answering and isinstance(answering[0], int):  # saved before env.answer_steps: one start, due next
+            answering = [[1, answering]]
+        self._resumed = [[left, [seqs[i] for i in ix]] for left, ix in answering] or None
         decode = lambda h: seqs[h] if isinstance(h, int) else SampledResponse(**h)  # noqa: E731
         return {k: [decode(h) for h in hs] for k, hs in state["groups"].items()}
 
