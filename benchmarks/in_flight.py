@@ -341,7 +341,8 @@ def _episode_line(name: str, args, r: dict, steps: int) -> dict:
     batch, live = r["batch"], r["live"]
     assert batch["samples"] == live["samples"]
     key = f"{name}_episodes" + (f"_answer_steps_{steps}" if steps != 1 else "")
-    out = {f"{key}_batch_occupancy": round(occ(batch["sizes"]), 3), f"{key}_live_occupancy": round(occ(live["sizes"]), 3),
+    out = {f"{key}_batch_occupancy": round(occ(batch["sizes"]), 3),
+           f"{key}_live_occupancy": round(occ(live["sizes"]), 3),
            f"{key}_batch_samples_per_s": round(batch["samples"] / batch["s"], 2),
            f"{key}_live_samples_per_s": round(live["samples"] / live["s"], 2),
            f"{key}_measured_speedup": round(batch["s"] / live["s"], 3),
@@ -349,7 +350,8 @@ def _episode_line(name: str, args, r: dict, steps: int) -> dict:
            f"{key}_live_env_wait_share": round(live["waited"] / live["s"], 3),
            f"{key}_batch_steps": len(batch["sizes"]), f"{key}_live_steps": len(live["sizes"]),
            f"{key}_tokens_one_version_older": round(live["older"] / max(live["total"], 1), 3)}
-    print(f"{name}, episodes (environment delay {args.env_delay_ms:g} ms, answers {steps} steps later): occupancy {occ(batch['sizes']):.2f} batch, "
+    print(f"{name}, episodes (environment delay {args.env_delay_ms:g} ms, answers {steps} steps later): "
+          f"occupancy {occ(batch['sizes']):.2f} batch, "
           f"{occ(live['sizes']):.2f} live; samples/s {batch['samples'] / batch['s']:.2f} batch, "
           f"{live['samples'] / live['s']:.2f} live ({batch['s'] / live['s']:.2f}x); waiting for the environment "
           f"{batch['waited'] / batch['s']:.0%} of the time batch, {live['waited'] / live['s']:.0%} live; "

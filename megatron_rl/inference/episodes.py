@@ -10,8 +10,10 @@ the ids of one chat turn) and keeps the episode's rewards.
 Timing is part of the contract, for exactness: the turns that end at decode iteration i are handed to `start` at
 iteration i, on every rank of the replica, and their observations are taken with `finish` at iteration
 i + `answer_steps` (1 by default: the next), after that iteration's decode step has been launched (so the
-environment calls overlap the decode steps between), also on every rank; up to `answer_steps` starts are
-outstanding at once, finished in the order they were started. A sequence that waits for its environment keeps its slot while the others decode. Because the iteration at
+environment calls overlap the decode steps between), also on every rank, or earlier where nothing would decode
+meanwhile (every sequence in a slot waiting for an answer); up to `answer_steps` starts are outstanding at once,
+finished in the order they were started. A sequence that waits for its environment keeps its slot while the others
+decode. Because the iteration at
 which an observation enters is fixed, which sequences share a decode step never depends on how long an environment
 took, and a batch of episodes is a pure function of its requests, seeds and environments: a resumed run draws the
 same episodes. (An environment slower than `answer_steps` decode steps makes the generator wait for it.) A
@@ -41,8 +43,9 @@ class EndedTurn:
 
 class Turns(ABC):
     """The environments of one `Generator.generate` call (one batch of episodes), or of a live engine's batches
-    joined together (`empty`, `join`), as every rank of a generator replica sees them. `max_turns`: the most model turns an episode has; `max_tokens`: its budget of tokens after
-    the prompt (the model's and the environments' together)."""
+    joined together (`empty`, `join`), as every rank of a generator replica sees them. `max_turns`: the most model
+    turns an episode has; `max_tokens`: its budget of tokens after the prompt (the model's and the environments'
+    together); `answer_steps`: the steps from a turn's `start` to its `finish`."""
 
     max_turns: int
     max_tokens: int

@@ -52,7 +52,7 @@ class LiveGeneration:
         self._n = 0  # handles added so far (a sequence's `req` is its handle's number: unique over the run)
         self.episodes: Optional[EpisodeLoop] = None  # with episodes: the loop over every joined batch's `Turns`
         self._ended: list[Sequence] = []  # episodes whose turns ended in a step read outside `run` (lookahead)
-        self._resumed: Optional[list] = None  # restored: the outstanding starts (`EpisodeLoop.answering`), to start again
+        self._resumed: Optional[list] = None  # restored: the outstanding starts (`EpisodeLoop.answering`), to redo
 
     def add(self, requests: list[GenerationRequest], turns: Optional[Turns] = None) -> list:
         """Queue the requests' samples (with `turns`, episodes); returns their handles (n per request), for `run`."""
