@@ -9,8 +9,8 @@ import signal
 import sys
 from typing import NoReturn, Optional
 
-from megatron_rl.config import (CLUSTER_FILES, ConfigError, fit_episode_budget, fit_to_devices, given_keys, load_config,
-                                validate)
+from megatron_rl.config import CLUSTER_FILES, ConfigError, given_keys, load_config, validate
+from megatron_rl.config_fit import fit_episode_budget, fit_to_devices
 
 
 
@@ -33,8 +33,8 @@ def local_gpus() -> int:
 
 def _fitted(args, devices: int):
     """The configuration of `args`, its layout fitted to `devices` GPUs where the user set none
-    (`config.fit_to_devices`), and the reason ("" when nothing was fitted); an episode's token budget fitted to the
-    model where the user set none (`config.fit_episode_budget`)."""
+    (`config_fit.fit_to_devices`), and the reason ("" when nothing was fitted); an episode's token budget fitted to the
+    model where the user set none (`config_fit.fit_episode_budget`)."""
     cfg = load_config(args.config, args.overrides)
     given = given_keys(args.config, args.overrides)
     return fit_to_devices(fit_episode_budget(cfg, given), devices, given)

@@ -320,7 +320,7 @@ def test_the_default_layout_is_fitted_to_the_machines_gpus(devices, ranks, train
     """No layout set: the CPU runs the configured one; one GPU colocates both executors at TP1; two run them at TP1
     a GPU each; three or more keep the configured layout. Whatever is chosen is valid on exactly that many ranks
     and fits the GPUs."""
-    from megatron_rl.config import fit_to_devices
+    from megatron_rl.config_fit import fit_to_devices
 
     cfg, why = fit_to_devices(load_config(), devices, given=set())
     assert (cfg.world_size_needed, cfg.trainer.tp, cfg.generator.colocated) == (ranks, trainer_tp, colocated)
@@ -338,7 +338,8 @@ def test_the_default_layout_is_fitted_to_the_machines_gpus(devices, ranks, train
 def test_a_layout_the_user_set_is_never_fitted(tmp_path):
     """Any layout key, in the file or on the command line, keeps the configuration as written (on one GPU the job
     then fails in one line, as before); other keys do not count."""
-    from megatron_rl.config import LAYOUT_KEYS, fit_to_devices, given_keys
+    from megatron_rl.config import given_keys
+    from megatron_rl.config_fit import LAYOUT_KEYS, fit_to_devices
 
     f = tmp_path / "job.yaml"
     f.write_text("generator:\n  colocated: false\nrollout:\n  staleness: 2\n")
@@ -472,7 +473,8 @@ def test_an_episode_budget_nobody_set_fits_the_model():
     """The tiny model's 512 positions hold no 512-token episode after a 48-token prompt: where env.max_tokens is
     not set, it is fitted to what the positions leave (issue 65: the first try with env.cls stopped at a config
     error); a budget the user sets is kept, and validated."""
-    from megatron_rl.config import fit_episode_budget, given_keys, load_config, problems
+    from megatron_rl.config import given_keys, load_config, problems
+    from megatron_rl.config_fit import fit_episode_budget
 
     def fitted(*overrides):
         cfg = load_config(overrides=list(overrides))

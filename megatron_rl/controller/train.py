@@ -80,7 +80,7 @@ def train(cfg: JobConfig, world: World, fit: str = "") -> Optional[dict]:
     so a world of the wrong size ends on every rank at once), and prints the banner where this process speaks for
     the job. Returns the summary where this process speaks for the job; on the other ranks of a launched world,
     None or the stop (`stopped_by`, `stopped_after_step`, `checkpoint`). `fit`: how the layout was fitted to the
-    machine's GPUs (`config.fit_to_devices`), for the banner. Raises ConfigError, RunDirLocked, or JobFailed (its
+    machine's GPUs (`config_fit.fit_to_devices`), for the banner. Raises ConfigError, RunDirLocked, or JobFailed (its
     one line)."""
     model_cfg = check_world(cfg, world.world_size)
     local = isinstance(world, LocalWorld)
