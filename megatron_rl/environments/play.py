@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import copy
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -226,23 +227,6 @@ class EpisodeTurns(Turns):
                 "failures": sum(e.failures for e in self.episodes)}
 
 
-class PoolCall:
-    """One batch of environment calls handed to `PoolCalls`: `result()` waits for their `Turn`s (or raises what the
-    pool raised)."""
-
-    def __init__(self, method: str, calls: list):
-        self.method, self.calls = method, calls
-        self.turns: Optional[list] = None
-        self.error: Optional[BaseException] = None
-        self.done = threading.Event()
-
-    def result(self) -> list:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.turns
-
-
 class PoolCalls:
     """The one thread that drives a replica's environment workers (`EnvironmentPool` is not thread-safe): what is
     `submit`ted runs in order, off the decode loop's thread. The step calls queued while an earlier batch runs go to
@@ -253,22 +237,23 @@ class PoolCalls:
     def __init__(self, pool):
         self._pool = pool
         self._cv = threading.Condition()
-        self._queue: list[PoolCall] = []
+        self._queue: list[tuple[str, list, Future]] = []  # (method, calls, their future)
         self._closed = False
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, method: str, calls: list) -> PoolCall:
-        """Queue `calls` to `EnvironmentPool.<method>` ("first" or "step")."""
-        call = PoolCall(method, calls)
+    def submit(self, method: str, calls: list) -> Future:
+        """Queue `calls` to `EnvironmentPool.<method>` ("first" or "step"); the future's result is their `Turn`s (or
+        what the pool raised)."""
+        future: Future = Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError("the environments are closed")
-            self._queue.append(call)
+            self._queue.append((method, calls, future))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drive, name="megatron-rl-environments", daemon=True)
                 self._thread.start()
             self._cv.notify()
-        return call
+        return future
 
     def _drive(self) -> None:
         while True:
@@ -278,17 +263,17 @@ class PoolCalls:
                 if not self._queue:
                     return
                 batch = [self._queue.pop(0)]
-                while batch[0].method == "step" and self._queue and self._queue[0].method == "step":
+                while batch[0][0] == "step" and self._queue and self._queue[0][0] == "step":
                     batch.append(self._queue.pop(0))
             try:
-                turns = getattr(self._pool(), batch[0].method)([c for call in batch for c in call.calls])
-                for call in batch:
-                    call.turns, turns = turns[:len(call.calls)], turns[len(call.calls):]
+                turns = getattr(self._pool(), batch[0][0])([c for _, calls, _ in batch for c in calls])
             except BaseException as e:  # noqa: BLE001 - raised again where the answer is taken (`result`)
-                for call in batch:
-                    call.error = e
-            for call in batch:
-                call.done.set()
+                for _, _, future in batch:
+                    future.set_exception(e)
+                continue
+            for _, calls, future in batch:
+                future.set_result(turns[:len(calls)])
+                turns = turns[len(calls):]
 
     def close(self) -> None:
         """Stop the thread once the calls queued are done."""
