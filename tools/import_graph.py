@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("environments", "serving"),  # episodes against environments; the OpenAI-compatible endpoint on a generator
     ("agents",),  # episodes played by agents through the endpoint
     ("evaluation",),  # a checkpoint without training: eval and serve
-    ("config",),  # the job's configuration: the components' sections composed
+    ("config", "config_fit"),  # the job's configuration: the components' sections composed, fitted to the machine
     ("planning",),  # what a configuration needs
     ("controller",),  # the executors, the RL loop, the launcher
     ("cli",),
