@@ -199,11 +199,15 @@ def resume_reads(rank, world_size, state_path, root):
     """Save at TP1 x DP2 (with a KL reference, here the policy's own weights), then for a resume at DP2 and at
     TP2 x DP1: load each directory plainly (Megatron-Core's default strategy), with torch's whole-chunk reads
     counted (the before-figure) and with `resume_strategy` into state poisoned with NaN; the last must give the plain
-    load's values bit for bit. Returns each layout's counts and differences."""
+    load's values bit for bit. Returns each layout's counts and differences, the `.distcp` files that load opened
+    in the optimizer's directory and those `files_written_here` names for reading ahead."""
+    import os
+
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
 
-    from megatron_rl.checkpointing import megatron_state
+    from megatron_rl.checkpointing import loader, megatron_state
+    from megatron_rl.checkpointing.layout import read_meta
     from megatron_rl.checkpointing.loader import RangeLoadStrategy, resume_strategy
 
     cfg, layout, g, trainer = _trainer(dict(tp=1, dp=2), state_path)
@@ -223,7 +227,9 @@ def resume_reads(rank, world_size, state_path, root):
             sd["reference"] = megatron_state.sharded_reference(fresh.model.module, engine)
             return sd
 
-        res = {"before": [0, 0], "after": [0, 0], "received": 0, "differences": []}
+        res = {"before": [0, 0], "after": [0, 0], "received": 0, "differences": [], "opened": set(),
+               "read_ahead": {Path(p).relative_to(path).as_posix() for sub in ("model", "optimizer") for p, _, _ in
+                              loader.files_written_here(path, sub, read_meta(path), engine.pgs)}}
         for sub in ("model", "optimizer"):
             plain = dist_checkpointing.load(build(sub), str(path / sub))
             plain = dict_list_map_outplace(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, plain)
@@ -235,8 +241,19 @@ def resume_reads(rank, world_size, state_path, root):
                 if getattr(v, "data", None) is not None and v.data.is_floating_point():
                     v.data.detach().fill_(float("nan"))
             strategy = resume_strategy(engine.pgs.dp_cp)
-            res["differences"] += [f"{sub}: {d}" for d in _differences(
-                plain, dist_checkpointing.load(sd, str(path / sub), sharded_strategy=strategy))]
+            opened, real_open = res["opened"], os.open
+
+            def spy(name, *args, **kwargs):
+                if str(name).endswith(".distcp"):
+                    opened.add(Path(name).relative_to(path).as_posix())
+                return real_open(name, *args, **kwargs)
+
+            loader.os.open = spy  # the module's reads of a chunk's regions, whose files are what is read ahead
+            try:
+                res["differences"] += [f"{sub}: {d}" for d in _differences(
+                    plain, dist_checkpointing.load(sd, str(path / sub), sharded_strategy=strategy))]
+            finally:
+                loader.os.open = real_open
             for key, s in (("before", whole), ("after", strategy)):
                 res[key][0] += s.read.data
                 res[key][1] += s.read.header

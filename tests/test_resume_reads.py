@@ -113,7 +113,8 @@ def test_a_dp2_checkpoint_resumes_at_dp2_and_tp2_bit_equal_reading_each_byte_onc
     """Saved at TP1 x DP2 with a KL reference; loaded at DP2 (the weights are read by one DP rank each and
     broadcast) and at TP2 x DP1 (each TP rank reads only its half of each chunk). Every rank gets Megatron-Core's
     plain load bit for bit (into state poisoned with NaN), and the ranks together read at most 1.05x the tensor
-    bytes the checkpoint holds, where torch's whole-chunk reads take more (so the bound can fail)."""
+    bytes the checkpoint holds, where torch's whole-chunk reads take more (so the bound can fail). The files read
+    ahead of the loads (`files_written_here`) are those they open, at the saved layout only."""
     from ckpt_workers import resume_reads
     from megatron_rl.launch.spawn import run_local
     from rl_workers import random_full_state
@@ -129,6 +130,12 @@ def test_a_dp2_checkpoint_resumes_at_dp2_and_tp2_bit_equal_reading_each_byte_onc
         assert after <= 1.05 * tensor_bytes, (layout, after, tensor_bytes)
         assert before > 1.05 * tensor_bytes, (layout, before, tensor_bytes)
     assert all(r["dp2"]["received"] > 0 for r in out)  # each DP rank got the weights the other read
+    # What a resume reads ahead of its loads: at the layout it was saved with, each rank's own files of both
+    # directories, and exactly the files its loads then open; resharded (TP2 x DP1), nothing.
+    assert [sorted(r["dp2"]["read_ahead"]) for r in out] == [sorted(r["dp2"]["opened"]) for r in out]
+    assert all({f.split("/")[0] for f in r["dp2"]["read_ahead"]} == {"model", "optimizer"} and
+               all(f.split("/")[1].startswith(f"__{k}_") for f in r["dp2"]["read_ahead"]) for k, r in enumerate(out))
+    assert all(r["tp2"]["read_ahead"] == set() and r["tp2"]["opened"] for r in out)
 
 
 def test_a_tensor_pickle_names_nothing_but_a_tensor_or_the_fast_path_declines(tmp_path):
@@ -162,3 +169,71 @@ def test_a_tensor_pickle_names_nothing_but_a_tensor_or_the_fast_path_declines(tm
     finally:
         os.close(fd)
     assert not (tmp_path / "ran").exists()
+
+
+class _Events:
+    """Records the order of a `ParallelLoadStrategy`'s base loads and of the read-ahead it starts and stops."""
+
+    def __init__(self):
+        self.log = []
+
+    def base(self, fail_on=None):
+        events = self
+
+        class Base:
+            def load(self, sharded_state_dict, checkpoint_dir):
+                events.log.append(("base", checkpoint_dir))
+                if checkpoint_dir == fail_on:
+                    raise OSError("the disk")
+                return {}
+
+        return Base()
+
+    def read_ahead(self):
+        events = self
+
+        class ReadAhead:
+            def __init__(self, extents):
+                events.log.append(("ahead", extents))
+
+            def stop(self):
+                events.log.append(("stop",))
+
+        return ReadAhead
+
+
+class _OneRank:
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+def test_each_loads_files_are_read_ahead_the_first_from_its_start_the_next_from_the_end_of_the_reads_before(
+        monkeypatch):
+    """`read_ahead`: the first load's extents are read ahead from its start (while it plans), the second's from the
+    moment the first load's own reads are done (where the exchange of replicated tensors begins), each until its
+    own load's reads are done; `close()` ends what runs and what would follow; a load whose reads fail starts no
+    further read-ahead."""
+    from megatron_rl.checkpointing import loader
+
+    model, optimizer = [("model/__0_0.distcp", 0, 4096)], [("optimizer/__0_0.distcp", 0, 8192)]
+    both = [("ahead", model), ("base", "model"), ("stop",), ("ahead", optimizer)]
+    for second, want in ((True, both + [("base", "optimizer"), ("stop",)]), (False, both + [("stop",)])):
+        events = _Events()
+        monkeypatch.setattr(loader, "ReadAhead", events.read_ahead())
+        strategy = loader.ParallelLoadStrategy(events.base(), _OneRank(), read_ahead=[model, optimizer])
+        strategy.load({}, "model")
+        if second:
+            strategy.load({}, "optimizer")
+        strategy.close()
+        strategy.close()  # a second close is nothing
+        assert events.log == want
+    events = _Events()
+    monkeypatch.setattr(loader, "ReadAhead", events.read_ahead())
+    strategy = loader.ParallelLoadStrategy(events.base(fail_on="model"), _OneRank(), read_ahead=[model, optimizer])
+    with pytest.raises(OSError):
+        strategy.load({}, "model")
+    strategy.close()
+    assert events.log == [("ahead", model), ("base", "model"), ("stop",)]

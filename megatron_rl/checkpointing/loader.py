@@ -16,7 +16,11 @@
    buckets of at most `BUCKET_BYTES`, on the device the tensors live on (the group's backend moves them: gloo on
    CPU, NCCL on GPU); everything else (the distributed optimizer's pieces, objects) is read by the ranks that need
    it.
-4. `resume_strategy`: the two together, what the loads pass to `dist_checkpointing.load`.
+4. `resume_strategy`: the two together, what the loads pass to `dist_checkpointing.load`. A resume loads the model's
+   directory, then the optimizer's, with `read_ahead` the files each will read (`files_written_here`: those this
+   rank wrote, when the layout is the one they were written with): the model's are read ahead from the first
+   load's start (while it plans), the optimizer's from the moment the model's reads end, while the replicated
+   weights are exchanged (no disk), instead of the disk idling until each load has planned its reads.
 
 Every rank ends with the values a plain `dist_checkpointing.load` gives it (the tests check bit-equality).
 """
@@ -29,6 +33,7 @@ import itertools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -231,10 +236,14 @@ class ParallelLoadStrategy(LoadShardedStrategy):
     reads those and everything not replicated, and the owners broadcast the rest in buckets (each rank receives
     into its own tensors). `received` counts the bytes this rank got from the others."""
 
-    def __init__(self, base: LoadShardedStrategy, group, bucket_bytes: int = BUCKET_BYTES):
+    def __init__(self, base: LoadShardedStrategy, group, bucket_bytes: int = BUCKET_BYTES,
+                 read_ahead: Sequence[Sequence[tuple[str, int, int]]] = ()):
         super().__init__()
         self.base, self.group, self.bucket_bytes = base, group, bucket_bytes
         self.received = 0
+        # Per load, in order, extents it reads: read ahead (`ReadAhead`, a kernel hint), the first load's from its
+        # start, each later one's from the end of the reads of the load before it.
+        self._read_ahead, self._ahead = [list(e) for e in read_ahead], None
 
     @property
     def read(self) -> ReadCount:
@@ -263,13 +272,30 @@ class ParallelLoadStrategy(LoadShardedStrategy):
         shares = self._replicated(items) if self.group.size() > 1 else []
         elsewhere = {entry[0] for s in shares if rank in s.ranks for entry, owner in zip(s.entries, s.owners)
                      if owner != rank}
-        loaded = self.base.load({i: v for i, v in items.items() if i not in elsewhere}, checkpoint_dir)
+        if self._ahead is None and self._read_ahead:  # the first load: its files while it plans its reads
+            self._ahead = ReadAhead(self._read_ahead.pop(0))
+        try:
+            loaded = self.base.load({i: v for i, v in items.items() if i not in elsewhere}, checkpoint_dir)
+        finally:
+            self._stop_ahead()  # what was read ahead for this load is read now (or the load failed)
+        if self._read_ahead:  # the disk is free again: the next load's files, while the exchange runs
+            self._ahead = ReadAhead(self._read_ahead.pop(0))
         for share in shares:
             loaded.update(self._exchange(share, loaded))
         dict_list_map_inplace(
             lambda v: loaded[_shard_id(v)] if isinstance(v, (ShardedTensor, ShardedObject)) else v,
             sharded_state_dict)
         return sharded_state_dict
+
+    def close(self) -> None:
+        """Ends a read-ahead that is running (its load has read, or will not run) and any still to come."""
+        self._read_ahead = []
+        self._stop_ahead()
+
+    def _stop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
+            self._ahead = None
 
     def _replicated(self, items: dict) -> list["_Share"]:
         """The ShardedTensors that two or more ranks of the group hold alike, as one `_Share` per set of holders
@@ -383,8 +409,25 @@ def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype.removeprefix("torch.")).itemsize
 
 
-def resume_strategy(group) -> ParallelLoadStrategy:
+def resume_strategy(group, read_ahead: Sequence[Sequence[tuple[str, int, int]]] = ()) -> ParallelLoadStrategy:
     """The load strategy for `dist_checkpointing.load` of a training checkpoint or of model weights on the ranks
     of one data-parallel `group` (`engine.pgs.dp_cp`): byte ranges, each replicated tensor read by one rank. Its
-    `read` holds the bytes this rank read."""
-    return ParallelLoadStrategy(RangeLoadStrategy(), group)
+    `read` holds the bytes this rank read. `read_ahead`: per load made with it, in order, the extents (path,
+    offset, length) it will read, read ahead from its start (the first) or while the load before it exchanges
+    its replicated tensors (module docstring); `close()` it after the last load."""
+    return ParallelLoadStrategy(RangeLoadStrategy(), group, read_ahead=read_ahead)
+
+
+def files_written_here(path, directory: str, meta, pgs) -> list[tuple[str, int, int]]:
+    """The `.distcp` files of checkpoint `path`'s `directory` (e.g. "optimizer") that this rank wrote (torch names
+    them `__<rank>_<n>`), as whole-file extents, when the world and the trainer layout (`pgs`: the engine's groups)
+    are those the checkpoint's `meta` records: this rank then reads its share of that directory from them alone.
+    [] otherwise (a resharded resume reads other ranks' files in part; `RangeReader` reads ahead what it plans)."""
+    saved = meta.trainer_layout()
+    here = (pgs.tp.size(), pgs.pp.size(), pgs.dp.size(), pgs.ep.size(), pgs.expt_tp.size())
+    if saved is None or meta.world_size != dist.get_world_size() or \
+            (saved.tp, saved.pp, saved.dp, saved.ep, saved.etp) != here:
+        return []
+    prefix = f"{directory}/__{dist.get_rank()}_"
+    return [(os.path.join(path, rel), 0, size) for rel, size in sorted(meta.files.items())
+            if rel.startswith(prefix) and rel.endswith(".distcp")]

@@ -449,7 +449,7 @@ class TrainCheckpointer:
         (the controller's state, on every rank; {} when the checkpoint has none)."""
         from megatron.core import dist_checkpointing
 
-        from megatron_rl.checkpointing.loader import resume_strategy
+        from megatron_rl.checkpointing.loader import files_written_here, resume_strategy
 
         path = Path(path)
         meta = self.verify(path)
@@ -460,16 +460,21 @@ class TrainCheckpointer:
             with_state = meta.optimizer_state is not False
             if with_state:
                 megatron_state.ensure_optimizer_state(engine.optimizer)
-            # Each replicated tensor read by one DP rank and broadcast, each chunk only as far as needed.
-            strategy = resume_strategy(engine.pgs.dp_cp)
-            model_sd = megatron_state.sharded_model(engine)
-            state = dist_checkpointing.load(model_sd, str(path / MODEL_DIR), sharded_strategy=strategy)
-            engine.model.module.load_state_dict(state)
-            model_sd = megatron_state.sharded_model(engine)
-            optim_sd = megatron_state.sharded_optimizer(engine, model_sd, is_loading=True, with_state=with_state)
-            if reference is not None:
-                optim_sd["reference"] = megatron_state.sharded_reference(reference, engine)
-            ostate = dist_checkpointing.load(optim_sd, str(path / OPTIMIZER_DIR), sharded_strategy=strategy)
+            # Each replicated tensor read by one DP rank and broadcast, each chunk only as far as needed; each
+            # directory's own files read ahead, the optimizer's while the model's weights are broadcast.
+            strategy = resume_strategy(engine.pgs.dp_cp, read_ahead=[files_written_here(path, d, meta, engine.pgs)
+                                                                     for d in (MODEL_DIR, OPTIMIZER_DIR)])
+            try:
+                model_sd = megatron_state.sharded_model(engine)
+                state = dist_checkpointing.load(model_sd, str(path / MODEL_DIR), sharded_strategy=strategy)
+                engine.model.module.load_state_dict(state)
+                model_sd = megatron_state.sharded_model(engine)
+                optim_sd = megatron_state.sharded_optimizer(engine, model_sd, is_loading=True, with_state=with_state)
+                if reference is not None:
+                    optim_sd["reference"] = megatron_state.sharded_reference(reference, engine)
+                ostate = dist_checkpointing.load(optim_sd, str(path / OPTIMIZER_DIR), sharded_strategy=strategy)
+            finally:
+                strategy.close()
             self.last_load_read = strategy.read
             if reference is not None:
                 reference.load_state_dict(ostate["reference"])
