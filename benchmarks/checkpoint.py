@@ -10,13 +10,14 @@ checksum, then `load`). The page cache is emptied of the checkpoint's files befo
 DONTNEED after fsync), so the load reads the disk. In the same run it times the references on the same
 filesystem: a durable raw write of the checkpoint's bytes (64 MiB writes, fsync) and a raw read of them after the
 same eviction, before and after the checkpoints, and a raw read of the checkpoint's own files just before the load
-(evicted again after it): the load's reference. Every time is reported as a ratio to its reference.
+(evicted again after it): the load's reference. The load is repeated (`--loads`, each after its own checksum pass,
+eviction and raw read): the figures are the medians. Every time is reported as a ratio to its reference.
 
 Host memory: a thread samples each rank's proportional set size (PSS, its own pages plus its share of pages shared
 with its forked writer processes, which are counted too) every 10 ms; `host_peak_bytes` is the largest rank's
 peak during the save above its size before it, beside that rank's own shard of the checkpoint.
 
-Ends with one JSON line: checkpoint_bytes, save_s, save_blocking_s, load_s, verify_s, raw_write_s, raw_read_s,
+Ends with one JSON line: checkpoint_bytes, save_s, save_blocking_s, load_s, loads_s_raw_s, verify_s, raw_write_s, raw_read_s,
 host_peak_bytes, shard_bytes and the ratios.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -90,7 +92,7 @@ def files_under(path: Path) -> list[Path]:
     return [p for p in Path(path).rglob("*") if p.is_file()]
 
 
-def rank_main(rank, world_size, preset, root, sync):
+def rank_main(rank, world_size, preset, root, sync, n_loads):
     import torch
     import torch.distributed as dist
 
@@ -122,25 +124,28 @@ def rank_main(rank, world_size, preset, root, sync):
             saves.append((blocking, time.perf_counter() - t0, mem))
     (first_blocking, first_total, first_mem), (blocking, total, mem) = saves
     own = sum(p.stat().st_size for p in files_under(path) if f"__{rank}_" in p.name)
-    dist.barrier()
-    if rank == 0:
-        evict(files_under(path))
-    dist.barrier()
-    fresh = TrainCheckpointer(root)
-    t0 = time.perf_counter()
-    fresh.verify(path)
-    verify_s = time.perf_counter() - t0
-    own_read_s = None
-    if rank == 0:  # the reference beside the load: its own files read raw from the disk, in the disk's state now
-        evict(files_under(path))
-        own_read_s = read_raw(files_under(path))
-        evict(files_under(path))
-    dist.barrier()
-    t0 = time.perf_counter()
-    fresh.load(path, engine)
-    load_s = time.perf_counter() - t0
+    loads, verify_s = [], None  # (load s, the raw read of its files just before it; rank 0 times that)
+    for _ in range(n_loads):
+        dist.barrier()
+        if rank == 0:
+            evict(files_under(path))
+        dist.barrier()
+        fresh = TrainCheckpointer(root)
+        t0 = time.perf_counter()
+        fresh.verify(path)  # the checksum pass, remembered: the load after it does not read the files for it
+        verify_s = verify_s or time.perf_counter() - t0
+        own_read_s = None
+        if rank == 0:  # the reference beside the load: its own files read raw from the disk, in the disk's state now
+            evict(files_under(path))
+            own_read_s = read_raw(files_under(path))
+            evict(files_under(path))
+        dist.barrier()
+        t0 = time.perf_counter()
+        fresh.load(path, engine)
+        loads.append((time.perf_counter() - t0, own_read_s))
+        dist.barrier()
     return {"path": str(path), "save_s": total, "save_blocking_s": blocking, "verify_s": verify_s,
-            "load_s": load_s, "own_raw_read_s": own_read_s, "host_peak_bytes": mem.peak - mem.base, "shard_bytes": own,
+            "loads": loads, "host_peak_bytes": mem.peak - mem.base, "shard_bytes": own,
             "first_save_s": first_total, "first_save_blocking_s": first_blocking,
             "first_host_peak_bytes": first_mem.peak - first_mem.base}
 
@@ -193,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default="runs/checkpoint_bench", help="where to write (the filesystem measured)")
     p.add_argument("--sync", action="store_true", help="checkpoint.async_save=false: the save completes before "
                    "training goes on")
+    p.add_argument("--loads", type=int, default=3, help="cold loads, each after a raw read of the checkpoint's "
+                   "files (its reference); the figures are their medians")
     args = p.parse_args(argv)
 
     from megatron_rl.checkpointing.layout import dir_bytes
@@ -204,7 +211,7 @@ def main(argv=None) -> int:
     # A VM's disk moves between runs (bursts, then writeback throttling): the raw write and read are timed before
     # and after the checkpoints, and the reference is their mean; both are printed.
     before = raw_write_read(root, _estimate_bytes(args.preset))
-    ranks = run_local(rank_main, args.dp, args.preset, str(root), args.sync, timeout=1800)
+    ranks = run_local(rank_main, args.dp, args.preset, str(root), args.sync, args.loads, timeout=1800)
     nbytes = dir_bytes(Path(ranks[0]["path"]))
     after = raw_write_read(root, nbytes)
     raw_write_s, raw_read_s = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
@@ -212,7 +219,7 @@ def main(argv=None) -> int:
     out = {
         "preset": args.preset, "dp": args.dp, "async_save": not args.sync, "checkpoint_bytes": nbytes,
         "save_s": max(r["save_s"] for r in ranks), "save_blocking_s": max(r["save_blocking_s"] for r in ranks),
-        "verify_s": max(r["verify_s"] for r in ranks), "load_s": max(r["load_s"] for r in ranks),
+        "verify_s": max(r["verify_s"] for r in ranks),
         "raw_write_s": raw_write_s, "raw_read_s": raw_read_s, "raw_write_before_after_s": [before[0], after[0]],
         "raw_read_before_after_s": [before[1], after[1]],
         "host_peak_bytes": worst["host_peak_bytes"], "shard_bytes": worst["shard_bytes"],
@@ -222,17 +229,22 @@ def main(argv=None) -> int:
     }
     out["save_vs_raw_write"] = out["save_s"] / raw_write_s
     out["blocking_share"] = out["save_blocking_s"] / out["save_s"]
+    # Each load's own reference: its files read raw just before it, in the same state of the disk (this VM's disk
+    # moves 3x within minutes, so the before/after file above can be in another phase than the load). The load's
+    # time is its slowest rank's.
+    loads = [(max(r["loads"][i][0] for r in ranks), ranks[0]["loads"][i][1]) for i in range(args.loads)]
+    out["loads_s_raw_s"] = [[round(a, 3), round(b, 3)] for a, b in loads]
+    out["load_s"] = statistics.median(a for a, _ in loads)
+    out["own_raw_read_s"] = statistics.median(b for _, b in loads)
+    out["load_vs_own_raw_read"] = statistics.median(a / b for a, b in loads)
     out["load_vs_raw_read"] = out["load_s"] / raw_read_s
-    # The load's own reference: its files read raw just before it, in the same state of the disk (this VM's disk
-    # moves 3x within minutes, so the before/after file above can be in another phase than the load).
-    out["own_raw_read_s"] = ranks[0]["own_raw_read_s"]
-    out["load_vs_own_raw_read"] = out["load_s"] / out["own_raw_read_s"]
     out["host_peak_vs_shard"] = out["host_peak_bytes"] / max(out["shard_bytes"], 1)
     print(f"checkpoint {nbytes / 1e9:.2f} GB at DP{args.dp} ({args.preset}): save {out['save_s']:.2f} s "
           f"({out['save_vs_raw_write']:.2f}x a durable raw write, {raw_write_s:.2f} s: {before[0]:.2f} s before, "
           f"{after[0]:.2f} s after), blocking "
-          f"{out['save_blocking_s']:.2f} s ({out['blocking_share']:.0%}); load {out['load_s']:.2f} s "
-          f"({out['load_vs_own_raw_read']:.2f}x a raw read of its files just before, {out['own_raw_read_s']:.2f} s; "
+          f"{out['save_blocking_s']:.2f} s ({out['blocking_share']:.0%}); load {out['load_s']:.2f} s, the median of "
+          f"{args.loads} ({out['load_vs_own_raw_read']:.2f}x a raw read of its files just before, the median ratio; "
+          f"the reads {out['own_raw_read_s']:.2f} s; "
           f"{out['load_vs_raw_read']:.2f}x the before/after file's, {raw_read_s:.2f} s) after checksums "
           f"{out['verify_s']:.2f} s; "
           f"host peak during the save {out['host_peak_bytes'] / 1e9:.2f} GB "
