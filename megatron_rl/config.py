@@ -353,8 +353,8 @@ def _between_sections(cfg: JobConfig, model: Optional[ModelConfig], cluster_file
     if cfg.rollout.in_flight and (cfg.env.agent is not None or cfg.generator.pp > 1):
         why = "agents (env.agent) generate" if cfg.env.agent is not None else "a generator of pp > 1 generates"
         out.append(f"rollout.in_flight=true: {why} batch by batch (set rollout.in_flight=false)")
-    out += cfg.algorithm.job_problems("algorithm", cfg.rollout.in_flight, cfg.reward.model_executor,
-                                      cfg.env.agent is not None, cfg.response_budget)
+    out += cfg.algorithm.job_problems("algorithm", cfg.reward.model_executor, cfg.env.agent is not None,
+                                      cfg.response_budget)
     if cfg.generator.colocated and cfg.generator.layout.size != cfg.trainer.layout.size:
         out.append("generator.colocated=true needs generator.tp*pp*dp equal to trainer.tp*pp*dp (same ranks)")
     return out

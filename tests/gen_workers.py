@@ -193,7 +193,8 @@ def live_worker(rank, world_size, cfg, full, tp, kv_cache_tokens=None, cuda_rule
     recomputes the running sequences' caches, or with `recompute=False` keeps them: each output's log-probs are then
     also scored by `kept_cache_logprobs`. (The restore's own first switch always recomputes: its caches are empty.) With
     `cuda_rules_on`, under CUDA's rules (`compat/cuda_rules.py`): pinned non-blocking copies, the decode step captured,
-    each step launched before the last is read (lookahead), which a switch and the end of a run read first."""
+    each step launched before the last is read (lookahead), which a switch and the end of a run read first. Last,
+    where sequences queued `ahead` wait (their places in `waiting`)."""
     import os
 
     from megatron_rl.compat import cuda_rules
@@ -242,9 +243,14 @@ def live_worker(rank, world_size, cfg, full, tp, kv_cache_tokens=None, cuda_rule
         live.engine.abort(victim)
         free_after = (len(live.engine.free), len(live.engine.pool.free) if live.engine.pool is not None else 0)
     rest = live.run([h for h in handles if h is not victim])
+    # Queued ahead (a batch's refills, `add(..., ahead=True)`): before every waiting sequence, in their own order.
+    waiting = live.add(batch_a)
+    refills = live.add(batch_b[:2], ahead=True)
+    ahead = [live.engine.waiting.index(s) for s in refills + waiting]
+    live.run(refills + waiting)
     as_tuples = lambda xs: [(o.token_ids, o.logprobs, o.versions, o.finish_reason) for o in xs]  # noqa: E731
     return {"outs": as_tuples(outs), "restored": as_tuples(restored), "scored": scored, "occupancy": occupancy,
-            "lookahead": gen.lookahead, "kept": kept,
+            "lookahead": gen.lookahead, "kept": kept, "ahead": ahead,
             "abort": (victim.finish, blocks, free_before, free_after), "rest": [o.finish_reason for o in rest]}
 
 

@@ -129,7 +129,7 @@ def test_a_calculator_agents_requests_extend_the_conversation_as_the_endpoint_re
 def test_an_episode_split_into_parts_counts_once_in_its_group_and_each_part_takes_its_advantage():
     from megatron_rl.algorithms.advantages import compute_advantages
     from megatron_rl.controller.collector import batch_with_advantages
-    from megatron_rl.controller.executors import split_parts
+    from megatron_rl.controller.scoring import split_parts
     from megatron_rl.controller.scoring import ScoredRollouts
     from megatron_rl.inference import SampledResponse
 

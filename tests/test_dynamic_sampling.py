@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from megatron_rl.algorithms import AIPOSettings
 from megatron_rl.config import load_config, problems
 from megatron_rl.controller.collector import batch_with_advantages, overlong_penalty
 from megatron_rl.controller.dynamic_sampling import SampledGroup, fill, has_signal, refill_index
@@ -91,9 +92,12 @@ def test_settings_that_cannot_work_are_one_line_each(tmp_path):
         return problems(load_config(overrides=[*overrides, f"checkpoint.dir={tmp_path}"]), cluster_files=False)[1]
 
     assert lines("algorithm.dynamic_sampling=true") == []
-    assert lines("algorithm.dynamic_sampling=true", "rollout.in_flight=true") == [
-        "algorithm.dynamic_sampling=true filters on the rewards a replica computes as it samples, batch by batch: not "
-        "with rollout.in_flight, a reward-model executor or env.agent"]
+    assert lines("algorithm.dynamic_sampling=true", "rollout.in_flight=true") == []  # refills in the live engine
+    why = ["algorithm.dynamic_sampling=true filters on the rewards a replica computes as it samples: not with a "
+           "reward-model executor or env.agent"]
+    on = AIPOSettings(dynamic_sampling=True)
+    assert on.job_problems("algorithm", True, False, 64) == on.job_problems("algorithm", False, True, 64) == why
+    assert on.job_problems("algorithm", False, False, 64) == []
     assert lines("algorithm.overlong_buffer=64", "rollout.max_new_tokens=64") == [
         "algorithm.overlong_buffer=64 must be less than the longest response (64 tokens)"]
     assert lines("algorithm.dynamic_sampling_rounds=65") == [

@@ -2,9 +2,9 @@
 running sequences, and a checkpoint carries the partly sampled batch (`inference/live.py`). A disjoint TP2 trainer
 with a TP1 generator, killed inside a trainer step, resumes to the uninterrupted run's weights and metrics (the
 caches kept at a push, recomputed at the push after a checkpoint); a colocated job with two generator replicas,
-recomputing at every push, trains within the staleness bound, each replica's batch in flight saved, and resumes
-from a kill the same way; a job of episodes (the guessing game), killed with episodes mid-flight in its checkpoint
-(their environments' answers outstanding), resumes the same way too."""
+recomputing at every push and refilling groups without signal, trains within the staleness bound, each replica's batch in flight saved, and resumes
+from a kill the same way; a job of episodes (the guessing game, with dynamic sampling), killed with episodes
+mid-flight in its checkpoint (their environments' answers outstanding), resumes the same way too."""
 
 import json
 
@@ -68,11 +68,13 @@ def test_a_killed_in_flight_job_resumes_to_the_same_weights_and_metrics(tmp_path
 
 
 def test_a_colocated_in_flight_job_with_two_replicas_keeps_every_token_within_the_bound_and_resumes(tmp_path):
-    """With the caches recomputed at every push (`rollout.recompute_cache`); killed inside step 3, with each
+    """With the caches recomputed at every push (`rollout.recompute_cache`) and dynamic sampling (each replica
+    refills its groups without signal in its live engine, ahead of its next batch); killed inside step 3, with each
     replica's batch in flight in checkpoint 2, it resumes to the uninterrupted run's weights and metrics."""
     # Two replicas of 8 samples a batch, in 12 slots each.
     args = [*BASE, "rollout.staleness=1", "generator.colocated=true", "generator.dp=2", "generator.max_batch_size=12",
-            "rollout.recompute_cache=true", f"checkpoint.dir={tmp_path}"]
+            "rollout.recompute_cache=true", "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_rounds=1",
+            f"checkpoint.dir={tmp_path}"]
 
     def launch(name, failpoint=None):
         return warm_cli.run_with_failpoint(["train", *args, f"run.name={name}"], failpoint)
@@ -82,21 +84,25 @@ def test_a_colocated_in_flight_job_with_two_replicas_keeps_every_token_within_th
     rows = _rows(tmp_path / "c")
     assert [r["step"] for r in rows] == list(range(5))
     assert all(r["staleness"] <= 1 for r in rows) and all(0 <= r["staleness/token_mean"] <= 1 for r in rows)
+    assert any(r["sampling/prompts_drawn"] > 1 for r in rows)  # refills were drawn
     saved = _in_flight(tmp_path / "c" / "step_00000004")
     assert sorted(saved) == [0, 1] and all(len(s) == 8 for s in saved.values())  # each replica's batch 4 was queued
     crash = launch("crash", "train_step:3")
     assert crash.returncode == 1 and "died with signal 9" in crash.stderr, crash.stderr[-3000:]
     assert sorted(_in_flight(tmp_path / "crash" / "step_00000002")) == [0, 1]
     _resumed_as_uninterrupted(tmp_path / "c", launch("crash"), tmp_path / "crash",
-                              ("reward", "loss", "generated_with_version", "response_length", "staleness/token_mean"))
+                              ("reward", "loss", "generated_with_version", "response_length", "staleness/token_mean",
+                               "sampling/prompts_drawn", "sampling/groups_with_signal"))
 
 
 def test_a_killed_in_flight_episode_job_resumes_to_the_same_weights_and_metrics(tmp_path):
     """Episodes of the guessing game in the live engine (disjoint: trainer TP2, generator TP1): 8 episodes a batch
     in 12 slots, so 4 of the next batch's play beside each batch and see the push land mid-episode; each
-    observation enters 2 steps after its turn (`env.answer_steps`), so a checkpoint may hold two starts outstanding."""
+    observation enters 2 steps after its turn (`env.answer_steps`), so a checkpoint may hold two starts outstanding.
+    With dynamic sampling: groups without signal are refilled in the live engine, behind the next batch."""
     args = [*GUESS, "run.steps=5", "checkpoint.save_interval=2", "rollout.in_flight=true", "rollout.staleness=2",
-            "generator.max_batch_size=12", "env.answer_steps=2", f"checkpoint.dir={tmp_path}"]
+            "generator.max_batch_size=12", "env.answer_steps=2", "algorithm.dynamic_sampling=true",
+            "algorithm.dynamic_sampling_rounds=2", f"checkpoint.dir={tmp_path}"]
 
     def launch(name, failpoint=None):
         return warm_cli.run_with_failpoint(["train", *args, f"run.name={name}"], failpoint)
@@ -112,6 +118,9 @@ def test_a_killed_in_flight_episode_job_resumes_to_the_same_weights_and_metrics(
     assert any(e["replies"] for batch in state["episodes"].values() for e in batch)
     rows_ref = _resumed_as_uninterrupted(tmp_path / "ref", launch("crash"), tmp_path / "crash",
                                          ("reward", "loss", "generated_with_version", "episode/turns",
-                                          "episode/env_tokens", "staleness/token_mean"))
+                                          "episode/env_tokens", "staleness/token_mean", "sampling/prompts_drawn",
+                                          "sampling/groups_with_signal"))
     assert all(r["staleness"] <= 2 for r in rows_ref)
     assert any(r["staleness/older_tokens"] > 0 for r in rows_ref)  # some episodes span a weight switch
+    assert all(1 <= r["sampling/prompts_drawn"] <= 3 for r in rows_ref)
+    assert any(r["sampling/prompts_drawn"] > 1 for r in rows_ref)  # refills were drawn

@@ -36,6 +36,7 @@ def test_switched_weights_score_every_token_by_its_own_version(tiny_hf, kv_cache
     finish, blocks, (slots_before, blocks_before), (slots_after, blocks_after) = got["abort"]
     assert finish == "abort" and slots_after == slots_before + 1 and blocks_after == blocks_before + blocks
     assert got["rest"] == ["length"] * 3
+    assert got["ahead"] == list(range(2 + 5))  # two queued ahead, then the five queued before them, in order
 
 
 def test_a_kept_cache_makes_the_tokens_after_a_switch_the_new_weights_over_the_old_cache(tiny_hf):

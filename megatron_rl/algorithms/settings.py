@@ -56,13 +56,13 @@ class AIPOSettings(Section):
                        f"'decoupled' (its clip of pi/pi_prox), not {self.correction!r}")
         return out
 
-    def job_problems(self, path: str, in_flight: bool, reward_model: bool, agent: bool, longest: int) -> list[str]:
-        """What the rest of the job (`rollout.in_flight`, a reward-model executor, `env.agent`, the longest response
+    def job_problems(self, path: str, reward_model: bool, agent: bool, longest: int) -> list[str]:
+        """What the rest of the job (a reward-model executor, `env.agent`, the longest response
         `longest`) rules out here."""
         out = []
-        if self.dynamic_sampling and (in_flight or reward_model or agent):
-            out.append(f"{path}.dynamic_sampling=true filters on the rewards a replica computes as it samples, batch "
-                       f"by batch: not with rollout.in_flight, a reward-model executor or env.agent")
+        if self.dynamic_sampling and (reward_model or agent):
+            out.append(f"{path}.dynamic_sampling=true filters on the rewards a replica computes as it samples: not "
+                       f"with a reward-model executor or env.agent")
         if self.overlong_buffer >= longest:
             out.append(f"{path}.overlong_buffer={self.overlong_buffer} must be less than the longest response "
                        f"({longest} tokens)")

@@ -23,7 +23,8 @@ from megatron_rl.config import JobConfig
 from megatron_rl.controller.dynamic_sampling import SampledGroup, fill, refill_index
 from megatron_rl.controller.live_batches import LiveBatches
 from megatron_rl.controller.rundir import worker_log
-from megatron_rl.controller.scoring import Evaluated, ModelScores, ScoreRequest, UnscoredRollouts, model_scores
+from megatron_rl.controller.scoring import (Evaluated, ModelScores, ScoreRequest, UnscoredRollouts, model_scores,
+                                            split_parts)
 from megatron_rl.controller.tasks import Task
 from megatron_rl.ddma.fingerprint import PushCheck
 from megatron_rl.ddma.sync import WeightSync, parameters_of
@@ -278,16 +279,21 @@ class GeneratorExecutor:
 
     def _sample(self, records: list, seeds: list[int]) -> tuple[list, Optional[object]]:
         """`rollout.samples_per_prompt` samples (episodes with env.cls) of each record, seeded by `seeds` (the
-        replica's ranks together): (outputs, the episodes' turns or None). The leader applies the environments'
-        failure rule to the episodes (`Episodes.end_batch`)."""
+        replica's ranks together): (outputs, the episodes' turns or None), from the live engine where there is one
+        (a refill, ahead of the next batch). The leader applies the environments' failure rule to the episodes
+        (`Episodes.end_batch`)."""
         n = self.cfg.rollout.samples_per_prompt
+        turns = None
         if self.episodes is None:
             reqs = [GenerationRequest(self.encode(self.task.prompt_text(p)), self._sampling(s, n))
                     for p, s in zip(records, seeds)]
-            return self.generator.generate(reqs), None
-        reqs, turns = self.episodes.requests(records, seeds, n)
-        outs = self.generator.generate(reqs, turns=turns)
-        if self.is_leader:
+        else:
+            reqs, turns = self.episodes.requests(records, seeds, n)
+        if self.live is not None:  # a refill of the batch being drawn: ahead of the next batch's waiting sequences
+            outs = self.live.run(reqs, turns, self.version, ahead=True)
+        else:
+            outs = self.generator.generate(reqs, turns=turns)
+        if self.is_leader and turns is not None:
             self.episodes.end_batch(turns)
         return outs, turns
 
@@ -309,11 +315,17 @@ class GeneratorExecutor:
     def _dynamic_sampling(self, batch: int, version: int, problems: list, mine: list[int],
                           t0: float) -> Optional[UnscoredRollouts]:
         """`generate` with groups without signal refilled from further prompts (`controller/dynamic_sampling.py`):
-        the leader scores each round here, and the batch goes on with its raw rewards."""
+        the leader scores each round here, and the batch goes on with its raw rewards. In the live engine the
+        refills are queued ahead of the next batch's waiting sequences, whose running ones go on beside them."""
         r, seed = self.cfg.rollout, self.cfg.run.seed
         tally = {"episodes": [], "reward_failures": 0}  # over the batch's rounds, on the leader
         records = [problems[i] for i in mine]
-        outs, turns = self._sample(records, [rollout_seed(seed, batch, i) for i in mine])
+        if self.live is not None:  # round 0 is the batch the live engine queued (beside the batch before it)
+            outs, turns = self.live.generate(batch, self.version)
+            if turns is not None and self.is_leader:
+                self.episodes.end_batch(turns)
+        else:
+            outs, turns = self._sample(records, [rollout_seed(seed, batch, i) for i in mine])
         first = self._scored_groups(records, batch, mine, outs, turns, tally) if self.is_leader else None
 
         def draw(round_: int, count: int) -> Optional[list]:
@@ -332,6 +344,8 @@ class GeneratorExecutor:
         outs = [o for g in groups for o in g.outputs]
         rewards = [x for g in groups for x in g.rewards]
         ids = [g.group for g in groups for _ in g.outputs]
+        if self.live is not None:  # the batch's version is its oldest token's, over the groups it kept
+            version = min((min(o.versions) for o in outs if o.versions), default=version)
         episodes = {}
         if turns is not None:
             totals = {k: sum(st[k] for st in tally["episodes"]) for k in tally["episodes"][0]}
@@ -412,23 +426,6 @@ class GeneratorExecutor:
         """An episode's first message as the model read it (its environment's `reset`, rendered), for the reward
         model, which scores it with the episode."""
         return [self.tok.decode(o.prompt_ids) for o in outs]
-
-
-def split_parts(outs: list, groups: list[int], returns: list[float]) -> tuple:
-    """Episodes split by a rewritten conversation (`SampledResponse.parts`, agents) as one sample per part, each with
-    its episode's group and return: (samples, groups, returns, episode_of), `episode_of[i]` the index of the sample
-    that stands for sample i's episode (its last part), or None when no episode was split."""
-    if not any(o.parts for o in outs):
-        return outs, groups, returns, None
-    flat, flat_groups, flat_returns, episode_of = [], [], [], []
-    for o, g, ret in zip(outs, groups, returns):
-        last = len(flat) + len(o.parts or [])
-        for part in [*(o.parts or []), o]:
-            flat.append(part)
-            flat_groups.append(g)
-            flat_returns.append(ret)
-            episode_of.append(last)
-    return flat, flat_groups, flat_returns, episode_of
 
 
 class RewardModelExecutor:

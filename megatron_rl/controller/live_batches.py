@@ -51,10 +51,11 @@ class LiveBatches:
                 self.handles[b] = live.add(reqs, turns)
         return live.run(self.handles.pop(batch)), self.turns.pop(batch, None)
 
-    def run(self, requests: list, turns, version: int) -> list:
-        """Requests outside the training batches (the held-out evaluation), queued behind them and run to their end."""
+    def run(self, requests: list, turns, version: int, ahead: bool = False) -> list:
+        """Requests outside the training batches, run to their end: the held-out evaluation, queued behind them, or
+        (`ahead`) a batch's refills (`algorithm.dynamic_sampling`), queued ahead of the next batch's sequences."""
         live = self._engine(version)
-        return live.run(live.add(requests, turns))
+        return live.run(live.add(requests, turns, ahead=ahead))
 
     def switch(self, version: int, recompute: bool) -> None:
         """A push wrote weights `version`: the running sequences go on under them, their caches kept or recomputed."""

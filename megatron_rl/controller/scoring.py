@@ -12,7 +12,8 @@
 A sample's reward is therefore the verifier's (an episode's: its return, the sum of its environment's rewards) plus
 `model_coef` times the reward model's (either part is 0 where the job has none); the reward model reads an episode
 as its first message, rendered, followed by everything after it, the environment's turns included. Advantages come after scoring, over the whole batch, on the controller
-(`collector.batch_with_advantages`).
+(`collector.batch_with_advantages`). An agent's episode whose conversation was rewritten is scored as one sample per
+part, each with the episode's return (`split_parts`, on the replica's leader before `score`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class UnscoredRollouts:
     episodes: Optional[dict] = None  # episodes: their statistics (`ScoredRollouts.episodes`)
     prompts: Optional[list[str]] = None  # episodes: each one's first message as rendered (the reward model's prompt)
     occupancy: Optional[float] = None  # the generator's occupied slot-steps over all its slot-steps for the batch
-    episode_of: Optional[list[int]] = None  # agents' episodes split into parts (`executors.split_parts`)
+    episode_of: Optional[list[int]] = None  # agents' episodes split into parts (`split_parts`)
     # With algorithm.dynamic_sampling the leader scored the samples as it drew them (`controller/dynamic_sampling.py`):
     # their raw rewards, the responses its reward function could not score, and what it drew (`ScoredRollouts.sampling`)
     rewards: Optional[list[float]] = None
@@ -190,3 +191,20 @@ def with_model_scores(part: ScoredRollouts, scores: ModelScores, coef: float) ->
         eval_reward += coef * sum(scores.eval_scores) / len(scores.eval_scores)
     return dataclasses.replace(part, rewards=[r + coef * s for r, s in zip(part.rewards, scores.scores)],
                                eval_reward=eval_reward, reward_model_s=scores.seconds)
+
+
+def split_parts(outs: list, groups: list[int], returns: list[float]) -> tuple:
+    """Episodes split by a rewritten conversation (`SampledResponse.parts`, agents) as one sample per part, each with
+    its episode's group and return: (samples, groups, returns, episode_of), `episode_of[i]` the index of the sample
+    that stands for sample i's episode (its last part), or None when no episode was split."""
+    if not any(o.parts for o in outs):
+        return outs, groups, returns, None
+    flat, flat_groups, flat_returns, episode_of = [], [], [], []
+    for o, g, ret in zip(outs, groups, returns):
+        last = len(flat) + len(o.parts or [])
+        for part in [*(o.parts or []), o]:
+            flat.append(part)
+            flat_groups.append(g)
+            flat_returns.append(ret)
+            episode_of.append(last)
+    return flat, flat_groups, flat_returns, episode_of

@@ -92,6 +92,11 @@ class Engine:
         """Queue a sequence for a slot (admitted in order)."""
         self.waiting.append(seq)
 
+    def add_ahead(self, seqs: list[Sequence]) -> None:
+        """Queue sequences, in their order, ahead of every sequence waiting (a batch's refills, which the trainer
+        waits for, before the next batch's prompts)."""
+        self.waiting[:0] = seqs
+
     def step(self) -> list[Sequence]:
         """One engine step (module docstring); returns the sequences that ended in the step read here."""
         if self._cold:

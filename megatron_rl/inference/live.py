@@ -54,13 +54,20 @@ class LiveGeneration:
         self._ended: list[Sequence] = []  # episodes whose turns ended in a step read outside `run` (lookahead)
         self._resumed: Optional[list] = None  # restored: the outstanding starts (`EpisodeLoop.answering`), to redo
 
-    def add(self, requests: list[GenerationRequest], turns: Optional[Turns] = None) -> list:
-        """Queue the requests' samples (with `turns`, episodes); returns their handles (n per request), for `run`."""
+    def add(self, requests: list[GenerationRequest], turns: Optional[Turns] = None, ahead: bool = False) -> list:
+        """Queue the requests' samples (with `turns`, episodes), behind the sequences waiting or, `ahead`, in front
+        of them; returns their handles (n per request), for `run`."""
         handles = self.gen.sequences(requests, turns)
         first, self._n = self._n, self._n + len(handles)
+        seqs = []
         for k, h in enumerate(handles):
             if isinstance(h, Sequence):
                 h.req = first + k
+                seqs.append(h)
+        if ahead:
+            self.engine.add_ahead(seqs)
+        else:
+            for h in seqs:
                 self.engine.add(h)
         if turns is not None:
             self._join(turns, [h.req if isinstance(h, Sequence) else None for h in handles])
