@@ -11,7 +11,7 @@ import torch
 from megatron_rl.algorithms import AIPOSettings
 from megatron_rl.config import load_config, problems
 from megatron_rl.controller.collector import batch_with_advantages, overlong_penalty
-from megatron_rl.controller.dynamic_sampling import SampledGroup, fill, has_signal, refill_index
+from megatron_rl.controller.dynamic_sampling import SampledGroup, fill, has_signal, occupancy_over, refill_index
 from megatron_rl.controller.scoring import ScoredRollouts
 
 
@@ -102,3 +102,12 @@ def test_settings_that_cannot_work_are_one_line_each(tmp_path):
         "algorithm.overlong_buffer=64 must be less than the longest response (64 tokens)"]
     assert lines("algorithm.dynamic_sampling_rounds=65") == [
         "algorithm.dynamic_sampling_rounds=65 must be in [1, 64] (refill rounds a batch)"]
+
+
+def test_a_batchs_occupancy_is_over_all_its_rounds_slot_steps():
+    """A refilled batch reports its generator's occupancy over the rounds together (each weighted by its
+    slot-steps), not the last round's; a round that ran no step, or a pipelined generator's, counts nothing."""
+    rounds = [{"occupancy": 0.9, "slot_steps": 300}, {"occupancy": 0.2, "slot_steps": 100}, {"occupancy": None},
+              {"tokens_per_s": 1.0}]
+    assert occupancy_over(rounds) == pytest.approx((0.9 * 300 + 0.2 * 100) / 400)
+    assert occupancy_over(rounds[2:]) is None

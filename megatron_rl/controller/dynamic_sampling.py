@@ -74,3 +74,10 @@ def fill(first: Optional[list[SampledGroup]], draw: Callable[[int, int], Optiona
                 places[i] = g
     report = {"prompts_drawn": drawn, "groups": len(places), "with_signal": sum(has_signal(g.rewards) for g in places)}
     return (places if leader else None), report
+
+
+def occupancy_over(rounds: list[dict]) -> Optional[float]:
+    """The slot occupancy of a batch's rounds together (each round's `Generator.stats`: occupied slot-steps over
+    all slot-steps); None where no round recorded one (a pipelined generator)."""
+    runs = [(s["occupancy"], s["slot_steps"]) for s in rounds if s.get("occupancy") is not None and s.get("slot_steps")]
+    return sum(o * n for o, n in runs) / sum(n for _, n in runs) if runs else None

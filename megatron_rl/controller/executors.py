@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import JobConfig
-from megatron_rl.controller.dynamic_sampling import SampledGroup, fill, refill_index
+from megatron_rl.controller.dynamic_sampling import SampledGroup, fill, occupancy_over, refill_index
 from megatron_rl.controller.live_batches import LiveBatches
 from megatron_rl.controller.rundir import worker_log
 from megatron_rl.controller.scoring import (Evaluated, ModelScores, ScoreRequest, UnscoredRollouts, model_scores,
@@ -327,12 +327,14 @@ class GeneratorExecutor:
         else:
             outs, turns = self._sample(records, [rollout_seed(seed, batch, i) for i in mine])
         first = self._scored_groups(records, batch, mine, outs, turns, tally) if self.is_leader else None
+        rounds = [self.generator.stats]  # each round's engine statistics: the batch's occupancy is over all of them
 
         def draw(round_: int, count: int) -> Optional[list]:
             index = refill_index(batch, round_)
             pool = self.task.train_batch(index, r.prompts_per_step)
             positions = mine[:count]
             outs, turns = self._sample([pool[i] for i in positions], [rollout_seed(seed, index, i) for i in positions])
+            rounds.append(self.generator.stats)
             return self._scored_groups([pool[i] for i in positions], index, positions, outs, turns, tally) \
                 if self.is_leader else None
 
@@ -352,7 +354,7 @@ class GeneratorExecutor:
             episodes = dict(returns=rewards, episodes=totals, prompts=self._prompt_texts(outs))
         return UnscoredRollouts(batch, version, [g.record for g in groups for _ in g.outputs], ids, outs,
                                 [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes,
-                                occupancy=self.generator.stats.get("occupancy"), rewards=rewards,
+                                occupancy=occupancy_over(rounds), rewards=rewards,
                                 reward_failures=tally["reward_failures"], sampling=report)
 
     def _share(self, obj):

@@ -106,7 +106,7 @@ class LiveGeneration:
             self._held(self.engine.drain())
         steps = self.engine.steps - steps
         # (None over no step: every sequence of `handles` had finished while an earlier batch ran.)
-        stats = {"mean_batch": (self.engine.batched - batched) / max(steps, 1),
+        stats = {"mean_batch": (self.engine.batched - batched) / max(steps, 1), "slot_steps": steps * self.cache.slots,
                  "occupancy": (self.engine.batched - batched) / (steps * self.cache.slots) if steps else None}
         self.gen.stats = self.gen.run_stats(sum(s.sampled for s in mine), time.perf_counter() - t0, stats)
         return [self.gen.response(h) if isinstance(h, Sequence) else h for h in handles]
