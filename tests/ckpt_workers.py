@@ -200,7 +200,7 @@ def resume_reads(rank, world_size, state_path, root):
     TP2 x DP1: load each directory plainly (Megatron-Core's default strategy), with torch's whole-chunk reads
     counted (the before-figure) and with `resume_strategy` into state poisoned with NaN; the last must give the plain
     load's values bit for bit. Returns each layout's counts and differences, the `.distcp` files that load opened
-    in the optimizer's directory and those `files_written_here` names for reading ahead."""
+    (both directories) and those `files_written_here` names for reading ahead."""
     import os
 
     from megatron.core import dist_checkpointing

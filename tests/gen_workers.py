@@ -247,7 +247,6 @@ def live_worker(rank, world_size, cfg, full, tp, kv_cache_tokens=None, cuda_rule
     waiting = live.add(batch_a)
     refills = live.add(batch_b[:2], ahead=True)
     ahead = [live.engine.waiting.index(s) for s in refills + waiting]
-    live.run(refills + waiting)
     as_tuples = lambda xs: [(o.token_ids, o.logprobs, o.versions, o.finish_reason) for o in xs]  # noqa: E731
     return {"outs": as_tuples(outs), "restored": as_tuples(restored), "scored": scored, "occupancy": occupancy,
             "lookahead": gen.lookahead, "kept": kept, "ahead": ahead,

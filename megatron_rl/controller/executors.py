@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import JobConfig
 from megatron_rl.controller.dynamic_sampling import SampledGroup, fill, occupancy_over, refill_index
-from megatron_rl.controller.live_batches import LiveBatches
+from megatron_rl.controller.live_batches import LiveBatches, oldest_version
 from megatron_rl.controller.rundir import worker_log
 from megatron_rl.controller.scoring import (Evaluated, ModelScores, ScoreRequest, UnscoredRollouts, model_scores,
                                             split_parts)
@@ -254,10 +254,8 @@ class GeneratorExecutor:
             return self._dynamic_sampling(batch, version, problems, mine, t0)
         turns = None
         if self.live is not None:
-            outs, turns = self.live.generate(batch, self.version)
-            if turns is not None and self.is_leader:
-                self.episodes.end_batch(turns)
-            version = min((min(o.versions) for o in outs if o.versions), default=version)
+            outs, turns = self._live_batch(batch)
+            version = oldest_version(outs, version)
         elif self.episodes is not None:
             outs, turns = self._sample([problems[i] for i in mine], [rollout_seed(self.cfg.run.seed, batch, i)
                                                                     for i in mine])
@@ -276,6 +274,14 @@ class GeneratorExecutor:
         return UnscoredRollouts(batch, version, [problems[i] for i in groups], groups, outs,
                                 [self.tok.decode(o.token_ids) for o in outs], gen_s, **episodes,
                                 occupancy=self.generator.stats.get("occupancy"))
+
+    def _live_batch(self, batch: int) -> tuple[list, Optional[object]]:
+        """Training batch `batch` from the live engine: (outputs, the episodes' turns or None), the environments'
+        failure rule applied by the leader."""
+        outs, turns = self.live.generate(batch, self.version)
+        if turns is not None and self.is_leader:
+            self.episodes.end_batch(turns)
+        return outs, turns
 
     def _sample(self, records: list, seeds: list[int]) -> tuple[list, Optional[object]]:
         """`rollout.samples_per_prompt` samples (episodes with env.cls) of each record, seeded by `seeds` (the
@@ -321,9 +327,7 @@ class GeneratorExecutor:
         tally = {"episodes": [], "reward_failures": 0}  # over the batch's rounds, on the leader
         records = [problems[i] for i in mine]
         if self.live is not None:  # round 0 is the batch the live engine queued (beside the batch before it)
-            outs, turns = self.live.generate(batch, self.version)
-            if turns is not None and self.is_leader:
-                self.episodes.end_batch(turns)
+            outs, turns = self._live_batch(batch)
         else:
             outs, turns = self._sample(records, [rollout_seed(seed, batch, i) for i in mine])
         first = self._scored_groups(records, batch, mine, outs, turns, tally) if self.is_leader else None
@@ -347,7 +351,7 @@ class GeneratorExecutor:
         rewards = [x for g in groups for x in g.rewards]
         ids = [g.group for g in groups for _ in g.outputs]
         if self.live is not None:  # the batch's version is its oldest token's, over the groups it kept
-            version = min((min(o.versions) for o in outs if o.versions), default=version)
+            version = oldest_version(outs, version)
         episodes = {}
         if turns is not None:
             totals = {k: sum(st[k] for st in tally["episodes"]) for k in tally["episodes"][0]}

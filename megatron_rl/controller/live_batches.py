@@ -77,3 +77,8 @@ class LiveBatches:
         for b, saved in state.get("episodes", {}).items():
             self.turns[int(b)] = self.restored(saved)
             live.rejoin(self.handles[int(b)], self.turns[int(b)])
+
+
+def oldest_version(outs: list, version: int) -> int:
+    """A live engine's batch's version: its oldest token's (`version` where no output records versions)."""
+    return min((min(o.versions) for o in outs if o.versions), default=version)

@@ -231,8 +231,9 @@ class Engine:
     def stats(self) -> dict:
         """The decode batch size over this engine's steps and the fraction of slot-steps it occupied; with a paged
         cache, its blocks' use and preemptions."""
-        out = {"mean_batch": self.batched / max(self.steps, 1), "slot_steps": self.steps * self.cache.slots,
-               "occupancy": self.batched / max(self.steps * self.cache.slots, 1)}  # occupied slot-steps
+        slot_steps = self.steps * self.cache.slots
+        out = {"mean_batch": self.batched / max(self.steps, 1), "slot_steps": slot_steps,
+               "occupancy": self.batched / max(slot_steps, 1)}  # occupied slot-steps
         if self.pool is not None:
             out.update(kv_blocks_peak=self.pool.peak, kv_blocks=self.cache.blocks, preempted=self.preempted)
         return out

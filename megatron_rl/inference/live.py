@@ -59,11 +59,10 @@ class LiveGeneration:
         of them; returns their handles (n per request), for `run`."""
         handles = self.gen.sequences(requests, turns)
         first, self._n = self._n, self._n + len(handles)
-        seqs = []
+        seqs = [h for h in handles if isinstance(h, Sequence)]
         for k, h in enumerate(handles):
             if isinstance(h, Sequence):
                 h.req = first + k
-                seqs.append(h)
         if ahead:
             self.engine.add_ahead(seqs)
         else:
@@ -106,8 +105,9 @@ class LiveGeneration:
             self._held(self.engine.drain())
         steps = self.engine.steps - steps
         # (None over no step: every sequence of `handles` had finished while an earlier batch ran.)
-        stats = {"mean_batch": (self.engine.batched - batched) / max(steps, 1), "slot_steps": steps * self.cache.slots,
-                 "occupancy": (self.engine.batched - batched) / (steps * self.cache.slots) if steps else None}
+        batched, slot_steps = self.engine.batched - batched, steps * self.cache.slots
+        stats = {"mean_batch": batched / max(steps, 1), "slot_steps": slot_steps,
+                 "occupancy": batched / slot_steps if steps else None}
         self.gen.stats = self.gen.run_stats(sum(s.sampled for s in mine), time.perf_counter() - t0, stats)
         return [self.gen.response(h) if isinstance(h, Sequence) else h for h in handles]
 
