@@ -91,9 +91,11 @@ def load_and_continue(rank, world_size, layout_kw, path, steps, load_optimizer=T
     """A fresh trainer (different random init) restored from `path`, then the same next step; with `nccl_rules`,
     every collective and point-to-point transfer keeps NCCL's rules (`compat.cuda_rules`)."""
     if nccl_rules:
+        from megatron_rl.checkpointing import loader
         from megatron_rl.compat import cuda_rules
 
         cuda_rules.install_nccl_rules()
+        loader.DIRECT_BYTES = 4096  # the tiny model's matrices sent in place, its norms coalesced in buckets
     cfg, layout, g, trainer = _trainer(layout_kw, None, seed=77)
     ck = TrainCheckpointer(Path(path).parent)
     if load_optimizer:
@@ -200,7 +202,10 @@ def resume_reads(rank, world_size, state_path, root):
     TP2 x DP1: load each directory plainly (Megatron-Core's default strategy), with torch's whole-chunk reads
     counted (the before-figure) and with `resume_strategy` into state poisoned with NaN; the last must give the plain
     load's values bit for bit. Returns each layout's counts and differences, the `.distcp` files that load opened
-    (both directories) and those `files_written_here` names for reading ahead."""
+    (both directories), those `resume_read_ahead` names for reading ahead of each load, and the broadcasts of the
+    exchange (dtype, bytes)."""
+    import builtins
+    import io
     import os
 
     from megatron.core import dist_checkpointing
@@ -227,9 +232,9 @@ def resume_reads(rank, world_size, state_path, root):
             sd["reference"] = megatron_state.sharded_reference(fresh.model.module, engine)
             return sd
 
-        res = {"before": [0, 0], "after": [0, 0], "received": 0, "differences": [], "opened": set(),
-               "read_ahead": {Path(p).relative_to(path).as_posix() for sub in ("model", "optimizer") for p, _, _ in
-                              loader.files_written_here(path, sub, read_meta(path), engine.pgs)}}
+        res = {"before": [0, 0], "after": [0, 0], "received": 0, "differences": [], "opened": set(), "messages": [],
+               "read_ahead": [[Path(p).relative_to(path).as_posix() for p, _, _ in extents] for extents in
+                              loader.resume_read_ahead(path, ("model", "optimizer"), read_meta(path), engine.pgs)]}
         for sub in ("model", "optimizer"):
             plain = dist_checkpointing.load(build(sub), str(path / sub))
             plain = dict_list_map_outplace(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, plain)
@@ -241,19 +246,33 @@ def resume_reads(rank, world_size, state_path, root):
                 if getattr(v, "data", None) is not None and v.data.is_floating_point():
                     v.data.detach().fill_(float("nan"))
             strategy = resume_strategy(engine.pgs.dp_cp)
-            opened, real_open = res["opened"], os.open
+            # The tiny model's matrices (4 KB and more) are sent in place, its norms coalesced in buckets.
+            strategy.direct_bytes = 4096
+            opened, real_broadcast = res["opened"], loader.dist.broadcast
+            real_opens = os.open, builtins.open, io.open
 
-            def spy(name, *args, **kwargs):
-                if str(name).endswith(".distcp"):
-                    opened.add(Path(name).relative_to(path).as_posix())
-                return real_open(name, *args, **kwargs)
+            def spying(real, chunks):  # chunks: the loader's reads of tensors, else the small files' reads
+                def spy(name, *args, **kwargs):
+                    if isinstance(name, (str, os.PathLike)) and Path(name).is_relative_to(path / sub) and \
+                            chunks == str(name).endswith(".distcp"):
+                        opened.add(Path(name).relative_to(path).as_posix())
+                    return real(name, *args, **kwargs)
+                return spy
 
-            loader.os.open = spy  # the module's reads of a chunk's regions, whose files are what is read ahead
+            def broadcast(tensor, *args, **kwargs):
+                res["messages"].append((str(tensor.dtype), tensor.numel() * tensor.element_size()))
+                return real_broadcast(tensor, *args, **kwargs)
+
+            # The files the load opens: for its tensors (the loader's `os.open`), its small files (Python's `open`;
+            # the `.distcp` files it opens so are other ranks' read for a few objects, not read ahead).
+            loader.os.open = spying(real_opens[0], True)
+            builtins.open, io.open = spying(real_opens[1], False), spying(real_opens[2], False)
+            loader.dist.broadcast = broadcast
             try:
                 res["differences"] += [f"{sub}: {d}" for d in _differences(
                     plain, dist_checkpointing.load(sd, str(path / sub), sharded_strategy=strategy))]
             finally:
-                loader.os.open = real_open
+                (loader.os.open, builtins.open, io.open), loader.dist.broadcast = real_opens, real_broadcast
             for key, s in (("before", whole), ("after", strategy)):
                 res[key][0] += s.read.data
                 res[key][1] += s.read.header

@@ -111,10 +111,11 @@ def test_a_region_read_as_byte_ranges_equals_torchs_whole_read(tmp_path, dtype):
 
 def test_a_dp2_checkpoint_resumes_at_dp2_and_tp2_bit_equal_reading_each_byte_once(tmp_path):
     """Saved at TP1 x DP2 with a KL reference; loaded at DP2 (the weights are read by one DP rank each and
-    broadcast) and at TP2 x DP1 (each TP rank reads only its half of each chunk). Every rank gets Megatron-Core's
-    plain load bit for bit (into state poisoned with NaN), and the ranks together read at most 1.05x the tensor
-    bytes the checkpoint holds, where torch's whole-chunk reads take more (so the bound can fail). The files read
-    ahead of the loads (`files_written_here`) are those they open, at the saved layout only."""
+    broadcast, the larger in place, the smaller coalesced) and at TP2 x DP1 (each TP rank reads only its half of
+    each chunk). Every rank gets Megatron-Core's plain load bit for bit (into state poisoned with NaN), and the
+    ranks together read at most 1.05x the tensor bytes the checkpoint holds, where torch's whole-chunk reads take
+    more (so the bound can fail). The files read ahead of the loads (`resume_read_ahead`) are those they open: at
+    the saved layout all of them, resharded the small ones only."""
     from ckpt_workers import resume_reads
     from megatron_rl.launch.spawn import run_local
     from rl_workers import random_full_state
@@ -130,12 +131,24 @@ def test_a_dp2_checkpoint_resumes_at_dp2_and_tp2_bit_equal_reading_each_byte_onc
         assert after <= 1.05 * tensor_bytes, (layout, after, tensor_bytes)
         assert before > 1.05 * tensor_bytes, (layout, before, tensor_bytes)
     assert all(r["dp2"]["received"] > 0 for r in out)  # each DP rank got the weights the other read
-    # What a resume reads ahead of its loads: at the layout it was saved with, each rank's own files of both
-    # directories, and exactly the files its loads then open; resharded (TP2 x DP1), nothing.
-    assert [sorted(r["dp2"]["read_ahead"]) for r in out] == [sorted(r["dp2"]["opened"]) for r in out]
-    assert all({f.split("/")[0] for f in r["dp2"]["read_ahead"]} == {"model", "optimizer"} and
-               all(f.split("/")[1].startswith(f"__{k}_") for f in r["dp2"]["read_ahead"]) for k, r in enumerate(out))
-    assert all(r["tp2"]["read_ahead"] == set() and r["tp2"]["opened"] for r in out)
+    # The weights of 4 KB and more went in place (as themselves), the smaller ones coalesced (as bytes).
+    messages = out[0]["dp2"]["messages"]
+    assert messages == out[1]["dp2"]["messages"]
+    in_place = [n for dtype, n in messages if dtype != "torch.uint8"]
+    assert in_place and all(n >= 4096 for n in in_place) and any(dtype == "torch.uint8" for dtype, _ in messages)
+    # What a resume reads ahead of its loads: with the first, both directories' small files (which every rank
+    # reads) and its own shards of the model; with the second, its own shards of the optimizer. At the layout it
+    # was saved with, these are exactly the files its loads then open; resharded (TP2 x DP1), the small files only.
+    small = {f"{d}/{name}" for d in ("model", "optimizer") for name in ("metadata.json", "common.pt", ".metadata")}
+    for k, r in enumerate(out):
+        first, second = r["dp2"]["read_ahead"]
+        assert sorted(first + second) == sorted(r["dp2"]["opened"]), (k, first, second, sorted(r["dp2"]["opened"]))
+        assert first[:len(small)] and set(first[:len(small)]) == small
+        assert {f.split("/")[0] for f in first[len(small):]} == {"model"}
+        assert {f.split("/")[0] for f in second} == {"optimizer"}
+        assert all(f.split("/")[1].startswith(f"__{k}_") for f in first[len(small):] + second)
+        first, second = r["tp2"]["read_ahead"]
+        assert set(first) == small and second == [] and small < r["tp2"]["opened"]
 
 
 def test_a_tensor_pickle_names_nothing_but_a_tensor_or_the_fast_path_declines(tmp_path):

@@ -12,15 +12,18 @@
 2. `RangeLoadStrategy`: Megatron-Core's torch_dist load strategy with that reader.
 3. `ParallelLoadStrategy`: the ShardedTensors that several ranks of a data-parallel group hold alike (model weights
    and the KL reference's on every rank; a mixture of experts' experts on each expert-data-parallel group's) are
-   read by one of their holders each (`read_owners`) and sent to the others (a broadcast where all hold them), in
-   buckets of at most `BUCKET_BYTES`, on the device the tensors live on (the group's backend moves them: gloo on
-   CPU, NCCL on GPU); everything else (the distributed optimizer's pieces, objects) is read by the ranks that need
-   it.
+   read by one of their holders each (`read_owners`) and sent to the others (a broadcast where all hold them), on
+   the device the tensors live on (the group's backend moves them: gloo on CPU, NCCL on GPU): a tensor of at least
+   `DIRECT_BYTES` straight from the tensor its owner read into the receivers' own (no buffer, no copy), smaller ones
+   coalesced in buckets of at most `BUCKET_BYTES`; everything else (the distributed optimizer's pieces, objects) is
+   read by the ranks that need it.
 4. `resume_strategy`: the two together, what the loads pass to `dist_checkpointing.load`. A resume loads the model's
-   directory, then the optimizer's, with `read_ahead` the files each will read (`files_written_here`: those this
-   rank wrote, when the layout is the one they were written with): the model's are read ahead from the first
-   load's start (while it plans), the optimizer's from the moment the model's reads end, while the replicated
-   weights are exchanged (no disk), instead of the disk idling until each load has planned its reads.
+   directory, then the optimizer's, with `read_ahead` the files each will read (`resume_read_ahead`): from the
+   first load's start (while it plans), both directories' small files (`directory_files`, which every rank reads),
+   then the model's shards this rank wrote (`files_written_here`, when the layout is the one they were written
+   with); from the moment the model's reads end, while the replicated weights are exchanged (no disk), the
+   optimizer's shards. So the disk does not idle until each load has planned its reads, and no small read waits
+   behind a large read-ahead.
 
 Every rank ends with the values a plain `dist_checkpointing.load` gives it (the tests check bit-equality).
 """
@@ -59,7 +62,11 @@ from megatron_rl.checkpointing.chunk_reads import (ChunkLayout, ReadAhead, Slice
 from megatron_rl.checkpointing.reads import ReadCount, read_owners
 
 READ_THREADS = 2  # threads that read a file's regions into place (`RangeReader._read_tensors`)
-# The broadcasts of replicated tensors are coalesced into buffers of at most this size (a larger tensor goes alone).
+# The replicated tensors of at least DIRECT_BYTES are broadcast from and into the tensors themselves; the smaller
+# ones coalesced into buffers of at most BUCKET_BYTES. Through a buffer, a tensor costs a copy on each side and the
+# buffer's fresh pages: 0.28-0.79 s for the 2 x 135 MB of SmolLM2's weights at DP2 on a 2-core CPU, against about
+# 0.06 s for the same bytes broadcast in place (docs/benchmarks.md, issue 65).
+DIRECT_BYTES = 1 << 20
 BUCKET_BYTES = 256 << 20
 _ALIGN = 16  # bytes: every tensor of a bucket starts at a multiple of this (any dtype's view of it is aligned)
 
@@ -233,13 +240,14 @@ class ParallelLoadStrategy(LoadShardedStrategy):
     Each rank lists its ShardedTensors (key, offset, shape, dtype, device); those on every rank's list (one
     all-gather of a digest, and of the lists only when the digests differ) are the replicated ones: `read_owners`
     names the rank that reads each (the rank that wrote it, when the layout is the one it was saved with), `base`
-    reads those and everything not replicated, and the owners broadcast the rest in buckets (each rank receives
-    into its own tensors). `received` counts the bytes this rank got from the others."""
+    reads those and everything not replicated, and the owners broadcast the rest (each rank receives into its own
+    tensors: those of `direct_bytes` or more in place, the smaller through buckets). `received` counts the bytes
+    this rank got from the others."""
 
     def __init__(self, base: LoadShardedStrategy, group, bucket_bytes: int = BUCKET_BYTES,
-                 read_ahead: Sequence[Sequence[tuple[str, int, int]]] = ()):
+                 read_ahead: Sequence[Sequence[tuple[str, int, int]]] = (), direct_bytes: int = DIRECT_BYTES):
         super().__init__()
-        self.base, self.group, self.bucket_bytes = base, group, bucket_bytes
+        self.base, self.group, self.bucket_bytes, self.direct_bytes = base, group, bucket_bytes, direct_bytes
         self.received = 0
         # Per load, in order, extents it reads: read ahead (`ReadAhead`, a kernel hint), the first load's from its
         # start, each later one's from the end of the reads of the load before it.
@@ -322,14 +330,18 @@ class ParallelLoadStrategy(LoadShardedStrategy):
                 for ranks, entries in sorted(shares.items())]
 
     def _buckets(self, share: "_Share") -> list[tuple[int, list[int]]]:
-        """(owner, indices into the share) per message: each owner's tensors, by device type, in buckets of
-        `bucket_bytes`."""
+        """(owner, indices into the share) per message: each owner's tensors, by device type, those of at least
+        `direct_bytes` alone (sent in place, `_exchange`), the others in buckets of `bucket_bytes`. Computed from
+        the share's entries alone, so every rank lists the same messages."""
         out = []
         for owner in sorted(set(share.owners)):
             for device in sorted(set(share.devices)):
                 bucket, used = [], 0
                 for i, (o, d) in enumerate(zip(share.owners, share.devices)):
                     if o != owner or d != device:
+                        continue
+                    if share.nbytes[i] >= self.direct_bytes:
+                        out.append((owner, [i]))
                         continue
                     n = -(-share.nbytes[i] // _ALIGN) * _ALIGN
                     if bucket and used + n > self.bucket_bytes:
@@ -358,16 +370,20 @@ class ParallelLoadStrategy(LoadShardedStrategy):
                     if sh.data is None:
                         sh.init_data("cpu")  # as Megatron-Core's load does
                 tensors = [sh.data.detach() for sh in shards]
-            starts, used = [], 0
-            for t in tensors:
-                starts.append(used)
-                used += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-            buffer = torch.empty(used, dtype=torch.uint8, device=tensors[0].device)
-            parts = [buffer[s:s + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                     for s, t in zip(starts, tensors)]
-            if owner == rank:
-                for part, t in zip(parts, tensors):
-                    part.copy_(t)
+            if share.nbytes[bucket[0]] >= self.direct_bytes:  # alone, in place (a strided one through a copy)
+                buffer = tensors[0] if tensors[0].is_contiguous() else tensors[0].contiguous()
+                parts = [buffer]
+            else:
+                starts, used = [], 0
+                for t in tensors:
+                    starts.append(used)
+                    used += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+                buffer = torch.empty(used, dtype=torch.uint8, device=tensors[0].device)
+                parts = [buffer[s:s + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                         for s, t in zip(starts, tensors)]
+                if owner == rank:
+                    for part, t in zip(parts, tensors):
+                        part.copy_(t)
             if everyone:
                 dist.broadcast(buffer, group=self.group, group_src=owner)
             elif owner == rank:
@@ -378,7 +394,8 @@ class ParallelLoadStrategy(LoadShardedStrategy):
                 dist.recv(buffer, group=self.group, group_src=owner)
             if owner != rank:
                 for sh, part, t in zip(shards, parts, tensors):
-                    t.copy_(part)
+                    if part is not t:
+                        t.copy_(part)
                     received[_shard_id(sh)] = t
                     self.received += t.numel() * t.element_size()
         return received
@@ -415,7 +432,16 @@ def resume_strategy(group, read_ahead: Sequence[Sequence[tuple[str, int, int]]] 
     `read` holds the bytes this rank read. `read_ahead`: per load made with it, in order, the extents (path,
     offset, length) it will read, read ahead from its start (the first) or while the load before it exchanges
     its replicated tensors (module docstring); `close()` it after the last load."""
-    return ParallelLoadStrategy(RangeLoadStrategy(), group, read_ahead=read_ahead)
+    return ParallelLoadStrategy(RangeLoadStrategy(), group, read_ahead=read_ahead, direct_bytes=DIRECT_BYTES)
+
+
+def directory_files(path, directory: str, meta) -> list[tuple[str, int, int]]:
+    """The files of checkpoint `path`'s `directory` that every rank's load reads (all but the `.distcp` shards:
+    Megatron-Core's `metadata.json` and `common.pt`, DCP's `.metadata`), as whole-file extents. Read ahead first:
+    the optimizer's, read when its load starts, waited 0.23 s behind the read-ahead of its shards (issue 65)."""
+    prefix = f"{directory}/"
+    return [(os.path.join(path, rel), 0, size) for rel, size in sorted(meta.files.items())
+            if rel.startswith(prefix) and not rel.endswith(".distcp")]
 
 
 def files_written_here(path, directory: str, meta, pgs) -> list[tuple[str, int, int]]:
@@ -431,3 +457,12 @@ def files_written_here(path, directory: str, meta, pgs) -> list[tuple[str, int, 
     prefix = f"{directory}/__{dist.get_rank()}_"
     return [(os.path.join(path, rel), 0, size) for rel, size in sorted(meta.files.items())
             if rel.startswith(prefix) and rel.endswith(".distcp")]
+
+
+def resume_read_ahead(path, directories: Sequence[str], meta, pgs) -> list[list[tuple[str, int, int]]]:
+    """What `resume_strategy(read_ahead=...)` reads ahead of the loads of `directories` of checkpoint `path`, in
+    that order: with the first, every directory's small files (`directory_files`), then the first's shards this
+    rank wrote; with each later one, its shards this rank wrote (`files_written_here`, [] at another layout)."""
+    small = [extent for d in directories for extent in directory_files(path, d, meta)]
+    return [(small if i == 0 else []) + files_written_here(path, d, meta, pgs) for i, d in enumerate(directories)]
+

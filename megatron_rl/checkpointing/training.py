@@ -449,7 +449,7 @@ class TrainCheckpointer:
         (the controller's state, on every rank; {} when the checkpoint has none)."""
         from megatron.core import dist_checkpointing
 
-        from megatron_rl.checkpointing.loader import files_written_here, resume_strategy
+        from megatron_rl.checkpointing.loader import resume_read_ahead, resume_strategy
 
         path = Path(path)
         meta = self.verify(path)
@@ -460,10 +460,10 @@ class TrainCheckpointer:
             with_state = meta.optimizer_state is not False
             if with_state:
                 megatron_state.ensure_optimizer_state(engine.optimizer)
-            # Each replicated tensor read by one DP rank and broadcast, each chunk only as far as needed; each
-            # directory's own files read ahead, the optimizer's while the model's weights are broadcast.
-            strategy = resume_strategy(engine.pgs.dp_cp, read_ahead=[files_written_here(path, d, meta, engine.pgs)
-                                                                     for d in (MODEL_DIR, OPTIMIZER_DIR)])
+            # Each replicated tensor read by one DP rank and broadcast, each chunk only as far as needed, the
+            # files read ahead of the two loads (`resume_read_ahead`).
+            strategy = resume_strategy(engine.pgs.dp_cp, read_ahead=resume_read_ahead(
+                path, (MODEL_DIR, OPTIMIZER_DIR), meta, engine.pgs))
             try:
                 model_sd = megatron_state.sharded_model(engine)
                 state = dist_checkpointing.load(model_sd, str(path / MODEL_DIR), sharded_strategy=strategy)
