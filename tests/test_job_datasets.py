@@ -207,11 +207,13 @@ def test_smollm2_job_on_gsm8k_prompts_through_its_chat_template(smollm2, tmp_pat
                         "rollout.mode=sync", "trainer.dtype=fp32", "generator.dtype=fp32",  # agreement to fp32 rounding
                         "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
                         "rollout.max_prompt_length=320", "run.steps=1", "run.eval_interval=1",
-                        "checkpoint.save_interval=0", f"checkpoint.dir={tmp_path}", "run.name=s"],
+                        "checkpoint.save_interval=0", "checkpoint.save_final=false", f"checkpoint.dir={tmp_path}",
+                        "run.name=s"],
                        timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0]
+    assert not list((tmp_path / "s").glob("step_*"))  # checkpoint.save_final=false: the 2.1 GB save is skipped
     for r in rows:
         assert r["skipped"] == 0.0 and abs(r["is_weight_mean"] - 1) < 1e-4 and abs(r["kl_mu_pi"]) < 1e-4
         assert r["logp_diff_max"] < 1e-3  # every token, not only on average

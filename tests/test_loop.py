@@ -281,6 +281,16 @@ def test_save_interval_0_keeps_only_the_final_checkpoint():
         Checkpoint(5)]
 
 
+def test_save_final_false_skips_only_the_checkpoint_after_the_last_step():
+    def saves(**kw):
+        return [a.version for a in job_plan(6, 1, **kw) if isinstance(a, Checkpoint)]
+
+    assert saves(save_interval=0, save_final=False) == []
+    assert saves(save_interval=4, save_final=False) == [0, 4]
+    assert saves(save_interval=3, save_final=False) == [0, 3, 6]  # the last step falls on the interval: kept
+    assert saves(save_interval=4) == [0, 4, 6]
+
+
 def test_the_log_prob_gap_warning_comes_once_when_the_windowed_mean_passes_the_threshold():
     from megatron_rl.controller.metrics import GAP_WINDOW, LOGP_GAP_WARN, GapWatch
 

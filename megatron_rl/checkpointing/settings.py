@@ -18,6 +18,9 @@ class CheckpointSettings(Section):
     dir: str = "checkpoints"
     # steps between checkpoints; always one after the last step (0: only that one)
     save_interval: int = ranged(50, ">= 0", "(0: only the final checkpoint)")
+    # false: no checkpoint after the last step (a smoke run; with save_interval 0 none at all, so the run can be
+    # neither resumed nor extended). A stop (SIGTERM, SIGINT, SIGHUP) still saves.
+    save_final: bool = True
     keep_last: int = ranged(2, ">= 1")
     resume: bool = True
     fallback: bool = False  # resume from an older checkpoint when the latest is corrupt

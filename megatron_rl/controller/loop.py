@@ -53,7 +53,7 @@ def run(job: Job, progress: Optional[Progress] = None, on_row: Optional[Callable
         job.trainer.start(progress)  # supervised warm start; the KL reference
     warm_s = time.perf_counter() - t_start
     plan = job_plan(n, job.staleness, start=start, restored=restored, save_interval=cfg.checkpoint.save_interval,
-                    eval_interval=cfg.run.eval_interval, fresh=resumed is None)
+                    save_final=cfg.checkpoint.save_final, eval_interval=cfg.run.eval_interval, fresh=resumed is None)
 
     rows: list[dict] = []
     push_s = 0.0  # this rank's time at the last weight push: the stop check (which waits for every rank) and the push

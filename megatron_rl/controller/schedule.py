@@ -81,10 +81,11 @@ class Checkpoint:
 Action = Union[PushWeights, Generate, Train, Checkpoint]
 
 
-def save_after(step: int, num_steps: int, save_interval: int) -> bool:
-    """Is a checkpoint written after trainer step `step`? Every `save_interval` steps and after the last one (with
-    `save_interval` 0, only after the last one: a finished run can always be extended)."""
-    return step == num_steps - 1 or (save_interval > 0 and (step + 1) % save_interval == 0)
+def save_after(step: int, num_steps: int, save_interval: int, save_final: bool = True) -> bool:
+    """Is a checkpoint written after trainer step `step`? Every `save_interval` steps and, unless not
+    `save_final`, after the last one (with `save_interval` 0, only after the last one: a finished run can always be
+    extended)."""
+    return (save_final and step == num_steps - 1) or (save_interval > 0 and (step + 1) % save_interval == 0)
 
 
 def evaluate_at(batch: int, num_steps: int, eval_interval: int) -> bool:
@@ -93,12 +94,13 @@ def evaluate_at(batch: int, num_steps: int, eval_interval: int) -> bool:
 
 
 def job_plan(num_steps: int, staleness: int, *, start: int = 0, restored: Iterable[int] = (),
-             save_interval: int = 0, eval_interval: int = 1, fresh: bool = True) -> list[Action]:
+             save_interval: int = 0, save_final: bool = True, eval_interval: int = 1,
+             fresh: bool = True) -> list[Action]:
     """The actions of a run that starts after `start` trainer steps, in the order every rank performs them.
 
     `restored`: batches whose rollouts came back with the checkpoint (generated before it, not again). `fresh`: the
     run starts from scratch, so the starting state (after any warm start) is saved as version 0 first, unless
-    `save_interval` is 0 (only the final checkpoint).
+    `save_interval` is 0 (only the final checkpoint; none with `save_final` false).
 
         [Checkpoint(0)]  PushWeights(start)  Generate(start .. start+s-1)
         for k in start .. n-1:  Generate(k+s)  Train(k)  [Checkpoint(k+1)]  [PushWeights(k+1)]
@@ -123,7 +125,7 @@ def job_plan(num_steps: int, staleness: int, *, start: int = 0, restored: Iterab
         if k + staleness < num_steps:
             plan += gen(k + staleness)
         plan.append(Train(k))
-        if save_after(k, num_steps, save_interval):
+        if save_after(k, num_steps, save_interval, save_final):
             plan.append(Checkpoint(k + 1))
         if push_after_step(k, num_steps, staleness):
             plan.append(PushWeights(k + 1))
