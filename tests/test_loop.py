@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_rl.checkpointing.settings import CheckpointSettings
 from megatron_rl.controller import loop
 from megatron_rl.controller import scoring
 from megatron_rl.controller.collector import Collector, batch_with_advantages, metrics_row, pack
@@ -175,7 +176,7 @@ class _FakeJob:
     def __init__(self, n, s, save_interval, resume=None, stop_at_push=None):
         self.stop_at_push, self.pushes = stop_at_push, 0
         self.cfg = SimpleNamespace(run=SimpleNamespace(steps=n, eval_interval=2), algorithm=SimpleNamespace(kl_coef=0),
-                                   checkpoint=SimpleNamespace(save_interval=save_interval))
+                                   checkpoint=CheckpointSettings(save_interval=save_interval))
         self.staleness, self.log, self._resume = s, [], resume
         self.version = None
         self.collector = Collector([0], lambda src: pytest.fail("one rank"))
