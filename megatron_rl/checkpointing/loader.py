@@ -64,8 +64,8 @@ from megatron_rl.checkpointing.reads import ReadCount, read_owners
 READ_THREADS = 2  # threads that read a file's regions into place (`RangeReader._read_tensors`)
 # The replicated tensors of at least DIRECT_BYTES are broadcast from and into the tensors themselves; the smaller
 # ones coalesced into buffers of at most BUCKET_BYTES. Through a buffer, a tensor costs a copy on each side and the
-# buffer's fresh pages: 0.28-0.79 s for the 2 x 135 MB of SmolLM2's weights at DP2 on a 2-core CPU, against about
-# 0.06 s for the same bytes broadcast in place (docs/benchmarks.md, issue 65).
+# buffer's fresh pages: 0.46-0.63 s for the 2 x 135 MB of SmolLM2's weights at DP2 on a 2-core CPU, against 0.21-0.24
+# s for the same bytes broadcast in place (docs/benchmarks.md, issue 65).
 DIRECT_BYTES = 1 << 20
 BUCKET_BYTES = 256 << 20
 _ALIGN = 16  # bytes: every tensor of a bucket starts at a multiple of this (any dtype's view of it is aligned)
@@ -465,4 +465,3 @@ def resume_read_ahead(path, directories: Sequence[str], meta, pgs) -> list[list[
     rank wrote; with each later one, its shards this rank wrote (`files_written_here`, [] at another layout)."""
     small = [extent for d in directories for extent in directory_files(path, d, meta)]
     return [(small if i == 0 else []) + files_written_here(path, d, meta, pgs) for i, d in enumerate(directories)]
-
