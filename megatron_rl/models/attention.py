@@ -5,6 +5,13 @@ explicit mask); transformer-engine's is fast but optional. This module has the s
 signature as `DotProductAttention` and calls `F.scaled_dot_product_attention`, which picks flash or
 memory-efficient kernels on GPUs and a fused kernel on CPUs, handles GQA without repeating K/V (`enable_gqa`)
 and never builds the score matrix for causal attention.
+
+On a CPU, causal self-attention over short sequences is written out instead (two matmuls around a softmax in
+fp32, the generator's own formula in `inference/kv_forward.py`): the CPU flash kernels run a GEMM per
+(sequence, head, query block), and in bf16 each goes through oneDNN's primitive set-up, so a [32, 2, 40, 16]
+attention took 14 ms forward and backward where the written-out one takes 2 ms (docs/benchmarks.md, "The CPU
+trainer's attention written out"). Packed sequences are gathered into padded groups of similar lengths, a few
+matmuls for the whole micro-batch instead of one kernel call per sequence.
 """
 
 from __future__ import annotations
@@ -19,6 +26,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from megatron_rl.compat import cuda_rules
+
+# The longest sequence the CPU path writes attention out for, by dtype: below it the flash kernels' per-call costs
+# dominate (in bf16, oneDNN's GEMM set-up), above it the written-out scores' memory traffic does; its
+# [b, heads, s, s] fp32 scores stay small (docs/benchmarks.md, "The CPU trainer's attention written out").
+WRITTEN_OUT_MAX_LEN = {torch.float32: 64, torch.bfloat16: 256, torch.float16: 256}
 
 
 class SDPAttention(MegatronModule):
@@ -53,6 +67,7 @@ class SDPAttention(MegatronModule):
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cuda_rules_on = cuda_rules.enabled()  # GPU code paths on a CPU (tests of the GPU path)
 
     def forward(
         self,
@@ -81,6 +96,8 @@ class SDPAttention(MegatronModule):
             # Megatron's convention: True means "masked out"; SDPA's boolean mask: True means "attend".
             mask = ~attention_mask
         elif mask_type == AttnMaskType.causal and sq > 1:
+            if sq == sk and self._writes_out(q, sq):
+                return _written_out(q, k, v, self.softmax_scale).permute(2, 0, 1, 3).reshape(sq, b, -1)
             if sq == sk:
                 is_causal = True
             else:
@@ -111,6 +128,8 @@ class SDPAttention(MegatronModule):
         if params.cu_seqlens_kv is not None and params.cu_seqlens_kv is not params.cu_seqlens_q \
                 and params.cu_seqlens_kv.tolist() != bounds:
             raise NotImplementedError("SDPAttention packs self-attention only (the same boundaries for q and kv)")
+        if self._writes_out(query, max((b - a for a, b in zip(bounds[:-1], bounds[1:])), default=0)):
+            return _packed_written_out(query, key, value, bounds, self.softmax_scale).reshape(query.shape[0], -1)
         out = torch.empty(query.shape[0], query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
         gqa = self.heads_per_partition != self.groups_per_partition
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -121,3 +140,66 @@ class SDPAttention(MegatronModule):
                                                    is_causal=b - a > 1, scale=self.softmax_scale, enable_gqa=gqa)
                 out[a:b] = o[0].transpose(0, 1)
         return out.reshape(query.shape[0], -1)
+
+    def _writes_out(self, x: torch.Tensor, longest: int) -> bool:
+        """Whether causal attention over sequences of at most `longest` tokens is written out (`_written_out`): on
+        the CPU path, without dropout, for short sequences."""
+        return not cuda_rules.gpu_path(x, self.cuda_rules_on) and longest <= WRITTEN_OUT_MAX_LEN.get(x.dtype, 0) and \
+            not (self.training and self.dropout_p > 0)
+
+
+def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [b, heads, s, d] over k, v [b, groups, s, d] as two matmuls around a softmax in fp32
+    (fp64 for fp64), each group's query heads folded into the query length (GQA without repeating K/V)."""
+    b, heads, s, d = q.shape
+    g = k.shape[1]
+    per = heads // g
+    scores = torch.matmul(q.reshape(b, g, per * s, d), k.transpose(-1, -2))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale  # fp32 at least
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+    scores = scores.view(b, g, per, s, s).masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, -1).to(v.dtype).view(b, g, per * s, s)
+    return torch.matmul(probs, v).view(b, heads, s, d)
+
+
+def _length_groups(lengths: list[int]) -> list[list[int]]:
+    """Sequence indices grouped by length for padding (shortest first): a group takes sequences up to 5/4 of its
+    shortest plus 8 tokens, so padding costs little while a micro-batch of 64 mixed lengths needs a few groups."""
+    order = sorted((n, i) for i, n in enumerate(lengths) if n > 0)
+    groups: list[list[int]] = []
+    cap = -1
+    for n, i in order:
+        if n > cap:
+            groups.append([])
+            cap = n * 5 // 4 + 8
+        groups[-1].append(i)
+    return groups
+
+
+def _packed_written_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+                        scale: float) -> torch.Tensor:
+    """`_written_out` over packed sequences (THD, sequence i at rows bounds[i]:bounds[i + 1]): each group of
+    similar lengths is gathered into a right-padded [n, heads, longest, d] batch. A padding row's query is dropped
+    and its key is seen by padding queries only, so it changes no real row (and gets no gradient). Rows outside
+    every sequence come out zero. [t, heads, d]."""
+    t, dev = query.shape[0], query.device
+    starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    parts, dest = [], []
+    for group in _length_groups(lengths):
+        s = max(lengths[i] for i in group)
+        pos = torch.arange(s, device=dev)
+        first = torch.tensor([starts[i] for i in group], device=dev)
+        rows = (first[:, None] + pos).clamp_(max=t - 1).view(-1)
+        q, k, v = (x.index_select(0, rows).view(len(group), s, *x.shape[1:]).transpose(1, 2)
+                   for x in (query, key, value))
+        out = _written_out(q, k, v, scale).transpose(1, 2).reshape(len(group) * s, *query.shape[1:2], -1)
+        n = torch.tensor([lengths[i] for i in group], device=dev)
+        keep = (torch.arange(len(group), device=dev)[:, None] * s + pos)[pos < n[:, None]]
+        parts.append(out.index_select(0, keep))
+        dest.append(rows.view(len(group), s)[pos < n[:, None]])
+    heads, d = query.shape[1], value.shape[-1]
+    parts.append(query.new_zeros(1, heads, d))  # what rows outside every sequence read
+    where = torch.full((t,), sum(p.shape[0] for p in parts) - 1, dtype=torch.long, device=dev)
+    order = torch.cat(dest)
+    where[order] = torch.arange(order.numel(), device=dev)
+    return torch.cat(parts).index_select(0, where)
