@@ -106,9 +106,9 @@ def test_packed_attention_written_out_equals_each_sequence_alone_with_its_gradie
 
 
 def test_the_cpu_writes_short_attention_out_and_leaves_long_sequences_to_the_flash_kernel(monkeypatch):
-    """SDPAttention on the CPU: a bf16 micro-batch of short sequences never calls the SDPA kernel (its per-GEMM
-    set-up is what the written-out path avoids); fp32 sequences over the fp32 limit do; both agree with the
-    reference, packed and padded."""
+    """SDPAttention on the CPU: bf16 sequences of 40 tokens, packed or padded, never call the SDPA kernel (its
+    per-GEMM set-up is what the written-out path avoids); fp32 sequences over the fp32 limit do, and so does a padded
+    batch of very short rows (one call in one query block); every path agrees with the reference."""
     import torch.nn.functional as F
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
@@ -124,17 +124,21 @@ def test_the_cpu_writes_short_attention_out_and_leaves_long_sequences_to_the_fla
     attn = attention.SDPAttention(transformer_config(get_preset("tiny"), ParallelLayout()), 1, AttnMaskType.causal,
                                   "self", pg_collection=_OneRank())
     torch.manual_seed(0)
-    limit = attention.WRITTEN_OUT_MAX_LEN[torch.float32]
-    for dtype, s, kernel in ((torch.bfloat16, 40, False), (torch.float32, limit, False),
-                             (torch.float32, limit + 1, True)):
+    limit, short = attention.WRITTEN_OUT_MAX_LEN[torch.float32], attention.FLASH_PADDED_MAX_LEN
+    # (dtype, tokens a row, whether the padded batch calls the kernel, whether the packed one does)
+    cases = ((torch.bfloat16, 40, False, False), (torch.float32, limit, False, False),
+             (torch.float32, limit + 1, True, True), (torch.bfloat16, short, True, False))
+    for dtype, s, padded_kernel, packed_kernel in cases:
         q, k, v = (torch.randn(s, 2, h, 16, dtype=dtype) for h in (4, 2, 2))
         calls.clear()
         padded = attn(q, k, v, None)
+        assert bool(calls) == padded_kernel, (dtype, s, "padded")
+        calls.clear()
         bounds = [0, s // 3, s, 2 * s]
         packed = attn(*(x.transpose(0, 1).reshape(2 * s, h, 16) for x, h in ((q, 4), (k, 2), (v, 2))), None,
                       packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor(bounds),
                                                         cu_seqlens_kv=torch.tensor(bounds)))
-        assert bool(calls) == kernel, (dtype, s, len(calls))
+        assert bool(calls) == packed_kernel, (dtype, s, "packed")
         tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
         want = _reference_attention(q.double(), k.double(), v.double(), 0.25)
         torch.testing.assert_close(padded.double(), want, **tol)
