@@ -13,7 +13,10 @@ query groups x head dim, f the FFN size:
                      unfused (CPU: torch's composite RMSNorm with an fp32 weight): an fp32 copy of the input, the
                      fp32 normalized tensor and the output, (8 + a) h each; plus one fp32 inverse RMS per token
     attention        the QKV output a (h + 2 kv) / t (V is a view of it), the rotated queries and keys
-                     a (h + kv) / t, the output a h / t, fp32 log-sum-exp per head; no s x s scores (SDPA)
+                     a (h + kv) / t, the output a h / t, fp32 log-sum-exp per head; no s x s scores (SDPA);
+                     unfused, for sequences short enough that the CPU writes attention out
+                     (`models.attention.WRITTEN_OUT_MAX_LEN`): also its fp32 probabilities and their copy in the
+                     compute dtype, (4 + a) s per head and token
     MLP              fused (Megatron-Core's SwiGLU kernel): the first matmul's output and the second's input, 3 a f / t
                      unfused: those and two f-sized intermediates of SiLU and the product, 5 a f / t
 
@@ -55,14 +58,26 @@ class RankMemory:
         return device_bytes - self.total
 
 
-def activation_bytes_per_token_layer(model: ModelConfig, tp: int, itemsize: int, fused: bool) -> int:
-    """Bytes kept for the backward pass per token and transformer layer (module docstring)."""
+def activation_bytes_per_token_layer(model: ModelConfig, tp: int, itemsize: int, fused: bool, seq: int = 0) -> int:
+    """Bytes kept for the backward pass per token and transformer layer of sequences of `seq` tokens (module
+    docstring; `seq` matters to the unfused CPU path only)."""
     h, f, t, a = model.hidden_size, model.ffn_hidden_size, tp, itemsize
     q, kv = model.num_attention_heads * model.kv_channels, model.num_query_groups * model.kv_channels
     norm = 2 * a * h if fused else 4 * h + 4 * h + a * h
     attention = a * ((q + 2 * kv) // t + (q + kv) // t + q // t) + 4 * (model.num_attention_heads // t)
+    if not fused and 0 < seq <= _written_out_max_len(a):
+        attention += (model.num_attention_heads // t) * seq * (4 + a)
     mlp = a * (3 if fused else 5) * f // t
     return 2 * (norm + 4) + attention + mlp
+
+
+def _written_out_max_len(itemsize: int) -> int:
+    """The longest sequence the CPU trainer writes attention out for, in a compute dtype of `itemsize` bytes."""
+    import torch
+
+    from megatron_rl.models.attention import WRITTEN_OUT_MAX_LEN
+
+    return WRITTEN_OUT_MAX_LEN[torch.float32 if itemsize == 4 else torch.bfloat16]
 
 
 def activation_bytes(model: ModelConfig, tp: int, pp: int, pp_rank: int, micro_batch: int, seq: int,
@@ -70,7 +85,7 @@ def activation_bytes(model: ModelConfig, tp: int, pp: int, pp_rank: int, micro_b
     """Activation bytes of pipeline stage `pp_rank` under 1F1B (module docstring)."""
     layers = model.num_layers // pp
     tokens = micro_batch * seq
-    per_mb = layers * tokens * activation_bytes_per_token_layer(model, tp, itemsize, fused)
+    per_mb = layers * tokens * activation_bytes_per_token_layer(model, tp, itemsize, fused, seq)
     if pp_rank == 0:
         per_mb += tokens * model.hidden_size * itemsize  # embedding output
     if pp_rank == pp - 1:
