@@ -137,10 +137,32 @@ def dist_checkpoint_worker(rank, world_size, layout_kw, ckpt_dir, mode):
 
         os.makedirs(ckpt_dir, exist_ok=True)
         dist_checkpointing.save(model.sharded_state_dict(metadata=metadata), ckpt_dir)
-    else:
-        state = dist_checkpointing.load(model.sharded_state_dict(metadata=metadata), ckpt_dir)
-        model.load_state_dict(state)
-    return gather_full_state_dict(model, cfg, g.pgs)
+        return gather_full_state_dict(model, cfg, g.pgs)
+    state = dist_checkpointing.load(model.sharded_state_dict(metadata=metadata), ckpt_dir)
+    model.load_state_dict(state)
+    plain = gather_full_state_dict(model, cfg, g.pgs)
+    # Again through `model_sharded_state_dict`, into weights poisoned with NaN: each SwiGLU fc1 merge returns the
+    # parameter itself (its halves were read into it), and a merge of pieces read elsewhere is Megatron-Core's cat.
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    from megatron_rl.models.sharding import model_sharded_state_dict
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    sharded = model_sharded_state_dict(model, g.pgs.dp_cp)
+    factories = {k: f for k, f in sharded.items() if isinstance(f, ShardedTensorFactory)}
+    params = dict(model.state_dict(keep_vars=True))
+    state = dist_checkpointing.load(sharded, ckpt_dir)
+    in_place = {k: state[k].data_ptr() == params[k].data_ptr() for k in factories}
+    model.load_state_dict(state)
+    f = next(iter(factories.values()))
+    pieces = [sh.data.clone() for sh in nested_values(f.build())]
+    merged = f.merge_fn(pieces)
+    elsewhere = bool(torch.equal(merged, torch.cat(pieces)) and merged.data_ptr() != f.data.data_ptr())
+    return {"plain": plain, "in_place_load": gather_full_state_dict(model, cfg, g.pgs), "in_place": in_place,
+            "elsewhere_merged": elsewhere}
 
 
 def rank_and_world_worker(rank, world_size):
