@@ -164,11 +164,12 @@ def merge_in_place(sharded_state_dict: dict) -> None:
     A load reads a factory's pieces into views of the tensor it was built from (`build_fn` chunks the parameter),
     and then Megatron-Core's `merge_fn` concatenates them into a new tensor, which `load_state_dict` copies back
     into the same parameter: every fc1 weight of the stage allocated again at once (on a GPU, 3.9 GB a rank for the
-    405B recipe's trainer) and two passes over it (0.06-0.19 s a rank in a SmolLM2 resume on a 2-core CPU). When every
-    loaded piece is still exactly a view `build_fn` makes of the tensor (same address, shape, strides and dtype) and
-    together they hold all its elements, the tensor already holds what the merge would build (a factory's merge is
-    its build's inverse): the merge returns the tensor itself, and `load_state_dict`'s copy of a tensor onto itself
-    is skipped by torch. Any other load (a piece read elsewhere) merges as Megatron-Core does."""
+    405B recipe's trainer, computed in docs/benchmarks.md) and two passes over it (0.06-0.19 s a rank in a SmolLM2
+    resume on a 2-core CPU). When every loaded piece is still exactly a view `build_fn` makes of the tensor (same
+    address, shape, strides and dtype) and together they hold all its elements, the tensor already holds what the
+    merge would build (a factory's merge is its build's inverse): the merge returns the tensor itself, and
+    `load_state_dict`'s copy of a tensor onto itself is skipped by torch. Any other load (a piece read elsewhere)
+    merges as Megatron-Core does."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -187,9 +188,8 @@ def merge_in_place(sharded_state_dict: dict) -> None:
         return merge_fn
 
     for factory in nested_values(sharded_state_dict):
-        if isinstance(factory, ShardedTensorFactory) and not getattr(factory.merge_fn, "in_place", False):
+        if isinstance(factory, ShardedTensorFactory):
             factory.merge_fn = in_place(factory)
-            factory.merge_fn.in_place = True
 
 
 def _same_view(a, b) -> bool:
